@@ -1,0 +1,101 @@
+"""NEZHA model configuration."""
+
+from huggingface_hub.dataclasses import strict
+from transformers.activations import ACT2FN
+from transformers.configuration_utils import PreTrainedConfig
+
+
+@strict(accept_kwargs=True)
+class NezhaConfig(PreTrainedConfig):
+    r"""
+    Configuration of a NEZHA model (Huawei's Chinese BERT with relative positions).
+
+    It reads every published NEZHA `config.json`: the transformers v4 ones, the older releases whose
+    `architectures` say `NeZhaForMaskedLM` and that carry leftover ALBERT fields (`embedding_size`,
+    `num_hidden_groups`, ...). Unknown fields are kept as attributes, not rejected.
+
+    Args:
+        vocab_size: size of the token vocabulary (21128 for the Chinese checkpoints).
+        hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, hidden_act,
+        hidden_dropout_prob, attention_probs_dropout_prob, type_vocab_size, initializer_range,
+        layer_norm_eps, classifier_dropout: as in `BertConfig`.
+        max_relative_position: `K`, the distance beyond which relative positions are clipped
+            (64 for the Chinese checkpoints). The relative table has `2K + 1` rows.
+        max_position_embeddings: kept so v4 configs round-trip; NEZHA has no absolute positions
+            and this limits nothing.
+        is_decoder: causal self-attention (a left-to-right language model).
+        use_cache: return a key/value cache when `is_decoder` is set.
+        tie_word_embeddings: tie the masked-LM decoder to the word embeddings (as every NEZHA
+            checkpoint does).
+
+    Example:
+
+    ```python
+    >>> from nezha_hf import NezhaConfig, NezhaModel
+    >>> config = NezhaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    >>> model = NezhaModel(config)
+    ```
+    """
+
+    model_type = "nezha"
+
+    vocab_size: int = 21128
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float | int = 0.1
+    attention_probs_dropout_prob: float | int = 0.1
+    max_position_embeddings: int = 512
+    max_relative_position: int = 64
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    classifier_dropout: float | int | None = 0.1
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 2
+    eos_token_id: int | list[int] | None = 3
+    use_cache: bool = True
+    is_decoder: bool = False
+    add_cross_attention: bool = False
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self, **kwargs):
+        # Old releases spell the classes `NeZha*`; the classes here are `Nezha*`.
+        if self.architectures:
+            self.architectures = [name.replace("NeZha", "Nezha") for name in self.architectures]
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Reject values the model cannot honour, with the field name in the message."""
+        super().validate_architecture()
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                f"({self.num_attention_heads})."
+            )
+        if (self.hidden_size // self.num_attention_heads) % 2 != 0:
+            raise ValueError(
+                f"The head size hidden_size / num_attention_heads = {self.hidden_size // self.num_attention_heads} "
+                "must be even: the sinusoidal relative-position table interleaves sin and cos."
+            )
+        if self.max_relative_position < 1:
+            raise ValueError(f"max_relative_position must be at least 1, got {self.max_relative_position}.")
+        if self.type_vocab_size < 1 or self.vocab_size < 1:
+            raise ValueError("vocab_size and type_vocab_size must be positive.")
+        if isinstance(self.hidden_act, str) and self.hidden_act not in ACT2FN:
+            raise ValueError(f"Unknown hidden_act {self.hidden_act!r}; known: {sorted(ACT2FN)}.")
+        if self.add_cross_attention:
+            raise ValueError(
+                "add_cross_attention=True is not supported by NEZHA: use NezhaForUniLM (one encoder with a "
+                "prefix mask) for sequence-to-sequence work."
+            )
+
+    def validate_output_attentions(self):
+        # The fast attention path falls back to the eager one when attentions are requested,
+        # so unlike the base class we accept output_attentions with any implementation.
+        return
+
+
+__all__ = ["NezhaConfig"]

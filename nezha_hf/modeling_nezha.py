@@ -1,0 +1,783 @@
+"""PyTorch NEZHA for transformers v5: BERT with fixed sinusoidal relative positions instead of absolute ones.
+
+Parameter names are those of transformers 4.x (`nezha.encoder.layer.N.attention.self.query.weight`,
+`cls.predictions.*`), so v4 checkpoints load unchanged and transformers 4.x reads what we save.
+The relative-position maths is in `relative_attention.py`.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPastAndCrossAttentions,
+    BaseModelOutputWithPoolingAndCrossAttentions,
+    MaskedLMOutput,
+    MultipleChoiceModelOutput,
+    NextSentencePredictorOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface, PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import ModelOutput, TransformersKwargs, logging
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_nezha import NezhaConfig
+from .relative_attention import (
+    RelativeAttentionMask,
+    gather_relative_attention,
+    sinusoid_relative_table,
+    three_region_attention,
+)
+
+
+logger = logging.get_logger(__name__)
+
+# The default attention: three regions for long inputs, the gather maths for short ones.
+FAST_ATTENTION = "nezha_three_regions"
+AttentionInterface.register(FAST_ATTENTION, three_region_attention)
+
+
+class NezhaEmbeddings(nn.Module):
+    """Word and token-type embeddings, LayerNorm, dropout. No absolute positions."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids=None, token_type_ids=None, inputs_embeds=None) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros(inputs_embeds.shape[:-1], dtype=torch.long, device=inputs_embeds.device)
+        embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids)
+        return self.dropout(self.LayerNorm(embeddings))
+
+
+class NezhaSelfAttention(nn.Module):
+    def __init__(self, config, layer_idx=None):
+        super().__init__()
+        self.config = config
+        self.num_attention_heads = config.num_attention_heads
+        self.attention_head_size = config.hidden_size // config.num_attention_heads
+        self.all_head_size = self.num_attention_heads * self.attention_head_size
+        self.scaling = self.attention_head_size**-0.5
+        self.max_relative_position = config.max_relative_position
+
+        self.query = nn.Linear(config.hidden_size, self.all_head_size)
+        self.key = nn.Linear(config.hidden_size, self.all_head_size)
+        self.value = nn.Linear(config.hidden_size, self.all_head_size)
+        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
+        self.is_causal = config.is_decoder
+        self.layer_idx = layer_idx
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: RelativeAttentionMask | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.attention_head_size)
+        query_layer = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_layer = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_layer = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
+        if past_key_values is not None:
+            key_layer, value_layer = past_key_values.update(key_layer, value_layer, self.layer_idx)
+
+        implementation = self.config._attn_implementation
+        if kwargs.get("output_attentions") and implementation != "eager":
+            logger.warning_once(
+                f"output_attentions=True needs attention probabilities, which `{implementation}` does not compute: "
+                "using the eager (gather) attention for these calls."
+            )
+            implementation = "eager"
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            implementation, gather_relative_attention
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_layer,
+            key_layer,
+            value_layer,
+            attention_mask,
+            dropout=0.0 if not self.training else self.dropout.p,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        return attn_output.reshape(*input_shape, -1).contiguous(), attn_weights
+
+
+class NezhaSelfOutput(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.dropout(self.dense(hidden_states))
+        return self.LayerNorm(hidden_states + input_tensor)
+
+
+class NezhaAttention(nn.Module):
+    def __init__(self, config, layer_idx=None):
+        super().__init__()
+        self.self = NezhaSelfAttention(config, layer_idx=layer_idx)
+        self.output = NezhaSelfOutput(config)
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
+        attention_output, attn_weights = self.self(hidden_states, attention_mask, past_key_values, **kwargs)
+        return self.output(attention_output, hidden_states), attn_weights
+
+
+class NezhaIntermediate(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        act = config.hidden_act
+        self.intermediate_act_fn = ACT2FN[act] if isinstance(act, str) else act
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.intermediate_act_fn(self.dense(hidden_states))
+
+
+class NezhaOutput(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.dropout(self.dense(hidden_states))
+        return self.LayerNorm(hidden_states + input_tensor)
+
+
+class NezhaLayer(GradientCheckpointingLayer):
+    def __init__(self, config, layer_idx=None):
+        super().__init__()
+        self.attention = NezhaAttention(config, layer_idx=layer_idx)
+        self.intermediate = NezhaIntermediate(config)
+        self.output = NezhaOutput(config)
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs) -> torch.Tensor:
+        attention_output, _ = self.attention(hidden_states, attention_mask, past_key_values=past_key_values, **kwargs)
+        return self.output(self.intermediate(attention_output), attention_output)
+
+
+class NezhaEncoder(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.layer = nn.ModuleList([NezhaLayer(config, layer_idx=i) for i in range(config.num_hidden_layers)])
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=None, **kwargs):
+        for layer_module in self.layer:
+            hidden_states = layer_module(hidden_states, attention_mask, past_key_values=past_key_values, **kwargs)
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
+        )
+
+
+class NezhaPooler(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = nn.Tanh()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # The first token ([CLS]) stands for the sequence.
+        return self.activation(self.dense(hidden_states[:, 0]))
+
+
+class NezhaPredictionHeadTransform(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        act = config.hidden_act
+        self.transform_act_fn = ACT2FN[act] if isinstance(act, str) else act
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.transform_act_fn(self.dense(hidden_states)))
+
+
+class NezhaLMPredictionHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.transform = NezhaPredictionHeadTransform(config)
+        # The decoder weight is tied to the word embeddings; the bias is output-only.
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.transform(hidden_states))
+
+
+class NezhaOnlyMLMHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.predictions = NezhaLMPredictionHead(config)
+
+    def forward(self, sequence_output: torch.Tensor) -> torch.Tensor:
+        return self.predictions(sequence_output)
+
+
+class NezhaOnlyNSPHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, pooled_output: torch.Tensor) -> torch.Tensor:
+        return self.seq_relationship(pooled_output)
+
+
+class NezhaPreTrainingHeads(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.predictions = NezhaLMPredictionHead(config)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, sequence_output, pooled_output):
+        return self.predictions(sequence_output), self.seq_relationship(pooled_output)
+
+
+class NezhaPreTrainedModel(PreTrainedModel):
+    """Weight initialisation, checkpoint-loading rules and attention selection shared by every NEZHA class.
+
+    Attention implementations: `"nezha_three_regions"` (default; exact, linear memory, falls back to
+    the gather maths where that is faster or needed) and `"eager"` (the gather maths; the only one
+    returning attention probabilities). `"sdpa"`, flash and flex attention cannot express NEZHA's
+    relative value term and are refused.
+    """
+
+    config: NezhaConfig
+    base_model_prefix = "nezha"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = False
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _no_split_modules = ["NezhaEmbeddings", "NezhaLayer"]
+    _can_record_outputs = {"hidden_states": NezhaLayer, "attentions": NezhaSelfAttention}
+    # Buffers older releases persisted; they carry no information.
+    _keys_to_ignore_on_load_unexpected = [
+        r"relative_positions_encoding\.positions_encoding",
+        r"embeddings\.token_type_ids",
+        r"embeddings\.position_ids",
+    ]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, NezhaLMPredictionHead):
+            init.zeros_(module.bias)
+        elif isinstance(module, NezhaModel):
+            # Non-persistent: rebuilt here on every load, never read from a checkpoint.
+            init.copy_(module.relative_table, module.build_relative_table())
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        if requested_attention is None:
+            return FAST_ATTENTION
+        if requested_attention not in ("eager", FAST_ATTENTION):
+            raise ValueError(
+                f'NEZHA does not support attn_implementation="{requested_attention}": its relative value term needs '
+                f'the attention probabilities. Use "{FAST_ATTENTION}" (the default, fast and exact) or "eager".'
+            )
+        return requested_attention
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """Load a checkpoint: transformers v4 NEZHA, or older releases that use a `bert.` prefix.
+
+        Same arguments as `PreTrainedModel.from_pretrained`. Persisted buffers of old releases are
+        dropped with a log line.
+        """
+        kwargs.setdefault("key_mapping", {r"^bert\.": "nezha."})
+        return super().from_pretrained(*args, **kwargs)
+
+
+@dataclass
+class NezhaForPreTrainingOutput(ModelOutput):
+    """Output of `NezhaForPreTraining`: masked-LM and next-sentence logits, and their summed loss."""
+
+    loss: torch.Tensor | None = None
+    prediction_logits: torch.Tensor | None = None
+    seq_relationship_logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor] | None = None
+    attentions: tuple[torch.Tensor] | None = None
+
+
+class NezhaModel(NezhaPreTrainedModel):
+    """The bare NEZHA encoder (or, with `config.is_decoder`, a causal decoder with a KV cache).
+
+    Inputs of any length are accepted; the only limit is memory. `attention_mask` is a `[batch,
+    key_length]` 0/1 tensor (key_length includes the cache), or a `RelativeAttentionMask` for
+    special masks such as the UniLM prefix mask.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from nezha_hf import NezhaConfig, NezhaModel
+    >>> model = NezhaModel(NezhaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128))
+    >>> model(torch.randint(0, 100, (1, 3000))).last_hidden_state.shape
+    torch.Size([1, 3000, 64])
+    ```
+    """
+
+    def __init__(self, config: NezhaConfig, add_pooling_layer: bool = True):
+        super().__init__(config)
+        self.config = config
+        self.gradient_checkpointing = False
+        self.embeddings = NezhaEmbeddings(config)
+        self.encoder = NezhaEncoder(config)
+        self.pooler = NezhaPooler(config) if add_pooling_layer else None
+        # One (2K+1) x head_size table for the whole model.
+        self.register_buffer("relative_table", self.build_relative_table(), persistent=False)
+        self.post_init()
+
+    def build_relative_table(self) -> torch.Tensor:
+        """The sinusoid relative-position table for this config."""
+        head_size = self.config.hidden_size // self.config.num_attention_heads
+        return sinusoid_relative_table(self.config.max_relative_position, head_size)
+
+    def get_input_embeddings(self):
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embeddings.word_embeddings = value
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | RelativeAttentionMask | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPoolingAndCrossAttentions:
+        r"""
+        input_ids: `[batch, length]` token ids (or pass `inputs_embeds`).
+        attention_mask: `[batch, past + length]` with 1 for tokens to attend to, 0 for padding.
+        token_type_ids: `[batch, length]` segment ids in `[0, type_vocab_size)`.
+        past_key_values: a transformers `Cache` (decoders only); created when `use_cache` and `is_decoder`.
+        """
+        self._check_inputs(input_ids, inputs_embeds, token_type_ids, kwargs)
+        use_cache = bool(use_cache) and self.config.is_decoder
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+
+        embedding_output = self.embeddings(input_ids, token_type_ids, inputs_embeds)
+        batch_size, length = embedding_output.shape[:2]
+        mask = self._relative_attention_mask(attention_mask, batch_size, past_length, length, past_key_values)
+
+        encoder_outputs = self.encoder(
+            embedding_output,
+            attention_mask=mask,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            relative_table=self.relative_table,
+            **kwargs,
+        )
+        sequence_output = encoder_outputs.last_hidden_state
+        return BaseModelOutputWithPoolingAndCrossAttentions(
+            last_hidden_state=sequence_output,
+            pooler_output=self.pooler(sequence_output) if self.pooler is not None else None,
+            past_key_values=encoder_outputs.past_key_values,
+        )
+
+    def _check_inputs(self, input_ids, inputs_embeds, token_type_ids, kwargs):
+        """Bad input gets a ValueError here instead of an index error (or a silent wrong answer) later."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if kwargs.get("position_ids") is not None:
+            raise ValueError("NEZHA has no absolute positions: position_ids is not used and must not be passed.")
+        shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+        if len(shape) != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(shape)}.")
+        if input_ids is not None and input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size):
+            raise ValueError(
+                f"input_ids must lie in [0, vocab_size={self.config.vocab_size}); got values from "
+                f"{int(input_ids.min())} to {int(input_ids.max())}. Is the tokenizer the model's own?"
+            )
+        if token_type_ids is not None:
+            if token_type_ids.shape != shape:
+                raise ValueError(
+                    f"token_type_ids has shape {tuple(token_type_ids.shape)} but input_ids has {tuple(shape)}."
+                )
+            if token_type_ids.numel() and (
+                token_type_ids.min() < 0 or token_type_ids.max() >= self.config.type_vocab_size
+            ):
+                raise ValueError(
+                    f"token_type_ids must lie in [0, type_vocab_size={self.config.type_vocab_size}); got values "
+                    f"from {int(token_type_ids.min())} to {int(token_type_ids.max())}."
+                )
+
+    def _relative_attention_mask(self, attention_mask, batch_size, past_length, length, past_key_values):
+        """Turn the user's 0/1 padding mask into a `RelativeAttentionMask` (causal when `is_decoder`)."""
+        if isinstance(attention_mask, RelativeAttentionMask):
+            return attention_mask
+        key_length = past_key_values.get_mask_sizes(length, 0)[0] if past_key_values is not None else past_length + length
+        key_is_valid = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch_size, key_length):
+                raise ValueError(
+                    f"attention_mask must be [batch, past + length] = [{batch_size}, {key_length}] of 0/1, got shape "
+                    f"{tuple(attention_mask.shape)}."
+                )
+            if not attention_mask.bool().all():
+                key_is_valid = attention_mask.bool()
+        if key_length != past_length + length:
+            # A pre-allocated (static) cache: slots beyond the filled part must not be attended to.
+            filled = torch.arange(key_length, device=self.device) < past_length + length
+            key_is_valid = filled[None].expand(batch_size, -1) if key_is_valid is None else key_is_valid & filled
+        return RelativeAttentionMask(key_is_valid=key_is_valid, causal=self.config.is_decoder, query_offset=past_length)
+
+
+class _LMHeadTying:
+    """Output-embedding accessors shared by the heads whose decoder is tied to the word embeddings."""
+
+    _tied_weights_keys = {
+        "cls.predictions.decoder.weight": "nezha.embeddings.word_embeddings.weight",
+        "cls.predictions.decoder.bias": "cls.predictions.bias",
+    }
+
+    def get_output_embeddings(self):
+        return self.cls.predictions.decoder
+
+    def set_output_embeddings(self, new_embeddings):
+        self.cls.predictions.decoder = new_embeddings
+        self.cls.predictions.bias = new_embeddings.bias
+
+
+class NezhaForPreTraining(_LMHeadTying, NezhaPreTrainedModel):
+    """NEZHA with the pretraining heads: masked LM (`labels`) and next-sentence prediction (`next_sentence_label`).
+
+    The loss is the sum of the two mean losses; under gradient accumulation Trainer averages the
+    micro-batches (`accepts_loss_kwargs = False`).
+    """
+
+    accepts_loss_kwargs = False
+
+    def __init__(self, config: NezhaConfig):
+        super().__init__(config)
+        self.nezha = NezhaModel(config)
+        self.cls = NezhaPreTrainingHeads(config)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        next_sentence_label=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> NezhaForPreTrainingOutput:
+        outputs = self.nezha(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds,
+            return_dict=True, **kwargs,
+        )
+        prediction_scores, seq_relationship_score = self.cls(outputs.last_hidden_state, outputs.pooler_output)
+        total_loss = None
+        if labels is not None and next_sentence_label is not None:
+            loss_fct = CrossEntropyLoss()
+            total_loss = loss_fct(prediction_scores.view(-1, self.config.vocab_size), labels.view(-1)) + loss_fct(
+                seq_relationship_score.view(-1, 2), next_sentence_label.view(-1)
+            )
+        return NezhaForPreTrainingOutput(
+            loss=total_loss,
+            prediction_logits=prediction_scores,
+            seq_relationship_logits=seq_relationship_score,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class NezhaForMaskedLM(_LMHeadTying, NezhaPreTrainedModel):
+    """NEZHA with the masked-language-modelling head (decoder tied to the word embeddings).
+
+    `labels` use -100 for positions without a target. The loss is normalised by Trainer's
+    `num_items_in_batch`, so gradient accumulation matches one large batch.
+
+    Example:
+
+    ```python
+    >>> import nezha_hf  # registers NEZHA with the Auto classes
+    >>> from transformers import AutoModelForMaskedLM
+    >>> model = AutoModelForMaskedLM.from_pretrained("path/to/nezha-cn-base")  # doctest: +SKIP
+    ```
+    """
+
+    def __init__(self, config: NezhaConfig):
+        super().__init__(config)
+        if config.is_decoder:
+            logger.warning("NezhaForMaskedLM wants bidirectional attention: set config.is_decoder=False.")
+        self.nezha = NezhaModel(config, add_pooling_layer=False)
+        self.cls = NezhaOnlyMLMHead(config)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MaskedLMOutput:
+        outputs = self.nezha(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds,
+            return_dict=True, **kwargs,
+        )
+        prediction_scores = self.cls(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(prediction_scores, labels, vocab_size=self.config.vocab_size, **kwargs)
+        return MaskedLMOutput(
+            loss=loss, logits=prediction_scores, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class NezhaForNextSentencePrediction(NezhaPreTrainedModel):
+    """NEZHA with the next-sentence-prediction head (`labels`: 0 = B continues A, 1 = random)."""
+
+    accepts_loss_kwargs = False
+
+    def __init__(self, config: NezhaConfig):
+        super().__init__(config)
+        self.nezha = NezhaModel(config)
+        self.cls = NezhaOnlyNSPHead(config)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> NextSentencePredictorOutput:
+        outputs = self.nezha(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds,
+            return_dict=True, **kwargs,
+        )
+        logits = self.cls(outputs.pooler_output)
+        loss = CrossEntropyLoss()(logits.view(-1, 2), labels.view(-1)) if labels is not None else None
+        return NextSentencePredictorOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+def _classifier_dropout(config) -> nn.Dropout:
+    rate = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+    return nn.Dropout(rate)
+
+
+class NezhaForSequenceClassification(NezhaPreTrainedModel):
+    """NEZHA with a linear head on the pooled [CLS] output.
+
+    As in BERT: `num_labels == 1` is regression (MSE); integer labels are single-label
+    classification (cross-entropy); float multi-hot labels are multi-label (BCE). Set
+    `config.problem_type` to force one. Losses are batch means (`accepts_loss_kwargs = False`).
+    """
+
+    accepts_loss_kwargs = False
+
+    def __init__(self, config: NezhaConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.nezha = NezhaModel(config)
+        self.dropout = _classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SequenceClassifierOutput:
+        outputs = self.nezha(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds,
+            return_dict=True, **kwargs,
+        )
+        logits = self.classifier(self.dropout(outputs.pooler_output))
+        loss = None
+        if labels is not None:
+            if self.config.problem_type is None:
+                if self.num_labels == 1:
+                    self.config.problem_type = "regression"
+                elif labels.dtype in (torch.long, torch.int):
+                    self.config.problem_type = "single_label_classification"
+                else:
+                    self.config.problem_type = "multi_label_classification"
+            if self.config.problem_type == "regression":
+                loss = MSELoss()(logits.squeeze(-1), labels.squeeze(-1).to(logits.dtype)) if self.num_labels == 1 \
+                    else MSELoss()(logits, labels)
+            elif self.config.problem_type == "single_label_classification":
+                loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
+            else:
+                loss = BCEWithLogitsLoss()(logits, labels.to(logits.dtype))
+        return SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class NezhaForMultipleChoice(NezhaPreTrainedModel):
+    """NEZHA for multiple choice: inputs are `[batch, num_choices, length]`, `labels` the right choice."""
+
+    accepts_loss_kwargs = False
+
+    def __init__(self, config: NezhaConfig):
+        super().__init__(config)
+        self.nezha = NezhaModel(config)
+        self.dropout = _classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MultipleChoiceModelOutput:
+        num_choices = input_ids.shape[1] if input_ids is not None else inputs_embeds.shape[1]
+
+        def flat(x):
+            return x.reshape(-1, *x.shape[2:]) if x is not None else None
+
+        outputs = self.nezha(
+            flat(input_ids), attention_mask=flat(attention_mask), token_type_ids=flat(token_type_ids),
+            inputs_embeds=flat(inputs_embeds), return_dict=True, **kwargs,
+        )
+        logits = self.classifier(self.dropout(outputs.pooler_output)).view(-1, num_choices)
+        loss = CrossEntropyLoss()(logits, labels) if labels is not None else None
+        return MultipleChoiceModelOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class NezhaForTokenClassification(NezhaPreTrainedModel):
+    """NEZHA with a linear head on every token (NER and tagging); `labels` use -100 to skip a token.
+
+    The loss is normalised by Trainer's `num_items_in_batch` under gradient accumulation.
+    """
+
+    def __init__(self, config: NezhaConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.nezha = NezhaModel(config, add_pooling_layer=False)
+        self.dropout = _classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> TokenClassifierOutput:
+        outputs = self.nezha(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds,
+            return_dict=True, **kwargs,
+        )
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        loss = self.loss_function(logits, labels, self.config, **kwargs) if labels is not None else None
+        return TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class NezhaForQuestionAnswering(NezhaPreTrainedModel):
+    """NEZHA for extractive QA: start and end logits per token; positions outside the input are ignored."""
+
+    accepts_loss_kwargs = False
+
+    def __init__(self, config: NezhaConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.nezha = NezhaModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        inputs_embeds=None,
+        start_positions=None,
+        end_positions=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> QuestionAnsweringModelOutput:
+        outputs = self.nezha(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds,
+            return_dict=True, **kwargs,
+        )
+        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).split(1, dim=-1)
+        start_logits, end_logits = start_logits.squeeze(-1).contiguous(), end_logits.squeeze(-1).contiguous()
+        total_loss = None
+        if start_positions is not None and end_positions is not None:
+            ignored_index = start_logits.size(1)
+            loss_fct = CrossEntropyLoss(ignore_index=ignored_index)
+            start_loss = loss_fct(start_logits, start_positions.view(-1).clamp(0, ignored_index))
+            end_loss = loss_fct(end_logits, end_positions.view(-1).clamp(0, ignored_index))
+            total_loss = (start_loss + end_loss) / 2
+        return QuestionAnsweringModelOutput(
+            loss=total_loss,
+            start_logits=start_logits,
+            end_logits=end_logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = [
+    "NezhaForMaskedLM",
+    "NezhaForMultipleChoice",
+    "NezhaForNextSentencePrediction",
+    "NezhaForPreTraining",
+    "NezhaForQuestionAnswering",
+    "NezhaForSequenceClassification",
+    "NezhaForTokenClassification",
+    "NezhaModel",
+    "NezhaPreTrainedModel",
+]
