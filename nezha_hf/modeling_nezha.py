@@ -5,10 +5,12 @@ Parameter names are those of transformers 4.x (`nezha.encoder.layer.N.attention.
 The relative-position maths is in `relative_attention.py`.
 """
 
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 from transformers import initialization as init
@@ -301,14 +303,38 @@ class NezhaPreTrainedModel(PreTrainedModel):
         return requested_attention
 
     @classmethod
-    def from_pretrained(cls, *args, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """Load a checkpoint: transformers v4 NEZHA, or older releases that use a `bert.` prefix.
 
         Same arguments as `PreTrainedModel.from_pretrained`. Persisted buffers of old releases are
-        dropped with a log line.
+        ignored. `.bin` files are read with `torch.load(weights_only=True)`, so a pickle that tries
+        to run code is refused. Errors name the checkpoint, and for tensors whose shape does not fit
+        the config, each tensor with both shapes.
         """
         kwargs.setdefault("key_mapping", {r"^bert\.": "nezha."})
-        return super().from_pretrained(*args, **kwargs)
+        strict_shapes = not kwargs.get("ignore_mismatched_sizes", False)
+        wants_info = kwargs.pop("output_loading_info", False)
+        try:
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path,
+                *args,
+                **{**kwargs, "ignore_mismatched_sizes": True, "output_loading_info": True},
+            )
+        except (pickle.UnpicklingError, SafetensorError) as error:
+            raise ValueError(
+                f"Could not read the checkpoint at {pretrained_model_name_or_path} (corrupt, truncated, or a pickle "
+                f"that is not plain tensors): {error}"
+            ) from error
+        if strict_shapes and info["mismatched_keys"]:
+            details = "; ".join(
+                f"{key}: checkpoint {tuple(ckpt)} vs model {tuple(model_shape)}"
+                for key, ckpt, model_shape in sorted(info["mismatched_keys"])
+            )
+            raise ValueError(
+                f"The checkpoint at {pretrained_model_name_or_path} does not fit its config: {details}. "
+                "Fix config.json, or pass ignore_mismatched_sizes=True to re-initialise these tensors."
+            )
+        return (model, info) if wants_info else model
 
 
 @dataclass

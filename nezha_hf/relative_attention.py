@@ -371,13 +371,14 @@ class _ThreeRegionFunction(torch.autograd.Function):
         lse = torch.logsumexp(torch.stack(parts_lse), 0)
         safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # fully masked rows -> output 0
 
-        band_probs = torch.exp(band_scores - band.blocks(safe_lse.unsqueeze(-1)))
+        # Log-sum-exps are float32 even for bfloat16 inputs; probabilities go back to the input dtype.
+        band_probs = torch.exp(band_scores - band.blocks(safe_lse.unsqueeze(-1))).to(query.dtype)
         output = band.unblock(
             torch.matmul(band.to_window(band_probs), band.windows(value)) + torch.matmul(band_probs, table[1 : 2 * K])
         )
         left_mass = left_values = None
         for tail, out, tail_lse in tail_parts:
-            mass = torch.exp(tail_lse - safe_lse).unsqueeze(-1)
+            mass = torch.exp(tail_lse - safe_lse).unsqueeze(-1).to(query.dtype)
             weighted_values = torch.where(mass > 0, mass * out, torch.zeros_like(out))
             output = output + weighted_values + mass * table[tail.row]
             if tail.side == "left":
@@ -403,7 +404,7 @@ class _ThreeRegionFunction(torch.autograd.Function):
         # Band: recompute the probabilities, then the usual attention backward in the relative layout.
         query_table_scores = torch.matmul(query, table.T)
         band_scores = band.scores(query, key, query_table_scores, scaling)
-        band_probs = torch.exp(band_scores - band.blocks(safe_lse.unsqueeze(-1)))
+        band_probs = torch.exp(band_scores - band.blocks(safe_lse.unsqueeze(-1))).to(query.dtype)
         grad_blocks = band.blocks(grad_output)
         grad_table_scores = torch.matmul(grad_output, table.T)  # dO_i . T[p]
         grad_probs = band.to_relative(torch.matmul(grad_blocks, band.windows(value).transpose(-1, -2)))

@@ -1,0 +1,94 @@
+"""Independent NEZHA reference for the tests: the plain O(L^2 d) formula, written from the paper.
+
+Nothing here imports nezha_hf. It materialises the full `L x L x d` relative tensor, which is the
+obvious, slow, memory-hungry way, so it is only used on small inputs.
+"""
+
+import math
+
+import torch
+
+
+def relative_table(max_relative_position: int, head_size: int, dtype=torch.float64) -> torch.Tensor:
+    """T[p, 2m] = sin(p / 10000^(2m/d)), T[p, 2m+1] = cos(p / 10000^(2m/d)), p = 0 .. 2K."""
+    table = torch.empty(2 * max_relative_position + 1, head_size, dtype=torch.float64)
+    for p in range(2 * max_relative_position + 1):
+        for m in range(head_size // 2):
+            angle = p / (10000 ** (2 * m / head_size))
+            table[p, 2 * m] = math.sin(angle)
+            table[p, 2 * m + 1] = math.cos(angle)
+    return table.to(dtype)
+
+
+def allowed_mask(length, key_valid=None, causal=False, key_is_source=None, query_offset=0, key_length=None):
+    """[batch or 1, 1, Lq, Lk] bool, written out pair by pair from the rules."""
+    key_length = key_length or length
+    batch = key_valid.shape[0] if key_valid is not None else (key_is_source.shape[0] if key_is_source is not None else 1)
+    allowed = torch.ones(batch, 1, length, key_length, dtype=torch.bool)
+    for b in range(batch):
+        for i in range(length):
+            for j in range(key_length):
+                ok = True
+                if causal:
+                    ok = j <= i + query_offset or (key_is_source is not None and bool(key_is_source[b, j]))
+                if key_valid is not None and not key_valid[b, j]:
+                    ok = False
+                allowed[b, 0, i, j] = ok
+    return allowed
+
+
+def attention(q, k, v, max_relative_position, allowed=None, query_offset=0, table=None):
+    """softmax_j((q_i.k_j + q_i.a_ij)/sqrt(d)) (v_j + a_ij) with a_ij = T[clip(j - i, -K, K) + K].
+
+    Rows with every key masked give zeros.
+    """
+    K, d = max_relative_position, q.shape[-1]
+    table = relative_table(K, d, q.dtype) if table is None else table
+    i = torch.arange(q.shape[-2])[:, None] + query_offset
+    j = torch.arange(k.shape[-2])[None, :]
+    a = table[(j - i).clamp(-K, K) + K]  # [Lq, Lk, d]
+    scores = (q @ k.transpose(-1, -2) + torch.einsum("bhid,ijd->bhij", q, a)) / math.sqrt(d)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, -1))
+    return probs @ v + torch.einsum("bhij,ijd->bhid", probs, a), probs
+
+
+def nezha_forward(model, input_ids, token_type_ids=None, attention_mask=None, causal=False):
+    """Last hidden state of a NEZHA encoder from its weights alone, in float64.
+
+    `model` is used only as a bag of weights (`state_dict`) and for its config numbers.
+    """
+    config = model.config
+    sd = {k.removeprefix("nezha."): v.double() for k, v in model.state_dict().items()}
+    H, d = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    eps = config.layer_norm_eps
+
+    def ln(x, name):
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], sd[name + ".weight"], sd[name + ".bias"], eps)
+
+    def lin(x, name):
+        return x @ sd[name + ".weight"].T + sd[name + ".bias"]
+
+    token_type_ids = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+    x = sd["embeddings.word_embeddings.weight"][input_ids] + sd["embeddings.token_type_embeddings.weight"][token_type_ids]
+    x = ln(x, "embeddings.LayerNorm")
+    B, L = input_ids.shape
+    key_valid = attention_mask.bool() if attention_mask is not None else torch.ones(B, L, dtype=torch.bool)
+    allowed = key_valid[:, None, None, :].expand(B, 1, L, L)
+    if causal:
+        allowed = allowed & torch.ones(L, L, dtype=torch.bool).tril()
+    table = relative_table(config.max_relative_position, d)
+    for n in range(config.num_hidden_layers):
+        p = f"encoder.layer.{n}."
+
+        def heads(t):
+            return t.view(B, L, H, d).transpose(1, 2)
+
+        q, k, v = (heads(lin(x, p + f"attention.self.{w}")) for w in ("query", "key", "value"))
+        ctx, _ = attention(q, k, v, config.max_relative_position, allowed, table=table)
+        ctx = ctx.transpose(1, 2).reshape(B, L, H * d)
+        x = ln(lin(ctx, p + "attention.output.dense") + x, p + "attention.output.LayerNorm")
+        hidden = torch.nn.functional.gelu(lin(x, p + "intermediate.dense"))
+        x = ln(lin(hidden, p + "output.dense") + x, p + "output.LayerNorm")
+    return x

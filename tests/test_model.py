@@ -1,0 +1,265 @@
+"""NezhaModel and heads: the independent reference, cache, round trip, bad input, training features."""
+
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import reference
+import torch
+import transformers
+from conftest import FIXTURES, tiny_config
+from safetensors.torch import load_file
+
+import nezha_hf
+from nezha_hf import (
+    NezhaForMaskedLM,
+    NezhaForMultipleChoice,
+    NezhaForNextSentencePrediction,
+    NezhaForPreTraining,
+    NezhaForQuestionAnswering,
+    NezhaForSequenceClassification,
+    NezhaForTokenClassification,
+    NezhaModel,
+)
+
+K = 8
+
+
+def padded_batch(length, vocab=99):
+    torch.manual_seed(length)
+    input_ids = torch.randint(1, vocab, (2, length))
+    token_type_ids = torch.randint(0, 2, (2, length))
+    attention_mask = torch.ones(2, length, dtype=torch.long)
+    attention_mask[1, max(1, length * 3 // 4) :] = 0
+    return input_ids, token_type_ids, attention_mask
+
+
+@pytest.mark.parametrize("length", [1, K - 1, K, K + 1, 300, 2048])
+@pytest.mark.parametrize("attn_implementation", ["eager", nezha_hf.FAST_ATTENTION])
+def test_model_matches_independent_reference(length, attn_implementation, seed):
+    model = NezhaModel(tiny_config(max_relative_position=K)).eval()
+    model.set_attn_implementation(attn_implementation)
+    input_ids, token_type_ids, attention_mask = padded_batch(length)
+    with torch.no_grad():
+        got = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
+    expected = reference.nezha_forward(model, input_ids, token_type_ids, attention_mask)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_causal_decoder_matches_reference(seed):
+    model = NezhaModel(tiny_config(is_decoder=True)).eval()
+    input_ids, token_type_ids, attention_mask = padded_batch(40)
+    with torch.no_grad():
+        got = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, use_cache=False)
+    expected = reference.nezha_forward(model, input_ids, token_type_ids, attention_mask, causal=True)
+    torch.testing.assert_close(got.last_hidden_state.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_cached_decoding_equals_full_pass(seed):
+    model = NezhaModel(tiny_config(is_decoder=True)).eval()
+    input_ids, token_type_ids, _ = padded_batch(30)
+    with torch.no_grad():
+        full = model(input_ids, token_type_ids=token_type_ids, use_cache=False).last_hidden_state
+        out = model(input_ids[:, :5], token_type_ids=token_type_ids[:, :5], use_cache=True)
+        assert isinstance(out.past_key_values, transformers.Cache)
+        steps, cache = [out.last_hidden_state], out.past_key_values
+        for t in range(5, 30):
+            out = model(input_ids[:, t : t + 1], token_type_ids=token_type_ids[:, t : t + 1], past_key_values=cache)
+            cache = out.past_key_values
+            steps.append(out.last_hidden_state)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+
+
+def test_round_trip_is_exact_and_keeps_v4_names(tmp_path, seed):
+    model = NezhaForMaskedLM(tiny_config()).eval()
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    # The names transformers 4.x NEZHA uses; no relative table in the file.
+    reference_names = set(load_file(FIXTURES / "mlm-long" / "model.safetensors"))
+    assert set(saved) == reference_names
+    assert not any("relative" in name for name in saved)
+    loaded = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path).eval()
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    ids = torch.randint(0, 99, (1, 50))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "nezha"
+
+
+def test_relative_table_rebuilt_on_load(tmp_path):
+    model = NezhaModel(tiny_config())
+    model.save_pretrained(tmp_path)
+    loaded = NezhaModel.from_pretrained(tmp_path)
+    torch.testing.assert_close(loaded.relative_table.double(), reference.relative_table(8, 8), atol=1e-6, rtol=0)
+
+
+def test_legacy_bin_with_bert_prefix_and_buffers_loads():
+    model, info = NezhaForMaskedLM.from_pretrained(FIXTURES / "legacy-mlm-bert-prefix", output_loading_info=True)
+    assert not any(info.values()), info
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(input_ids=torch.tensor([[1, 2, 99]])), "vocab_size"),
+        (dict(input_ids=torch.tensor([[1, -1, 3]])), "vocab_size"),
+        (dict(input_ids=torch.tensor([[1, 2, 3]]), token_type_ids=torch.tensor([[0, 2, 0]])), "type_vocab_size"),
+        (dict(input_ids=torch.tensor([[1, 2, 3]]), token_type_ids=torch.tensor([[0, 1]])), "token_type_ids has shape"),
+        (dict(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[1, 1]])), "attention_mask must be"),
+        (dict(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 1, 3, 3)), "attention_mask must be"),
+        (dict(input_ids=torch.tensor([1, 2, 3])), "input_ids must be"),
+        (dict(input_ids=torch.tensor([[1, 2, 3]]), position_ids=torch.tensor([[0, 1, 2]])), "position_ids"),
+        (dict(), "exactly one"),
+    ],
+)
+def test_bad_input_raises_value_error(kwargs, message):
+    model = NezhaModel(tiny_config()).eval()
+    with pytest.raises(ValueError, match=message):
+        model(**kwargs)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(hidden_act="relu9"), "hidden_act"),
+    (dict(max_relative_position=0), "max_relative_position"),
+    (dict(hidden_size=30, num_attention_heads=4), "multiple"),
+    (dict(hidden_size=12, num_attention_heads=4), "even"),
+    (dict(add_cross_attention=True), "cross"),
+])
+def test_bad_config_values_are_rejected(overrides, message):
+    with pytest.raises(Exception, match=message):
+        tiny_config(**overrides)
+
+
+def test_attention_backends_that_would_drop_relative_terms_are_refused():
+    with pytest.raises(ValueError, match="relative value term"):
+        NezhaModel._from_config(tiny_config(), attn_implementation="sdpa")
+    model = NezhaModel(tiny_config())
+    assert model.config._attn_implementation == nezha_hf.FAST_ATTENTION
+    with pytest.raises(ValueError):
+        model.set_attn_implementation("flex_attention")
+
+
+def test_malicious_pickle_is_refused(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path}/ran",))
+
+    shutil.copy(FIXTURES / "mlm-long" / "config.json", tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps({"x": Payload()}))
+    with pytest.raises(ValueError, match=str(tmp_path)):
+        NezhaForMaskedLM.from_pretrained(tmp_path)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_truncated_checkpoint_names_the_folder(tmp_path):
+    shutil.copy(FIXTURES / "mlm-long" / "config.json", tmp_path)
+    data = (FIXTURES / "mlm-long" / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:1000])
+    with pytest.raises(ValueError, match="Could not read the checkpoint"):
+        NezhaForMaskedLM.from_pretrained(tmp_path)
+
+
+def test_shape_mismatch_names_tensor_and_both_shapes(tmp_path):
+    shutil.copy(FIXTURES / "mlm-long" / "model.safetensors", tmp_path)
+    config = json.loads((FIXTURES / "mlm-long" / "config.json").read_text())
+    config["intermediate_size"] = 40
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"intermediate\.dense\.weight: checkpoint \(37, 32\) vs model \(40, 32\)"):
+        NezhaForMaskedLM.from_pretrained(tmp_path)
+
+
+def test_output_attentions_and_hidden_states_like_bert():
+    model = NezhaModel(tiny_config()).eval()
+    ids = torch.randint(0, 99, (2, 12))
+    out = model(ids, output_attentions=True, output_hidden_states=True)
+    assert len(out.hidden_states) == 3 and len(out.attentions) == 2
+    assert out.attentions[0].shape == (2, 4, 12, 12)
+    torch.testing.assert_close(out.attentions[0].sum(-1), torch.ones(2, 4, 12))
+    assert isinstance(model(ids, return_dict=False), tuple)
+
+
+def test_gradient_checkpointing_gives_same_gradients():
+    torch.manual_seed(0)
+    model = NezhaForMaskedLM(tiny_config())
+    ids = torch.randint(0, 99, (2, 20))
+
+    def grads():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    model.train()
+    plain = grads()
+    model.gradient_checkpointing_enable()
+    checkpointed = grads()
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(a, b)
+
+
+HEADS = [
+    (NezhaForPreTraining, lambda ids: dict(labels=ids, next_sentence_label=torch.tensor([0, 1]))),
+    (NezhaForMaskedLM, lambda ids: dict(labels=ids)),
+    (NezhaForNextSentencePrediction, lambda ids: dict(labels=torch.tensor([0, 1]))),
+    (NezhaForSequenceClassification, lambda ids: dict(labels=torch.tensor([0, 2]))),
+    (NezhaForTokenClassification, lambda ids: dict(labels=ids % 3)),
+    (NezhaForQuestionAnswering, lambda ids: dict(start_positions=torch.tensor([1, 2]), end_positions=torch.tensor([3, 4]))),
+]
+
+
+@pytest.mark.parametrize("head,labels", HEADS, ids=lambda x: getattr(x, "__name__", ""))
+def test_every_head_trains(head, labels):
+    torch.manual_seed(0)
+    model = head(tiny_config(num_labels=2 if head is NezhaForQuestionAnswering else 3)).train()
+    ids = torch.randint(1, 99, (2, 16))
+    loss = model(ids, **labels(ids)).loss
+    loss.backward()
+    assert torch.isfinite(loss) and model.nezha.embeddings.word_embeddings.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("num_labels,labels,problem", [
+    (1, torch.tensor([0.5, -1.0]), "regression"),
+    (3, torch.tensor([0, 2]), "single_label_classification"),
+    (3, torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]), "multi_label_classification"),
+])
+def test_sequence_classification_problem_types(num_labels, labels, problem):
+    model = NezhaForSequenceClassification(tiny_config(num_labels=num_labels)).eval()
+    out = model(torch.randint(1, 99, (2, 10)), labels=labels)
+    assert model.config.problem_type == problem
+    logits = out.logits.squeeze(-1) if num_labels == 1 else out.logits
+    expected = {
+        "regression": lambda: torch.nn.functional.mse_loss(logits, labels),
+        "single_label_classification": lambda: torch.nn.functional.cross_entropy(logits, labels),
+        "multi_label_classification": lambda: torch.nn.functional.binary_cross_entropy_with_logits(logits, labels),
+    }[problem]()
+    torch.testing.assert_close(out.loss, expected)
+
+
+def test_multiple_choice_shapes():
+    model = NezhaForMultipleChoice(tiny_config()).eval()
+    out = model(torch.randint(1, 99, (2, 4, 10)), labels=torch.tensor([1, 3]))
+    assert out.logits.shape == (2, 4) and torch.isfinite(out.loss)
+
+
+def test_auto_classes_registered():
+    config = tiny_config()
+    for auto_class, model_class in nezha_hf.AUTO_CLASSES.items():
+        assert type(auto_class.from_config(config)) is model_class
+
+
+def test_no_length_buffers_in_model():
+    model = NezhaModel(tiny_config(max_position_embeddings=512))
+    buffers = dict(model.named_buffers())
+    assert list(buffers) == ["relative_table"] and buffers["relative_table"].shape == (17, 8)
+
+
+@pytest.mark.slow
+def test_16k_tokens_run_with_a_base_width_layer():
+    config = tiny_config(hidden_size=768, num_attention_heads=12, intermediate_size=3072, num_hidden_layers=1,
+                         max_relative_position=64, vocab_size=200)
+    model = NezhaModel(config).eval()
+    with torch.no_grad():
+        out = model(torch.randint(0, 200, (1, 16384))).last_hidden_state
+    assert out.shape == (1, 16384, 768) and torch.isfinite(out).all()
