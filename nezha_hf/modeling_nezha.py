@@ -292,6 +292,16 @@ class NezhaPreTrainedModel(PreTrainedModel):
             # Non-persistent: rebuilt here on every load, never read from a checkpoint.
             init.copy_(module.relative_table, module.build_relative_table())
 
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        before = set(loading_info.unexpected_keys)
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+        dropped = sorted(before - set(loading_info.unexpected_keys))
+        if dropped:
+            logger.warning(
+                f"Dropped {len(dropped)} persisted buffer(s) of an older NEZHA release; they carry no information "
+                f"(the relative table is rebuilt): {', '.join(dropped[:4])}{' ...' if len(dropped) > 4 else ''}"
+            )
+
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
         if requested_attention is None:
             return FAST_ATTENTION

@@ -263,3 +263,15 @@ def test_16k_tokens_run_with_a_base_width_layer():
     with torch.no_grad():
         out = model(torch.randint(0, 200, (1, 16384))).last_hidden_state
     assert out.shape == (1, 16384, 768) and torch.isfinite(out).all()
+
+
+def test_legacy_buffers_are_dropped_with_a_log_line(caplog):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            NezhaForMaskedLM.from_pretrained(FIXTURES / "legacy-mlm-bert-prefix")
+    finally:
+        hf_logging.disable_propagation()
+    assert "Dropped 3 persisted buffer(s)" in caplog.text, caplog.text

@@ -1,0 +1,189 @@
+"""NEZHA attention speed and memory against a BERT of the same size on SDPA, measured in one run.
+
+    python benchmarks/attention.py                     # full table (about 20 minutes on 2 cores)
+    python benchmarks/attention.py --lengths 128 512   # a subset
+
+Base width (12 layers, hidden 768, 12 heads, K = 64), float32, batch 1, dropout off in both
+models. Times are medians of `--repeats` runs, NEZHA and BERT alternating in one process; the
+ratio is NEZHA / BERT. Peak memory is measured in a fresh process per configuration: the resident
+set high-water mark minus the mark right after the model was built. Writes
+`benchmarks/results/attention.md`, `.json` and `attention.png` (tokens vs time ratio).
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import BertConfig, BertModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nezha_hf import NezhaConfig, NezhaModel  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+BASE = dict(
+    vocab_size=21128, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+)
+
+
+def build(kind: str):
+    torch.manual_seed(0)
+    if kind == "bert":
+        return BertModel._from_config(BertConfig(**BASE, max_position_embeddings=16384), attn_implementation="sdpa")
+    implementation = "eager" if kind == "nezha-eager" else None
+    return NezhaModel._from_config(NezhaConfig(**BASE, max_relative_position=64), attn_implementation=implementation)
+
+
+def run_once(model, input_ids, train: bool) -> float:
+    start = time.perf_counter()
+    if train:
+        model.zero_grad(set_to_none=True)
+        model(input_ids).last_hidden_state.float().pow(2).mean().backward()
+    else:
+        with torch.no_grad():
+            model(input_ids)
+    return time.perf_counter() - start
+
+
+def time_models(kinds, length, train, repeats):
+    models = {kind: build(kind).train(train) for kind in kinds}
+    input_ids = torch.randint(1, 21128, (1, length))
+    for model in models.values():  # warm-up
+        run_once(model, input_ids, train)
+    samples = {kind: [] for kind in kinds}
+    for _ in range(repeats):
+        for kind, model in models.items():
+            samples[kind].append(run_once(model, input_ids, train))
+    return {kind: statistics.median(values) for kind, values in samples.items()}
+
+
+def peak_memory_mb(kind, length, train) -> float:
+    """Extra resident memory of one pass, in a fresh process.
+
+    The peak (VmHWM) is reset after the model is built (`/proc/self/clear_refs`), so the model's
+    own construction does not hide the pass; the result is the pass's peak minus the resident set
+    before it.
+    """
+    root = str(Path(__file__).resolve().parents[1])
+    code = f"""
+import sys, torch
+sys.path.insert(0, {root!r})
+import benchmarks.attention as b
+def status(field):
+    for line in open('/proc/self/status'):
+        if line.startswith(field):
+            return int(line.split()[1]) / 1024
+model = b.build({kind!r}).train({train!r})
+ids = torch.randint(1, 21128, (1, {length}))
+open('/proc/self/clear_refs', 'w').write('5')
+before = status('VmRSS')
+b.run_once(model, ids, {train!r})
+print(status('VmHWM') - before)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if result.returncode != 0:
+        print(f"memory run failed ({kind}, {length}, train={train}): {result.stderr[-500:]}", flush=True)
+        return float("nan")
+    return float(result.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--memory-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--eager-up-to", type=int, default=1024, help="also time the gather path up to this length")
+    parser.add_argument("--no-train", action="store_true", help="forward only")
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+
+    rows = []
+    for length in args.lengths:
+        row = {"tokens": length}
+        for train in [False] if args.no_train else [False, True]:
+            mode = "train" if train else "fwd"
+            kinds = ["nezha", "bert"] + (["nezha-eager"] if length <= args.eager_up_to else [])
+            times = time_models(kinds, length, train, args.repeats)
+            row[f"bert_{mode}_s"] = times["bert"]
+            row[f"nezha_{mode}_s"] = times["nezha"]
+            row[f"ratio_{mode}"] = times["nezha"] / times["bert"]
+            if "nezha-eager" in times:
+                row[f"eager_ratio_{mode}"] = times["nezha-eager"] / times["bert"]
+            print(f"{length:6d} {mode:5s} bert {times['bert']:.3f}s nezha {times['nezha']:.3f}s "
+                  f"ratio {row[f'ratio_{mode}']:.2f}" + (f" eager {row.get(f'eager_ratio_{mode}'):.2f}"
+                                                         if f"eager_ratio_{mode}" in row else ""), flush=True)
+        rows.append(row)
+
+    memory = []
+    for length in args.memory_lengths:
+        entry = {"tokens": length}
+        for train in [False] if args.no_train else [False, True]:
+            mode = "train" if train else "fwd"
+            for kind in ("bert", "nezha"):
+                entry[f"{kind}_{mode}_mb"] = peak_memory_mb(kind, length, train)
+            entry[f"ratio_{mode}"] = entry[f"nezha_{mode}_mb"] / entry[f"bert_{mode}_mb"]
+        print("memory", entry, flush=True)
+        memory.append(entry)
+
+    write_results(rows, memory, args)
+
+
+def write_results(rows, memory, args):
+    RESULTS.mkdir(exist_ok=True)
+    command = "python benchmarks/attention.py " + " ".join(sys.argv[1:])
+    lines = [
+        f"Command: `{command.strip()}` (torch {torch.__version__}, {torch.get_num_threads()} threads)",
+        "",
+        "| tokens | BERT-SDPA fwd (s) | NEZHA fwd (s) | fwd ratio | BERT-SDPA fwd+bwd (s) | NEZHA fwd+bwd (s) | fwd+bwd ratio | gather-only fwd / fwd+bwd ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        eager = f"{r['eager_ratio_fwd']:.2f} / {r.get('eager_ratio_train', float('nan')):.2f}" if "eager_ratio_fwd" in r else "-"
+        lines.append(
+            f"| {r['tokens']} | {r['bert_fwd_s']:.3f} | {r['nezha_fwd_s']:.3f} | {r['ratio_fwd']:.2f} | "
+            f"{r.get('bert_train_s', float('nan')):.3f} | {r.get('nezha_train_s', float('nan')):.3f} | "
+            f"{r.get('ratio_train', float('nan')):.2f} | {eager} |"
+        )
+    lines += ["", "Extra peak memory of one pass, fresh process per cell (MB):", "",
+              "| tokens | BERT-SDPA fwd | NEZHA fwd | ratio | BERT-SDPA fwd+bwd | NEZHA fwd+bwd | ratio |", "|---|---|---|---|---|---|---|"]
+    for m in memory:
+        lines.append(
+            f"| {m['tokens']} | {m['bert_fwd_mb']:.0f} | {m['nezha_fwd_mb']:.0f} | {m['ratio_fwd']:.2f} | "
+            f"{m.get('bert_train_mb', float('nan')):.0f} | {m.get('nezha_train_mb', float('nan')):.0f} | "
+            f"{m.get('ratio_train', float('nan')):.2f} |"
+        )
+    table = "\n".join(lines) + "\n"
+    print(table)
+    (RESULTS / "attention.md").write_text(table)
+    (RESULTS / "attention.json").write_text(json.dumps({"command": command, "time": rows, "memory": memory}, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    tokens = [r["tokens"] for r in rows]
+    ax.plot(tokens, [r["ratio_fwd"] for r in rows], "o-", label="NEZHA forward")
+    if "ratio_train" in rows[0]:
+        ax.plot(tokens, [r["ratio_train"] for r in rows], "s-", label="NEZHA forward+backward")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("time / BERT-SDPA time")
+    ax.set_title("NEZHA (default attention) vs BERT-SDPA, base size, CPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "attention.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
