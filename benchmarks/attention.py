@@ -99,6 +99,7 @@ def main():
     parser.add_argument("--memory-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--eager-up-to", type=int, default=1024, help="also time the gather path up to this length")
     parser.add_argument("--no-train", action="store_true", help="forward only")
+    parser.add_argument("--train-up-to", type=int, default=1 << 30, help="time forward+backward up to this length")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
@@ -106,7 +107,7 @@ def main():
     rows = []
     for length in args.lengths:
         row = {"tokens": length}
-        for train in [False] if args.no_train else [False, True]:
+        for train in [False] if args.no_train or length > args.train_up_to else [False, True]:
             mode = "train" if train else "fwd"
             kinds = ["nezha", "bert"] + (["nezha-eager"] if length <= args.eager_up_to else [])
             times = time_models(kinds, length, train, args.repeats)
@@ -123,7 +124,7 @@ def main():
     memory = []
     for length in args.memory_lengths:
         entry = {"tokens": length}
-        for train in [False] if args.no_train else [False, True]:
+        for train in [False] if args.no_train or length > args.train_up_to else [False, True]:
             mode = "train" if train else "fwd"
             for kind in ("bert", "nezha"):
                 entry[f"{kind}_{mode}_mb"] = peak_memory_mb(kind, length, train)
@@ -173,8 +174,9 @@ def write_results(rows, memory, args):
     fig, ax = plt.subplots(figsize=(6, 4))
     tokens = [r["tokens"] for r in rows]
     ax.plot(tokens, [r["ratio_fwd"] for r in rows], "o-", label="NEZHA forward")
-    if "ratio_train" in rows[0]:
-        ax.plot(tokens, [r["ratio_train"] for r in rows], "s-", label="NEZHA forward+backward")
+    trained = [r for r in rows if "ratio_train" in r]
+    if trained:
+        ax.plot([r["tokens"] for r in trained], [r["ratio_train"] for r in trained], "s-", label="NEZHA forward+backward")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens")
