@@ -181,12 +181,12 @@ def gather_relative_attention(
 # ----------------------------------------------------------------------------------------------
 
 
-def _pad_to_blocks(tensor: torch.Tensor, num_blocks: int, block: int, dim: int, left: int = 0, right: int = 0, value=0):
+def _pad_to_blocks(tensor: torch.Tensor, num_blocks: int, block: int, dim: int, left: int = 0, right: int = 0):
     """Pad `dim` with `left` entries before and enough after to hold `num_blocks * block + left + right`."""
     length = tensor.shape[dim]
     pad_after = num_blocks * block + right - length
     pad = [0, 0] * (tensor.dim() - 1 - (dim % tensor.dim())) + [left, pad_after]
-    return nn.functional.pad(tensor, pad, value=value)
+    return nn.functional.pad(tensor, pad)
 
 
 class _Band:

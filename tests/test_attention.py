@@ -114,8 +114,7 @@ def test_fused_kernel_contract():
     grad = torch.randn_like(out)
     shift = torch.randn(4, dtype=torch.float64)
     base = ra._flash_backward(grad, q, k, v, out, lse, 0.0, True, scale=0.5)
-    # Shifting `out` by a vector s changes rowsum(dO * out) by dO . s: the same as a shift of lse
-    # does not, so only check that the kernel gives the documented answer for out - s.
+    # With `out - s` the kernel must use rowsum(dO * (out - s)) in dS and leave dV unchanged.
     shifted = ra._flash_backward(grad, q, k, v, out - shift, lse, 0.0, True, scale=0.5)
     probs = torch.softmax((q @ k.transpose(-1, -2) * 0.5).masked_fill(~torch.ones(9, 9, dtype=torch.bool).tril(), -torch.inf), -1)
     d_probs = grad @ v.transpose(-1, -2)
