@@ -7,6 +7,7 @@
 from transformers import (
     AutoConfig,
     AutoModel,
+    AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForMultipleChoice,
     AutoModelForNextSentencePrediction,
@@ -26,6 +27,7 @@ from .modeling_nezha import (
     NezhaForQuestionAnswering,
     NezhaForSequenceClassification,
     NezhaForTokenClassification,
+    NezhaForUniLM,
     NezhaModel,
     NezhaPreTrainedModel,
 )
@@ -43,6 +45,7 @@ AUTO_CLASSES = {
     AutoModelForMultipleChoice: NezhaForMultipleChoice,
     AutoModelForTokenClassification: NezhaForTokenClassification,
     AutoModelForQuestionAnswering: NezhaForQuestionAnswering,
+    AutoModelForCausalLM: NezhaForUniLM,
 }
 
 AutoConfig.register("nezha", NezhaConfig, exist_ok=True)
@@ -60,6 +63,7 @@ __all__ = [
     "NezhaForQuestionAnswering",
     "NezhaForSequenceClassification",
     "NezhaForTokenClassification",
+    "NezhaForUniLM",
     "NezhaModel",
     "NezhaPreTrainedModel",
     "RelativeAttentionMask",

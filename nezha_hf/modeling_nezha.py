@@ -16,10 +16,12 @@ from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
     BaseModelOutputWithPoolingAndCrossAttentions,
+    CausalLMOutputWithCrossAttentions,
     MaskedLMOutput,
     MultipleChoiceModelOutput,
     NextSentencePredictorOutput,
@@ -417,14 +419,21 @@ class NezhaModel(NezhaPreTrainedModel):
         past_key_values: a transformers `Cache` (decoders only); created when `use_cache` and `is_decoder`.
         """
         self._check_inputs(input_ids, inputs_embeds, token_type_ids, kwargs)
-        use_cache = bool(use_cache) and self.config.is_decoder
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-
         embedding_output = self.embeddings(input_ids, token_type_ids, inputs_embeds)
         batch_size, length = embedding_output.shape[:2]
-        mask = self._relative_attention_mask(attention_mask, batch_size, past_length, length, past_key_values)
+        if isinstance(attention_mask, RelativeAttentionMask):
+            mask = attention_mask
+        else:
+            mask = self.build_attention_mask(attention_mask, batch_size, length, past_key_values)
+        # A cache only makes sense when no query sees a later key: decoders and the UniLM prefix mask.
+        if past_key_values is not None and not mask.causal:
+            raise ValueError(
+                "past_key_values needs a causal mask (config.is_decoder, or NezhaForUniLM's prefix mask): in a "
+                "bidirectional encoder earlier tokens would have to see the new ones."
+            )
+        use_cache = bool(use_cache) and mask.causal
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
 
         encoder_outputs = self.encoder(
             embedding_output,
@@ -468,25 +477,59 @@ class NezhaModel(NezhaPreTrainedModel):
                     f"from {int(token_type_ids.min())} to {int(token_type_ids.max())}."
                 )
 
-    def _relative_attention_mask(self, attention_mask, batch_size, past_length, length, past_key_values):
-        """Turn the user's 0/1 padding mask into a `RelativeAttentionMask` (causal when `is_decoder`)."""
-        if isinstance(attention_mask, RelativeAttentionMask):
-            return attention_mask
-        key_length = past_key_values.get_mask_sizes(length, 0)[0] if past_key_values is not None else past_length + length
+    def build_attention_mask(
+        self,
+        attention_mask: torch.Tensor | None,
+        batch_size: int,
+        length: int,
+        past_key_values: Cache | None = None,
+        source_mask: torch.Tensor | None = None,
+    ) -> RelativeAttentionMask:
+        """Turn a 0/1 padding mask into the `RelativeAttentionMask` the attention functions take.
+
+        Args:
+            attention_mask: `[batch, past + length]` 0/1 (or None: nothing is padded).
+            batch_size, length: shape of the new tokens.
+            past_key_values: the cache the new tokens extend, if any.
+            source_mask: `[batch, length]` bool, True on UniLM source tokens: gives the prefix mask
+                (source tokens see the whole source, others see the source and what precedes them).
+                None gives a causal mask if `config.is_decoder`, else a bidirectional one.
+        """
+        # int(): a static cache returns a tensor that its update() then increments in place.
+        past_length = int(past_key_values.get_seq_length()) if past_key_values is not None else 0
+        filled_length = past_length + length
+        # A pre-allocated (static) cache returns more key slots than are filled.
+        key_length = past_key_values.get_mask_sizes(length, 0)[0] if past_key_values is not None else filled_length
+        device = self.relative_table.device
+
+        def to_key_length(per_key: torch.Tensor) -> torch.Tensor:
+            return nn.functional.pad(per_key, (0, key_length - per_key.shape[1]), value=False)
+
         key_is_valid = None
         if attention_mask is not None:
-            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch_size, key_length):
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] not in (
+                filled_length, key_length
+            ):
                 raise ValueError(
-                    f"attention_mask must be [batch, past + length] = [{batch_size}, {key_length}] of 0/1, got shape "
-                    f"{tuple(attention_mask.shape)}."
+                    f"attention_mask must be [batch, past + length] = [{batch_size}, {filled_length}] of 0/1, got "
+                    f"shape {tuple(attention_mask.shape)}."
                 )
             if not attention_mask.bool().all():
                 key_is_valid = attention_mask.bool()
-        if key_length != past_length + length:
-            # A pre-allocated (static) cache: slots beyond the filled part must not be attended to.
-            filled = torch.arange(key_length, device=self.device) < past_length + length
-            key_is_valid = filled[None].expand(batch_size, -1) if key_is_valid is None else key_is_valid & filled
-        return RelativeAttentionMask(key_is_valid=key_is_valid, causal=self.config.is_decoder, query_offset=past_length)
+        if key_length != filled_length:
+            filled = torch.ones(batch_size, filled_length, dtype=torch.bool, device=device)
+            key_is_valid = to_key_length(filled if key_is_valid is None else key_is_valid[:, :filled_length])
+        key_is_source = None
+        if source_mask is not None:
+            # Cached keys are all visible to the new queries anyway, so marking them non-source is exact.
+            past = torch.zeros(batch_size, past_length, dtype=torch.bool, device=device)
+            key_is_source = to_key_length(torch.cat([past, source_mask.bool()], dim=1))
+        return RelativeAttentionMask(
+            key_is_valid=key_is_valid,
+            causal=self.config.is_decoder or source_mask is not None,
+            key_is_source=key_is_source,
+            query_offset=past_length,
+        )
 
 
 class _LMHeadTying:
@@ -595,6 +638,130 @@ class NezhaForMaskedLM(_LMHeadTying, NezhaPreTrainedModel):
         return MaskedLMOutput(
             loss=loss, logits=prediction_scores, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
+
+
+class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
+    """NEZHA as a UniLM sequence-to-sequence model: one encoder with a prefix mask, and `generate()`.
+
+    Inputs are `[CLS] source [SEP] target [SEP]` with `token_type_ids` 0 on the source part and 1
+    on the target part. Source tokens see the whole source; target tokens see the source and the
+    targets before them. The weights are exactly those of `NezhaForMaskedLM`, so an MLM checkpoint
+    (or a converted BERT) loads directly.
+
+    Training: pass `labels` equal to `input_ids` with -100 on the source and padding; the loss is
+    next-token cross-entropy over the target, normalised by Trainer's `num_items_in_batch` under
+    gradient accumulation. `nezha_hf.unilm` has the tokenisation helper and the data collator.
+
+    Generation: `model.generate(input_ids, attention_mask=...)` treats the prompt as the source
+    (token type 0 unless `token_type_ids` says otherwise) and gives every generated token type 1.
+    Left-pad batches. With the KV cache each new token costs O(length). Generation stops at
+    `generation_config.eos_token_id`; for a BERT vocabulary that is `tokenizer.sep_token_id`
+    (`nezha_hf.unilm.generate_text` sets it, and returns only the new text).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from nezha_hf import NezhaConfig, NezhaForUniLM
+    >>> model = NezhaForUniLM(NezhaConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2,
+    ...                                   num_attention_heads=4, intermediate_size=128))
+    >>> source = torch.tensor([[2, 10, 11, 12, 3]])
+    >>> model.generate(source, max_new_tokens=4, eos_token_id=3, pad_token_id=0).shape[1] <= 9
+    True
+    ```
+    """
+
+    def __init__(self, config: NezhaConfig):
+        super().__init__(config)
+        if config.is_decoder:
+            logger.warning("NezhaForUniLM builds its own prefix mask: set config.is_decoder=False.")
+        self.nezha = NezhaModel(config, add_pooling_layer=False)
+        self.cls = NezhaOnlyMLMHead(config)
+        self.loss_type = "ForCausalLM"
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithCrossAttentions:
+        r"""
+        token_type_ids: 0 on the source (`[CLS] source [SEP]`), 1 on the target. Default: all source
+            when there is no cache, all target when continuing from a cache.
+        labels: `input_ids` with -100 on the source and padding; shifted inside the loss.
+        logits_to_keep: compute logits for the last this many positions only (0 = all).
+        """
+        batch_size, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
+        past_length = int(past_key_values.get_seq_length()) if past_key_values is not None else 0
+        device = self.nezha.relative_table.device
+        if token_type_ids is None:
+            if labels is not None:
+                raise ValueError("Training NezhaForUniLM needs token_type_ids: 0 on [CLS] source [SEP], 1 on the target.")
+            token_type_ids = torch.full((batch_size, length), int(past_length > 0), dtype=torch.long, device=device)
+        elif past_length and (token_type_ids == 0).any():
+            raise ValueError(
+                "Source tokens (token type 0) must all be in the first call: source tokens already in the cache "
+                "could not see them. Pass the whole source at once, then continue with token type 1."
+            )
+        mask = attention_mask
+        if not isinstance(mask, RelativeAttentionMask):
+            mask = self.nezha.build_attention_mask(
+                attention_mask, batch_size, length, past_key_values, source_mask=token_type_ids == 0
+            )
+        outputs = self.nezha(
+            input_ids,
+            attention_mask=mask,
+            token_type_ids=token_type_ids,
+            inputs_embeds=inputs_embeds,
+            past_key_values=past_key_values,
+            use_cache=use_cache if use_cache is not None else self.config.use_cache,
+            return_dict=True,
+            **kwargs,
+        )
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.cls(outputs.last_hidden_state[:, slice_indices, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithCrossAttentions(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+    def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
+        """`GenerationMixin.generate`, with the prompt as the UniLM source.
+
+        Without `token_type_ids` every prompt token is source (type 0); generated tokens get type 1.
+        Takes every argument of `transformers` `generate` (greedy, beam search, sampling, streamers).
+        """
+        prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if kwargs.get("token_type_ids") is None and prompt is not None:
+            kwargs["token_type_ids"] = torch.zeros(prompt.shape[:2], dtype=torch.long, device=prompt.device)
+        return super().generate(inputs, *args, **kwargs)
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=1):
+        # transformers repeats the last token type; generated tokens are targets.
+        model_kwargs = super()._update_model_kwargs_for_generation(
+            outputs, model_kwargs, is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_new_tokens
+        )
+        if model_kwargs.get("token_type_ids") is not None:
+            model_kwargs["token_type_ids"][:, -num_new_tokens:] = 1
+        return model_kwargs
+
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, **kwargs):
+        """Keep the 2D padding mask for static caches too: `forward` builds the prefix mask from it."""
+        return attention_mask
 
 
 class NezhaForNextSentencePrediction(NezhaPreTrainedModel):
@@ -814,6 +981,7 @@ __all__ = [
     "NezhaForQuestionAnswering",
     "NezhaForSequenceClassification",
     "NezhaForTokenClassification",
+    "NezhaForUniLM",
     "NezhaModel",
     "NezhaPreTrainedModel",
 ]

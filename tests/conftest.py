@@ -23,3 +23,25 @@ def tiny_config(**overrides):
 @pytest.fixture
 def seed():
     torch.manual_seed(0)
+
+
+# A tiny Chinese vocabulary: special tokens, then characters (ids 5 onwards).
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+CHARACTERS = list("的一是在不了有和人这中大为上个国我以要他时来用们生到作地于出就分对成会可也你原告被判决法院")
+
+
+def make_tokenizer(directory):
+    """A `BertTokenizerFast` over `SPECIAL_TOKENS + CHARACTERS`, saved in `directory`."""
+    from transformers import BertTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = directory / "vocab.txt"
+    vocab.write_text("\n".join(SPECIAL_TOKENS + CHARACTERS) + "\n", encoding="utf-8")
+    tokenizer = BertTokenizerFast.from_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+@pytest.fixture
+def tokenizer(tmp_path):
+    return make_tokenizer(tmp_path / "tokenizer")

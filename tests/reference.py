@@ -54,8 +54,11 @@ def attention(q, k, v, max_relative_position, allowed=None, query_offset=0, tabl
     return probs @ v + torch.einsum("bhij,ijd->bhid", probs, a), probs
 
 
-def nezha_forward(model, input_ids, token_type_ids=None, attention_mask=None, causal=False):
+def nezha_forward(model, input_ids, token_type_ids=None, attention_mask=None, causal=False, prefix_lm=False):
     """Last hidden state of a NEZHA encoder from its weights alone, in float64.
+
+    `prefix_lm`: the UniLM mask, in which tokens of type 0 are visible to every query and tokens
+    of type 1 only to themselves and later tokens.
 
     `model` is used only as a bag of weights (`state_dict`) and for its config numbers.
     """
@@ -76,8 +79,11 @@ def nezha_forward(model, input_ids, token_type_ids=None, attention_mask=None, ca
     B, L = input_ids.shape
     key_valid = attention_mask.bool() if attention_mask is not None else torch.ones(B, L, dtype=torch.bool)
     allowed = key_valid[:, None, None, :].expand(B, 1, L, L)
-    if causal:
-        allowed = allowed & torch.ones(L, L, dtype=torch.bool).tril()
+    if causal or prefix_lm:
+        visible = torch.ones(L, L, dtype=torch.bool).tril()[None, None]
+        if prefix_lm:
+            visible = visible | (token_type_ids == 0)[:, None, None, :]
+        allowed = allowed & visible
     table = relative_table(config.max_relative_position, d)
     for n in range(config.num_hidden_layers):
         p = f"encoder.layer.{n}."

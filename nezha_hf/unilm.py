@@ -1,0 +1,210 @@
+"""Data helpers for `NezhaForUniLM`: tokenise (source, target) pairs, batch them, generate text.
+
+A training example is `[CLS] source [SEP] target [SEP]` with token types 0 on `[CLS] source [SEP]`
+and 1 on `target [SEP]`, and labels equal to the ids on the target part (-100 elsewhere). When
+the pair is longer than `max_length` the target is kept (cut only if it alone does not fit) and
+the source is cut, from its end (`truncation="end"`) or from its middle, keeping its head and
+tail (`truncation="middle"`; judgments put the parties first and the decision last).
+"""
+
+import re
+from collections.abc import Sequence
+
+import torch
+
+TRUNCATION_MODES = ("end", "middle")
+# Special tokens in a pair: [CLS] source [SEP] target [SEP].
+_SPECIAL_TOKENS_IN_PAIR = 3
+_SPACE_BETWEEN_CJK = re.compile(r"(?<=[\u3000-\u303f\u4e00-\u9fff\uff00-\uffef])\s+(?=[\u3000-\u303f\u4e00-\u9fff\uff00-\uffef])")
+
+
+def _check_truncation(truncation: str) -> None:
+    if truncation not in TRUNCATION_MODES:
+        raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}.")
+
+
+def cut_source(ids: list[int], budget: int, truncation: str = "end") -> list[int]:
+    """Shorten source token ids to at most `budget`, from the end or from the middle."""
+    _check_truncation(truncation)
+    if len(ids) <= budget:
+        return list(ids)
+    if budget <= 0:
+        return []
+    if truncation == "end":
+        return list(ids[:budget])
+    head = (budget + 1) // 2
+    return list(ids[:head]) + list(ids[len(ids) - (budget - head):])
+
+
+def _ids(tokenizer, text_or_ids) -> list[int]:
+    if isinstance(text_or_ids, str):
+        # verbose=False: long documents are the point, not a warning.
+        return tokenizer(text_or_ids, add_special_tokens=False, verbose=False)["input_ids"]
+    return list(text_or_ids)
+
+
+def tokenize_pair(
+    tokenizer,
+    source: str | Sequence[int],
+    target: str | Sequence[int],
+    max_length: int | None = 1024,
+    max_target_length: int | None = None,
+    truncation: str = "end",
+) -> dict[str, list[int]]:
+    """Build one UniLM training example.
+
+    Args:
+        tokenizer: a BERT-style tokenizer (`cls_token_id`, `sep_token_id`).
+        source, target: text, or token ids without special tokens.
+        max_length: cap on the whole example, special tokens included (None: no cap; NEZHA has no
+            length limit, memory is the only one).
+        max_target_length: cap on the target tokens; by default the target is cut only when it
+            leaves no room for a single source token.
+        truncation: `"end"` or `"middle"`, how the source is shortened.
+
+    Returns:
+        `input_ids`, `token_type_ids`, `labels` (lists of equal length).
+    """
+    _check_truncation(truncation)
+    source_ids, target_ids = _ids(tokenizer, source), _ids(tokenizer, target)
+    if max_target_length is not None:
+        target_ids = target_ids[:max_target_length]
+    if max_length is not None:
+        if max_length < _SPECIAL_TOKENS_IN_PAIR + 2:
+            raise ValueError(f"max_length={max_length} leaves no room for a source and a target token.")
+        target_ids = target_ids[: max_length - _SPECIAL_TOKENS_IN_PAIR - 1]
+        source_ids = cut_source(source_ids, max_length - _SPECIAL_TOKENS_IN_PAIR - len(target_ids), truncation)
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    source_part = [cls, *source_ids, sep]
+    target_part = [*target_ids, sep]
+    return {
+        "input_ids": source_part + target_part,
+        "token_type_ids": [0] * len(source_part) + [1] * len(target_part),
+        "labels": [-100] * len(source_part) + target_part,
+    }
+
+
+class UniLMDataCollator:
+    """Batches UniLM examples for Trainer, right-padded.
+
+    Each feature is either `{"source": ..., "target": ...}` (text or token ids; tokenised with
+    `tokenize_pair` and the truncation settings given here) or an already tokenised
+    `{"input_ids", "token_type_ids", "labels"}`. Returns tensors `input_ids`, `attention_mask`,
+    `token_type_ids`, `labels` (-100 on padding).
+
+    Example:
+
+    ```python
+    collator = UniLMDataCollator(tokenizer, max_length=2048, truncation="middle")
+    trainer = Trainer(model=NezhaForUniLM.from_pretrained(path), data_collator=collator,
+                      train_dataset=[{"source": judgment, "target": summary}, ...], args=args)
+    ```
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        max_length: int | None = 1024,
+        max_target_length: int | None = None,
+        truncation: str = "end",
+        pad_to_multiple_of: int | None = None,
+    ):
+        _check_truncation(truncation)
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.max_target_length = max_target_length
+        self.truncation = truncation
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def encode(self, feature: dict) -> dict[str, list[int]]:
+        """One feature as `input_ids`, `token_type_ids`, `labels` lists."""
+        if "source" in feature:
+            return tokenize_pair(
+                self.tokenizer, feature["source"], feature["target"], self.max_length, self.max_target_length,
+                self.truncation,
+            )
+        missing = {"input_ids", "token_type_ids", "labels"} - set(feature)
+        if missing:
+            raise ValueError(f"A UniLM feature needs source/target or input_ids/token_type_ids/labels; missing {sorted(missing)}.")
+        return {key: list(feature[key]) for key in ("input_ids", "token_type_ids", "labels")}
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        encoded = [self.encode(feature) for feature in features]
+        length = max(len(example["input_ids"]) for example in encoded)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        pad_values = {"input_ids": self.tokenizer.pad_token_id, "token_type_ids": 1, "labels": -100, "attention_mask": 0}
+        batch = {key: [] for key in pad_values}
+        for example in encoded:
+            example = {**example, "attention_mask": [1] * len(example["input_ids"])}
+            for key, pad in pad_values.items():
+                batch[key].append(example[key] + [pad] * (length - len(example[key])))
+        return {key: torch.tensor(values, dtype=torch.long) for key, values in batch.items()}
+
+
+def encode_sources(
+    tokenizer, sources: Sequence[str], max_source_length: int | None = None, truncation: str = "end"
+) -> dict[str, torch.Tensor]:
+    """Left-padded generation inputs `[CLS] source [SEP]` (token type 0) for `NezhaForUniLM.generate`.
+
+    `max_source_length` caps the source tokens (special tokens excluded), cut as in `tokenize_pair`.
+    """
+    rows = []
+    for source in sources:
+        ids = _ids(tokenizer, source)
+        if max_source_length is not None:
+            ids = cut_source(ids, max_source_length, truncation)
+        rows.append([tokenizer.cls_token_id, *ids, tokenizer.sep_token_id])
+    length = max(len(row) for row in rows)
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (length - len(row)) + row for row in rows])
+    attention_mask = torch.tensor([[0] * (length - len(row)) + [1] * len(row) for row in rows])
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": torch.zeros_like(input_ids)}
+
+
+def decode_new_tokens(tokenizer, sequences: torch.Tensor, prompt_length: int) -> list[str]:
+    """The text generated after a (left-padded) prompt of `prompt_length` tokens, one string per row.
+
+    Special tokens are dropped and the spaces a BERT tokenizer puts between Chinese characters removed.
+    """
+    texts = tokenizer.batch_decode(sequences[:, prompt_length:], skip_special_tokens=True)
+    return [_SPACE_BETWEEN_CJK.sub("", text).strip() for text in texts]
+
+
+def generate_text(
+    model,
+    tokenizer,
+    sources: str | Sequence[str],
+    max_source_length: int | None = None,
+    truncation: str = "end",
+    batch_size: int = 8,
+    **generate_kwargs,
+) -> list[str]:
+    """Generate a target for each source with a `NezhaForUniLM`; returns only the new text.
+
+    `generate_kwargs` go to `model.generate` (e.g. `max_new_tokens=256, num_beams=4,
+    no_repeat_ngram_size=3`). `eos_token_id` defaults to `tokenizer.sep_token_id` and
+    `pad_token_id` to `tokenizer.pad_token_id`.
+    """
+    if isinstance(sources, str):
+        sources = [sources]
+    generate_kwargs.setdefault("eos_token_id", tokenizer.sep_token_id)
+    generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
+    texts = []
+    for start in range(0, len(sources), batch_size):
+        inputs = encode_sources(tokenizer, sources[start : start + batch_size], max_source_length, truncation)
+        inputs = {key: value.to(model.device) for key, value in inputs.items()}
+        with torch.no_grad():
+            sequences = model.generate(**inputs, **generate_kwargs)
+        texts.extend(decode_new_tokens(tokenizer, sequences, inputs["input_ids"].shape[1]))
+    return texts
+
+
+__all__ = [
+    "TRUNCATION_MODES",
+    "UniLMDataCollator",
+    "cut_source",
+    "decode_new_tokens",
+    "encode_sources",
+    "generate_text",
+    "tokenize_pair",
+]
