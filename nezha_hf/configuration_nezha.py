@@ -21,8 +21,9 @@ class NezhaConfig(PreTrainedConfig):
         layer_norm_eps, classifier_dropout: as in `BertConfig`.
         max_relative_position: `K`, the distance beyond which relative positions are clipped
             (64 for the Chinese checkpoints). The relative table has `2K + 1` rows.
-        max_position_embeddings: kept so v4 configs round-trip; NEZHA has no absolute positions
-            and this limits nothing.
+        max_position_embeddings: kept so v4 configs round-trip (transformers 4.x sized its position
+            buffers with it); NEZHA here has no absolute positions and this limits nothing, not
+            even `generate()`.
         is_decoder: causal self-attention (a left-to-right language model).
         use_cache: return a key/value cache when `is_decoder` is set.
         tie_word_embeddings: tie the masked-LM decoder to the word embeddings (as every NEZHA
@@ -47,7 +48,7 @@ class NezhaConfig(PreTrainedConfig):
     hidden_act: str = "gelu"
     hidden_dropout_prob: float | int = 0.1
     attention_probs_dropout_prob: float | int = 0.1
-    max_position_embeddings: int = 512
+    max_position_embeddings: int | None = 512
     max_relative_position: int = 64
     type_vocab_size: int = 2
     initializer_range: float = 0.02

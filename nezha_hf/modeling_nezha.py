@@ -743,12 +743,18 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
         """`GenerationMixin.generate`, with the prompt as the UniLM source.
 
         Without `token_type_ids` every prompt token is source (type 0); generated tokens get type 1.
-        Takes every argument of `transformers` `generate` (greedy, beam search, sampling, streamers).
+        No length cap applies (`config.max_position_embeddings` is ignored). Takes every argument of `transformers` `generate` (greedy, beam search, sampling, streamers).
         """
         prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         if kwargs.get("token_type_ids") is None and prompt is not None:
             kwargs["token_type_ids"] = torch.zeros(prompt.shape[:2], dtype=torch.long, device=prompt.device)
-        return super().generate(inputs, *args, **kwargs)
+        # transformers caps lengths at config.max_position_embeddings (512 in v4 configs, which kept
+        # it for their position buffers); NEZHA has no such limit.
+        kept, self.config.max_position_embeddings = self.config.max_position_embeddings, None
+        try:
+            return super().generate(inputs, *args, **kwargs)
+        finally:
+            self.config.max_position_embeddings = kept
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=1):
         # transformers repeats the last token type; generated tokens are targets.

@@ -339,3 +339,12 @@ def test_small_model_learns_to_copy_the_source():
     generated = model.generate(prompts, max_new_tokens=6, eos_token_id=SEP, pad_token_id=PAD, do_sample=False)
     correct = (generated[:, 7:12] == held_out).all(1).float().mean().item()
     assert correct >= 0.75, generated
+
+
+def test_generation_is_not_capped_at_max_position_embeddings():
+    """v4 configs say max_position_embeddings=512; transformers would stop a 600-token prompt at once."""
+    model = tiny_unilm(max_position_embeddings=512)
+    _, input_ids, _ = left_padded_prompts([598])
+    out = model.generate(input_ids, eos_token_id=SEP, pad_token_id=PAD, min_new_tokens=20)
+    assert out.shape[1] == 600 + 20  # transformers' default of 20 new tokens
+    assert model.config.max_position_embeddings == 512
