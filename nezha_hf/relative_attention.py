@@ -303,6 +303,8 @@ class _Tail:
             if mask.key_is_valid is not None:
                 keys = mask.key_is_valid if keys is None else keys & mask.key_is_valid
             keys = None if keys is None else keys[:, K:].flip(-1)
+        if keys is not None and bool(keys.all()):
+            keys = None  # e.g. a UniLM prompt that is all source: no mask lets the kernel run unmasked
         self.key_mask = _key_padding(keys, dtype)
         # The kernel reports lse = 0 for a row with no visible key; such rows must weigh nothing.
         self.row_has_keys = None if keys is None else (keys.cumsum(-1) > 0)[:, None, :]

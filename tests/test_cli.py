@@ -6,9 +6,12 @@ import sys
 from nezha_hf import cli
 
 
-def test_demo_runs_a_long_input(capsys):
-    cli.main(["demo", "--tokens", "700"])
+def test_demo_converts_a_real_bert_and_runs_long_inputs(capsys, tmp_path):
+    assert cli.main(["demo", "--tokens", "700", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
+    assert "embeddings.position_embeddings.weight" in out  # the one tensor a BERT loses
+    assert "BERT at" in out and "fails" in out
+    assert "NEZHA at" in out and (tmp_path / "minilm-nezha" / "conversion_report.json").exists()
     assert "load report: missing=none unexpected=none" in out
     assert "700 tokens" in out and "peak resident memory" in out
     difference = float(out.split("implementations: ")[1].split()[0])
@@ -17,4 +20,4 @@ def test_demo_runs_a_long_input(capsys):
 
 def test_console_script_help():
     result = subprocess.run([sys.executable, "-m", "nezha_hf.cli", "--help"], capture_output=True, text=True)
-    assert result.returncode == 0 and "demo" in result.stdout
+    assert result.returncode == 0 and "demo" in result.stdout and "convert" in result.stdout

@@ -29,12 +29,13 @@ def test_all_fixture_cases_present():
     assert len(CASES) == 10, CASES
 
 
-def run_case(name, attn_implementation):
+def run_case(name, attn_implementation, model_folder=None):
+    """Load fixture `name` (or, if given, the checkpoint in `model_folder`) and compare with its outputs."""
     folder = FIXTURES / name
     case = json.loads((folder / "case.json").read_text())
     expected = load_file(folder / "expected.safetensors")
     model, info = AUTO[case["architecture"]].from_pretrained(
-        folder, output_loading_info=True, attn_implementation=attn_implementation
+        model_folder or folder, output_loading_info=True, attn_implementation=attn_implementation
     )
     assert type(model).__name__ == case["architecture"]
     assert not any(info.values()), info  # nothing missing, unexpected or mismatched

@@ -1,0 +1,485 @@
+"""Convert BERT checkpoints (Hugging Face or TensorFlow) and older NEZHA releases into this package's format.
+
+Every source tensor is either mapped to a NEZHA weight or listed, with the reason, in a report
+that is printed and saved as `conversion_report.json` beside the output. A NEZHA weight that no
+source tensor provides is an error unless `allow_missing` names it (it is then initialised
+randomly when the model is loaded). The output loads with `AutoModel*.from_pretrained` with an
+empty load report; the converter checks that before it returns.
+
+    from nezha_hf.conversion import convert_bert, convert_tf, convert_legacy_nezha
+    report = convert_bert("bert-base-chinese/", "nezha-from-bert/")
+    report = convert_tf("model.ckpt-900000", "nezha-base-tf/", config_file="bert_config.json", vocab_file="vocab.txt")
+    report = convert_legacy_nezha("old-nezha-pytorch/", "nezha-base/")
+
+A converted BERT has lost its word order (absolute positions are dropped and NEZHA's relative
+positions are new to it): continue masked-LM training before use (`nezha_hf.pretraining`).
+"""
+
+import fnmatch
+import json
+import pickle
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from . import modeling_nezha
+from .configuration_nezha import NezhaConfig
+
+REPORT_NAME = "conversion_report.json"
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+# NEZHA has no length cap; a tokenizer that says 512 would cut long documents when truncation is on.
+UNLIMITED_MODEL_MAX_LENGTH = 1_000_000
+
+# Source tensors that have no NEZHA counterpart, and why.
+DROPPED_TENSORS = [
+    (r"(^|\.)embeddings\.position_embeddings\.weight$", "absolute position embeddings: NEZHA uses relative positions"),
+    (r"(^|\.)embeddings\.position_ids$", "buffer of position indices: carries no information"),
+    (r"(^|\.)embeddings\.token_type_ids$", "buffer of zeros: carries no information"),
+    (r"relative_positions_encoding\.positions_encoding$", "persisted sinusoid buffer: rebuilt from the config"),
+]
+# Parts of TensorFlow checkpoints that are training state, not weights.
+TF_TRAINING_STATE = [
+    (r"(^|/)(adam_m|adam_v|Adam|Adam_1|Momentum|AdamWeightDecayOptimizer(_1)?|LAMB(_1)?)$", "optimizer state"),
+    (r"^(global_step|good_steps|loss_scale|current_loss_scale|beta1_power|beta2_power)$", "training counter"),
+]
+# Config fields of BERT that NEZHA does not have.
+BERT_ONLY_CONFIG = {
+    "position_embedding_type": "NEZHA's positions are relative and built in",
+    "gradient_checkpointing": "a training option, not part of the model (use model.gradient_checkpointing_enable())",
+    "directionality": "Google BERT metadata",
+    "pooler_fc_size": "Google BERT metadata",
+    "pooler_num_attention_heads": "Google BERT metadata",
+    "pooler_num_fc_layers": "Google BERT metadata",
+    "pooler_size_per_head": "Google BERT metadata",
+    "pooler_type": "Google BERT metadata",
+    "use_relative_position": "always true in NEZHA",
+}
+BERT_TO_NEZHA_CLASS = {
+    "BertModel": "NezhaModel",
+    "BertForPreTraining": "NezhaForPreTraining",
+    "BertForMaskedLM": "NezhaForMaskedLM",
+    "BertLMHeadModel": "NezhaForUniLM",
+    "BertForNextSentencePrediction": "NezhaForNextSentencePrediction",
+    "BertForSequenceClassification": "NezhaForSequenceClassification",
+    "BertForMultipleChoice": "NezhaForMultipleChoice",
+    "BertForTokenClassification": "NezhaForTokenClassification",
+    "BertForQuestionAnswering": "NezhaForQuestionAnswering",
+}
+TIED_DECODER = {
+    "cls.predictions.decoder.weight": "nezha.embeddings.word_embeddings.weight",
+    "cls.predictions.decoder.bias": "cls.predictions.bias",
+}
+
+
+class ConversionError(ValueError):
+    """A checkpoint that cannot be converted as asked (unreadable, incomplete, or shaped wrong)."""
+
+
+@dataclass
+class ConversionReport:
+    """What a conversion did with every source tensor; saved as `conversion_report.json`."""
+
+    source: str
+    output: str
+    source_format: str
+    architecture: str
+    mapped: dict[str, str] = field(default_factory=dict)  # source name -> NEZHA name
+    dropped: list[dict] = field(default_factory=list)  # {"name", "shape", "reason"}
+    missing_allowed: list[str] = field(default_factory=list)
+    config_dropped: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def drop(self, name: str, shape, reason: str) -> None:
+        self.dropped.append({"name": name, "shape": list(shape), "reason": reason})
+
+    def summary(self) -> str:
+        """A human-readable account, one line per dropped tensor."""
+        lines = [
+            f"Converted {self.source} ({self.source_format}) -> {self.output} as {self.architecture}",
+            f"  mapped {len(self.mapped)} tensors; dropped {len(self.dropped)}:",
+        ]
+        lines += [f"    - {item['name']} {tuple(item['shape'])}: {item['reason']}" for item in self.dropped]
+        lines += [f"  left uninitialised (allowed): {name}" for name in self.missing_allowed]
+        lines += [f"  config field dropped: {key} ({reason})" for key, reason in self.config_dropped.items()]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    def save(self, directory: Path) -> Path:
+        path = Path(directory) / REPORT_NAME
+        path.write_text(json.dumps(asdict(self), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        return path
+
+
+# --- reading checkpoints ---------------------------------------------------------------------
+
+
+def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as handle:
+                return {name: handle.get_tensor(name) for name in handle.keys()}
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
+        raise ConversionError(f"Could not read {path} (corrupt, truncated, or not a plain tensor file): {error}") from error
+    if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
+        raise ConversionError(f"{path} does not hold a flat name -> tensor state dict.")
+    return state
+
+
+def read_pytorch_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
+    """All tensors of a Hugging Face checkpoint directory (safetensors or `.bin`, sharded or not)."""
+    directory = Path(directory)
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index_path = directory / index_name
+        if index_path.exists():
+            try:
+                shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError) as error:
+                raise ConversionError(f"{index_path} is not a valid shard index: {error}") from error
+            files = [directory / shard for shard in shards]
+            break
+    else:
+        files = [path for path in (directory / "model.safetensors", directory / "pytorch_model.bin") if path.exists()][:1]
+    if not files:
+        raise ConversionError(f"No model.safetensors or pytorch_model.bin in {directory}.")
+    state = {}
+    for path in files:
+        state.update(_read_weight_file(path))
+    return state, files
+
+
+def _tf_to_pytorch_name(name: str) -> str:
+    """`bert/encoder/layer_3/attention/self/query/kernel` -> `bert.encoder.layer.3.attention.self.query.weight`."""
+    parts = []
+    for part in name.split("/"):
+        layer = re.fullmatch(r"layer_(\d+)", part)
+        if layer:
+            parts += ["layer", layer.group(1)]
+        elif part in ("kernel", "gamma", "output_weights"):
+            parts.append("weight")
+        elif part in ("beta", "output_bias"):
+            parts.append("bias")
+        else:
+            parts.append(part)
+    pytorch_name = ".".join(parts)
+    if pytorch_name.endswith("_embeddings"):  # embedding tables are bare variables in TF
+        pytorch_name += ".weight"
+    return pytorch_name
+
+
+def read_tf_checkpoint(checkpoint: str | Path, report: "ConversionReport") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The weights of a TensorFlow checkpoint, renamed to PyTorch BERT names (needs `nezha_hf[tf]`).
+
+    Kernels are transposed to `[out, in]`; optimizer slots and counters are listed in the report.
+    Returns the tensors and, for the report, the TF name of each PyTorch name.
+    """
+    try:
+        import tensorflow as tf
+    except ImportError as error:
+        raise ConversionError("Reading TensorFlow checkpoints needs TensorFlow: pip install 'nezha_hf[tf]'.") from error
+    try:
+        reader = tf.train.load_checkpoint(str(checkpoint))
+        shapes = reader.get_variable_to_shape_map()
+    except Exception as error:  # TensorFlow raises several unrelated types for unreadable files
+        raise ConversionError(f"Could not read the TensorFlow checkpoint {checkpoint}: {error}") from error
+    state, tf_names = {}, {}
+    for name in sorted(shapes):
+        reason = next((why for pattern, why in TF_TRAINING_STATE if re.search(pattern, name)), None)
+        if reason:
+            report.drop(name, shapes[name], reason)
+            continue
+        try:
+            value = torch.from_numpy(reader.get_tensor(name).copy())
+        except Exception as error:
+            raise ConversionError(f"Could not read variable {name} from {checkpoint}: {error}") from error
+        if name.endswith("/kernel"):
+            value = value.T.contiguous()
+        state[_tf_to_pytorch_name(name)] = value
+        tf_names[_tf_to_pytorch_name(name)] = name
+    return state, tf_names
+
+
+# --- mapping -------------------------------------------------------------------------------
+
+
+def nezha_name(source_name: str) -> str:
+    """The NEZHA parameter name for a BERT / old-NEZHA PyTorch name (prefix `nezha.`, LayerNorm `weight/bias`)."""
+    name = re.sub(r"^(bert|nezha)\.", "", source_name)
+    name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", name)
+    name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name)
+    if name.startswith(("embeddings.", "encoder.", "pooler.")):
+        name = "nezha." + name
+    return name
+
+
+def _architecture(config_dict: dict, names: set[str], requested: str | None) -> str:
+    if requested:
+        if not hasattr(modeling_nezha, requested) or not requested.startswith("Nezha"):
+            raise ConversionError(f"Unknown NEZHA architecture {requested!r}; choose from {sorted(set(BERT_TO_NEZHA_CLASS.values()))}.")
+        return requested
+    for architecture in config_dict.get("architectures") or []:
+        architecture = architecture.replace("NeZha", "Nezha")
+        if architecture in BERT_TO_NEZHA_CLASS:
+            return BERT_TO_NEZHA_CLASS[architecture]
+        if architecture.startswith("Nezha") and hasattr(modeling_nezha, architecture):
+            return architecture
+    has = {prefix: any(n.startswith(prefix) for n in names) for prefix in ("cls.predictions.", "cls.seq_relationship.", "qa_outputs.", "classifier.")}
+    if has["cls.predictions."]:
+        return "NezhaForPreTraining" if has["cls.seq_relationship."] else "NezhaForMaskedLM"
+    if has["cls.seq_relationship."]:
+        return "NezhaForNextSentencePrediction"
+    if has["qa_outputs."]:
+        return "NezhaForQuestionAnswering"
+    if has["classifier."]:
+        raise ConversionError("The checkpoint has a classifier but no `architectures` saying which: pass architecture=.")
+    return "NezhaModel"
+
+
+def nezha_config_from_bert(config_dict: dict, architecture: str, report: ConversionReport, **overrides) -> NezhaConfig:
+    """Translate a BERT (or old NEZHA) config dict; BERT-only fields are listed in the report."""
+    values = {}
+    for key, value in config_dict.items():
+        if key in BERT_ONLY_CONFIG:
+            if key == "position_embedding_type" and value not in ("absolute", None):
+                raise ConversionError(f"position_embedding_type={value!r}: only BERTs with absolute positions convert.")
+            report.config_dropped[key] = BERT_ONLY_CONFIG[key]
+        elif key in ("model_type", "architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype"):
+            continue
+        else:
+            values[key] = value
+    values.update({key: value for key, value in overrides.items() if value is not None})
+    values["architectures"] = [architecture]
+    return NezhaConfig(**values)
+
+
+def _target_shapes(config: NezhaConfig, architecture: str) -> dict[str, torch.Size]:
+    """Names and shapes of the persistent tensors the NEZHA class expects (built on the meta device)."""
+    with torch.device("meta"):
+        model = getattr(modeling_nezha, architecture)(config)
+    buffers = {name for name, _ in model.named_buffers()}
+    return {name: tensor.shape for name, tensor in model.state_dict().items() if name not in buffers}
+
+
+def map_state_dict(
+    source: dict[str, torch.Tensor],
+    config: NezhaConfig,
+    architecture: str,
+    report: ConversionReport,
+    allow_missing: tuple[str, ...] = (),
+    source_names: dict[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Map source tensors onto the NEZHA class's names, unchanged, recording everything in `report`.
+
+    `source_names` gives the name to report for a tensor (its TensorFlow name, say) if it differs.
+
+    Raises `ConversionError` for shape mismatches, two sources for one target, and target weights
+    left without a source that `allow_missing` (glob patterns) does not name.
+    """
+    targets = _target_shapes(config, architecture)
+    mapped: dict[str, torch.Tensor] = {}
+    sources_of: dict[str, str] = {}
+    mismatches: list[str] = []
+    for name in sorted(source):
+        tensor = source[name]
+        shown = (source_names or {}).get(name, name)
+        reason = next((why for pattern, why in DROPPED_TENSORS if re.search(pattern, name)), None)
+        if reason:
+            report.drop(shown, tensor.shape, reason)
+            continue
+        target = nezha_name(name)
+        if target not in targets and target.removeprefix("nezha.") in targets:
+            target = target.removeprefix("nezha.")  # the bare NezhaModel has no prefix
+        if target in TIED_DECODER and config.tie_word_embeddings:
+            tied_to = next((n for n in source if nezha_name(n) == TIED_DECODER[target]), None)
+            if tied_to is not None and torch.equal(source[tied_to], tensor):
+                report.drop(shown, tensor.shape, f"tied to {TIED_DECODER[target]} (identical values)")
+                continue
+            raise ConversionError(
+                f"{name} differs from {TIED_DECODER[target]}: the decoder is not tied. Convert with "
+                "tie_word_embeddings=False."
+            )
+        if target not in targets:
+            report.drop(shown, tensor.shape, f"no counterpart in {architecture}")
+            continue
+        if tuple(tensor.shape) != tuple(targets[target]):
+            mismatches.append(f"{shown}: shape {tuple(tensor.shape)} vs {target} {tuple(targets[target])}")
+            continue
+        if target in sources_of:
+            raise ConversionError(f"Both {sources_of[target]} and {shown} map to {target}.")
+        sources_of[target] = shown
+        mapped[target] = tensor.contiguous()
+        report.mapped[shown] = target
+    if mismatches:
+        raise ConversionError("Tensors that do not fit the translated config: " + "; ".join(mismatches))
+    for target in sorted(set(targets) - set(mapped)):
+        if config.tie_word_embeddings and target in TIED_DECODER:
+            continue
+        if any(fnmatch.fnmatchcase(target, pattern) for pattern in allow_missing):
+            report.missing_allowed.append(target)
+        else:
+            raise ConversionError(
+                f"No source tensor for {target} (of {architecture}). Pass allow_missing=[{target!r}] (CLI: "
+                f"--allow-missing '{target}') to initialise it randomly, or pick another architecture."
+            )
+    return mapped
+
+
+# --- writing -------------------------------------------------------------------------------
+
+
+def _copy_tokenizer(source_directory: Path | None, output: Path, report: ConversionReport, vocab_file=None, do_lower_case=True):
+    if vocab_file is not None:
+        from transformers import BertTokenizerFast
+
+        shutil.copy(vocab_file, output / "vocab.txt")
+        BertTokenizerFast.from_pretrained(output, do_lower_case=do_lower_case).save_pretrained(output)
+    elif source_directory is not None:
+        copied = [name for name in TOKENIZER_FILES if (source_directory / name).exists()]
+        for name in copied:
+            shutil.copy(source_directory / name, output / name)
+        if not copied:
+            report.notes.append("the source has no tokenizer files; add the vocabulary before use")
+    config_path = output / "tokenizer_config.json"
+    if config_path.exists():
+        tokenizer_config = json.loads(config_path.read_text(encoding="utf-8"))
+        old = tokenizer_config.get("model_max_length")
+        if old is not None and old < UNLIMITED_MODEL_MAX_LENGTH:
+            tokenizer_config["model_max_length"] = UNLIMITED_MODEL_MAX_LENGTH
+            config_path.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            report.notes.append(f"tokenizer model_max_length {old} raised to {UNLIMITED_MODEL_MAX_LENGTH}: NEZHA has no length cap")
+
+
+def _write_and_verify(mapped, config: NezhaConfig, output: Path, report: ConversionReport) -> None:
+    """Save weights, config and report, then load the result with its Auto class and insist on a clean load."""
+    import nezha_hf  # registers the Auto classes
+
+    save_file(mapped, str(output / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(output)
+    report.save(output)
+    auto_class = next(auto for auto, cls in nezha_hf.AUTO_CLASSES.items() if cls.__name__ == report.architecture)
+    _, info = auto_class.from_pretrained(output, output_loading_info=True)
+    allowed = set(report.missing_allowed)
+    allowed |= {tied for tied, source in TIED_DECODER.items() if source in allowed}  # missing with their source
+    missing = set(info["missing_keys"]) - allowed
+    if missing or info["unexpected_keys"] or info["mismatched_keys"] or info.get("error_msgs"):
+        raise ConversionError(f"The converted checkpoint in {output} does not load cleanly: {info}")
+
+
+def _convert_state(
+    state, config_dict, report, architecture, allow_missing, max_relative_position, source_names=None
+) -> ConversionReport:
+    """The steps shared by every source format, once its tensors have PyTorch BERT names."""
+    report.architecture = _architecture(config_dict, {nezha_name(n) for n in state}, architecture)
+    tie = config_dict.get("tie_word_embeddings", True)
+    decoder = next((n for n in state if nezha_name(n) == "cls.predictions.decoder.weight"), None)
+    embeddings = next((n for n in state if nezha_name(n) == "nezha.embeddings.word_embeddings.weight"), None)
+    if decoder and embeddings and not torch.equal(state[decoder], state[embeddings]):
+        tie = False
+        report.notes.append("the masked-LM decoder is not tied to the word embeddings: tie_word_embeddings=False")
+    config = nezha_config_from_bert(
+        config_dict, report.architecture, report, max_relative_position=max_relative_position, tie_word_embeddings=tie
+    )
+    mapped = map_state_dict(state, config, report.architecture, report, tuple(allow_missing), source_names)
+    _write_and_verify(mapped, config, Path(report.output), report)
+    return report
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConversionError(f"Could not read the config {path}: {error}") from error
+
+
+def convert_bert(
+    source: str | Path,
+    output: str | Path,
+    architecture: str | None = None,
+    allow_missing: tuple[str, ...] | list[str] = (),
+    max_relative_position: int | None = None,
+) -> ConversionReport:
+    """Convert a Hugging Face BERT directory (any head, with or without the `bert.` prefix) to NEZHA.
+
+    Args:
+        source: directory with `config.json` and `model.safetensors` / `pytorch_model.bin` (or shards).
+        output: directory to write; gets `model.safetensors`, `config.json`, the tokenizer files
+            and `conversion_report.json`.
+        architecture: NEZHA class to produce (default: from the config's `architectures`, else
+            from the heads present).
+        allow_missing: glob patterns of NEZHA weights that may stay uninitialised.
+        max_relative_position: `K` for the new model (default 64, NEZHA's).
+
+    Returns:
+        The `ConversionReport` (also printed by the CLI and saved as JSON).
+    """
+    source = Path(source)
+    state, _ = read_pytorch_checkpoint(source)
+    config_dict = _read_config(source / "config.json")
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    report = ConversionReport(str(source), str(output), "huggingface-pytorch", "")
+    _copy_tokenizer(source, output, report)
+    return _convert_state(state, config_dict, report, architecture, allow_missing, max_relative_position)
+
+
+def convert_legacy_nezha(
+    source: str | Path,
+    output: str | Path,
+    architecture: str | None = None,
+    allow_missing: tuple[str, ...] | list[str] = (),
+) -> ConversionReport:
+    """Convert an older PyTorch NEZHA release (`bert.` prefix, persisted buffers) to the current layout.
+
+    Same arguments as `convert_bert`; `max_relative_position` comes from the source config.
+    """
+    return convert_bert(source, output, architecture, allow_missing)
+
+
+def convert_tf(
+    checkpoint: str | Path,
+    output: str | Path,
+    config_file: str | Path,
+    vocab_file: str | Path | None = None,
+    architecture: str | None = None,
+    allow_missing: tuple[str, ...] | list[str] = (),
+    max_relative_position: int | None = None,
+    do_lower_case: bool = True,
+) -> ConversionReport:
+    """Convert a TensorFlow checkpoint (Google BERT or Huawei NEZHA naming) to NEZHA. Needs `nezha_hf[tf]`.
+
+    Args:
+        checkpoint: the checkpoint prefix, e.g. `.../model.ckpt-900000`.
+        config_file: its `bert_config.json`.
+        vocab_file: its `vocab.txt` (written with a `BertTokenizerFast` config; `do_lower_case` as
+            for the Chinese releases).
+        Other arguments as in `convert_bert`.
+    """
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    report = ConversionReport(str(checkpoint), str(output), "tensorflow", "")
+    state, tf_names = read_tf_checkpoint(checkpoint, report)
+    config_dict = _read_config(Path(config_file))
+    if vocab_file is not None:
+        _copy_tokenizer(None, output, report, vocab_file=vocab_file, do_lower_case=do_lower_case)
+    else:
+        report.notes.append("no vocab_file given: add the vocabulary before use")
+    return _convert_state(state, config_dict, report, architecture, allow_missing, max_relative_position, tf_names)
+
+
+__all__ = [
+    "ConversionError",
+    "ConversionReport",
+    "convert_bert",
+    "convert_legacy_nezha",
+    "convert_tf",
+    "map_state_dict",
+    "nezha_config_from_bert",
+    "nezha_name",
+    "read_pytorch_checkpoint",
+    "read_tf_checkpoint",
+]

@@ -1,0 +1,110 @@
+"""Read plain-text corpora: `.txt` files, folders of them, and JSONL files with a `text` field.
+
+Malformed JSONL lines are reported with file and line number (a logged warning, and in the
+`problems` list the caller passes) and skipped; reading goes on.
+"""
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+TEXT_SUFFIXES = (".txt",)
+JSONL_SUFFIXES = (".jsonl", ".json")
+TXT_SPLITS = ("file", "blank-lines", "lines")
+
+
+@dataclass
+class Document:
+    """One document: an identifier (`file` or `file:line` or the JSON `id`) and its text."""
+
+    id: str
+    text: str
+
+
+@dataclass
+class Problem:
+    """An input line that could not be used, and why."""
+
+    path: str
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.message}"
+
+
+def expand_paths(paths) -> list[Path]:
+    """Files named directly, plus the `.txt` / `.jsonl` / `.json` files inside named folders (sorted)."""
+    files = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
+        elif path.exists():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"No such file or folder: {path}")
+    return files
+
+
+def report_problem(problems: list | None, path, line: int, message: str) -> None:
+    """Log a skipped input line and add it to `problems` (if given)."""
+    problem = Problem(str(path), line, message)
+    logger.warning(f"skipped {problem}")
+    if problems is not None:
+        problems.append(problem)
+
+
+def iter_jsonl(path: Path, problems: list | None = None) -> Iterator[tuple[int, dict]]:
+    """`(line_number, object)` for each well-formed JSON object line; bad lines are reported and skipped."""
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                report_problem(problems, path, number, f"not valid JSON ({error.msg})")
+                continue
+            if not isinstance(record, dict):
+                report_problem(problems, path, number, "not a JSON object")
+                continue
+            yield number, record
+
+
+def read_documents(paths, txt_split: str = "file", problems: list | None = None) -> Iterator[Document]:
+    """Documents from `.txt` files (whole file, or split on blank lines or on lines) and JSONL `text` fields.
+
+    Args:
+        paths: files and folders.
+        txt_split: `"file"` (a `.txt` file is one document), `"blank-lines"` or `"lines"`.
+        problems: a list that receives a `Problem` for every skipped line.
+    """
+    if txt_split not in TXT_SPLITS:
+        raise ValueError(f"txt_split must be one of {TXT_SPLITS}, got {txt_split!r}.")
+    for path in expand_paths(paths):
+        if path.suffix in JSONL_SUFFIXES:
+            for number, record in iter_jsonl(path, problems):
+                text = record.get("text")
+                if not isinstance(text, str) or not text.strip():
+                    report_problem(problems, path, number, 'no non-empty "text" string')
+                    continue
+                yield Document(str(record.get("id", f"{path}:{number}")), text)
+            continue
+        try:
+            content = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            report_problem(problems, path, 0, f"not UTF-8 text ({error.reason})")
+            continue
+        if txt_split == "file":
+            pieces = [content]
+        else:
+            pieces = re.split(r"\n\s*\n" if txt_split == "blank-lines" else r"\n", content)
+        for number, piece in enumerate(pieces, start=1):
+            if piece.strip():
+                yield Document(str(path) if txt_split == "file" else f"{path}#{number}", piece.strip())

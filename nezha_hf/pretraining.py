@@ -1,0 +1,207 @@
+"""Continued masked-LM pretraining: teach a converted BERT (or adapt any NEZHA) on your own text.
+
+A BERT converted with `nezha-hf convert` has lost its word order: its absolute position
+embeddings are gone and NEZHA's relative positions are new to it. Masked-LM training on long
+text gives it back. This module does that with Trainer:
+
+- documents from `.txt` / JSONL files (`nezha_hf.documents`), tokenised with the model's tokenizer;
+- whole-word masking for Chinese: words come from jieba, every token of a chosen word is masked
+  (transformers' own whole-word masking finds words by gaps between tokens, and Chinese text has
+  none, so it would treat a whole run of characters as one word);
+- documents packed into sequences of `max_length` tokens (default 1,024), `[SEP]` between documents;
+- resumable: rerunning with the same output directory continues from the last checkpoint.
+
+    nezha-hf pretrain converted-bert/ corpus/*.txt --output nezha-adapted/ --max-steps 20000
+
+or, in Python, `continue_pretraining("converted-bert/", ["corpus/"], "nezha-adapted/", max_steps=20000)`.
+"""
+
+import argparse
+import bisect
+import logging as std_logging
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, Trainer, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+from transformers.utils import logging
+
+from .documents import TXT_SPLITS, read_documents
+from .modeling_nezha import NezhaForMaskedLM
+
+logger = logging.get_logger(__name__)
+NOT_A_WORD = -1
+
+
+def jieba_word_ids(text: str, offsets: list[tuple[int, int]]) -> list[int]:
+    """For each token (given by its character offsets in `text`), the index of the jieba word it starts in."""
+    import jieba
+
+    jieba.setLogLevel(std_logging.WARNING)
+    word_starts, position = [], 0
+    for word in jieba.cut(text):
+        word_starts.append(position)
+        position += len(word)
+    return [bisect.bisect_right(word_starts, start) - 1 for start, _ in offsets]
+
+
+def pack_documents(tokenizer, texts, max_length: int = 1024, show_progress: bool = True) -> list[dict]:
+    """Tokenise texts and pack them into `[CLS] ... [SEP]` sequences of at most `max_length` tokens.
+
+    Returns examples with `input_ids` and `word_ids` (the jieba word of each token, numbered from 0
+    within a sequence; -1 on special tokens).
+    """
+    if max_length < 8:
+        raise ValueError(f"max_length={max_length} is too short to pack documents.")
+    content_length = max_length - 2
+    examples, ids, words = [], [], []
+
+    def flush():
+        if ids:
+            renumbered = {w: n for n, w in enumerate(dict.fromkeys(w for w in words if w != NOT_A_WORD))}
+            examples.append({
+                "input_ids": [tokenizer.cls_token_id, *ids, tokenizer.sep_token_id],
+                "word_ids": [NOT_A_WORD, *(renumbered.get(w, NOT_A_WORD) for w in words), NOT_A_WORD],
+            })
+            ids.clear()
+            words.clear()
+
+    word_offset = 0
+    for text in tqdm(texts, desc="tokenising", unit="doc", disable=not show_progress):
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        doc_words = [word_offset + w for w in jieba_word_ids(text, encoded["offset_mapping"])]
+        word_offset = (max(doc_words) + 1) if doc_words else word_offset
+        for token, word in zip(encoded["input_ids"] + [tokenizer.sep_token_id], doc_words + [NOT_A_WORD]):
+            ids.append(token)
+            words.append(word)
+            if len(ids) == content_length:
+                flush()
+    flush()
+    return examples
+
+
+class WholeWordMaskCollator:
+    """Pads packed examples and masks whole words, BERT style.
+
+    Words are drawn in random order until `mlm_probability` of the tokens are covered; each token
+    of a chosen word becomes `[MASK]` (80%), a random token (10%) or stays (10%). `labels` hold the
+    original ids at masked positions and -100 elsewhere.
+    """
+
+    def __init__(self, tokenizer, mlm_probability: float = 0.15, pad_to_multiple_of: int | None = None):
+        if not 0 < mlm_probability < 1:
+            raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability}.")
+        self.tokenizer = tokenizer
+        self.mlm_probability = mlm_probability
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def mask_row(self, word_ids: torch.Tensor) -> torch.Tensor:
+        """Bool mask of the tokens to predict in one row."""
+        is_word = word_ids >= 0
+        num_words = int(word_ids.max()) + 1 if is_word.any() else 0
+        if num_words == 0:
+            return torch.zeros_like(is_word)
+        budget = max(1, round(int(is_word.sum()) * self.mlm_probability))
+        order = torch.randperm(num_words)
+        sizes = torch.bincount(word_ids[is_word], minlength=num_words)[order]
+        chosen = order[: int((sizes.cumsum(0) < budget).sum()) + 1]
+        return is_word & torch.isin(word_ids, chosen)
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        length = max(len(f["input_ids"]) for f in features)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        pad_id = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([f["input_ids"] + [pad_id] * (length - len(f["input_ids"])) for f in features])
+        word_ids = torch.tensor([f["word_ids"] + [NOT_A_WORD] * (length - len(f["word_ids"])) for f in features])
+        attention_mask = torch.tensor([[1] * len(f["input_ids"]) + [0] * (length - len(f["input_ids"])) for f in features])
+        masked = torch.stack([self.mask_row(row) for row in word_ids])
+        labels = torch.where(masked, input_ids, torch.full_like(input_ids, -100))
+        roll = torch.rand(input_ids.shape)
+        input_ids = input_ids.clone()
+        input_ids[masked & (roll < 0.8)] = self.tokenizer.mask_token_id
+        random_positions = masked & (roll >= 0.8) & (roll < 0.9)
+        input_ids[random_positions] = torch.randint(len(self.tokenizer), (int(random_positions.sum()),))
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def continue_pretraining(
+    model_path: str | Path,
+    files,
+    output_dir: str | Path,
+    max_length: int = 1024,
+    mlm_probability: float = 0.15,
+    txt_split: str = "blank-lines",
+    resume: bool = True,
+    show_progress: bool = True,
+    **training_arguments,
+) -> dict:
+    """Continue masked-LM training of the model in `model_path` on `files`; save the result in `output_dir`.
+
+    Args:
+        model_path: a NEZHA checkpoint with its tokenizer (e.g. the output of `nezha-hf convert bert`).
+        files: `.txt` / JSONL files or folders (`nezha_hf.documents.read_documents`; `.txt` files are
+            split into documents on blank lines by default).
+        output_dir: receives Trainer checkpoints (`checkpoint-N/`) and, at the end, the model and
+            tokenizer, ready for `from_pretrained`.
+        max_length: tokens per packed sequence.
+        resume: continue from the last checkpoint in `output_dir` if there is one.
+        training_arguments: passed to `TrainingArguments` (`max_steps`, `per_device_train_batch_size`,
+            `learning_rate`, `save_steps`, `gradient_accumulation_steps`, `bf16`, ...).
+
+    Returns:
+        Trainer's training metrics (`train_loss`, `train_runtime`, ...).
+    """
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = NezhaForMaskedLM.from_pretrained(model_path)
+    problems = []
+    texts = [document.text for document in read_documents(files, txt_split=txt_split, problems=problems)]
+    if not texts:
+        raise ValueError(f"No text found in {list(map(str, files))}.")
+    dataset = pack_documents(tokenizer, texts, max_length, show_progress)
+    logger.warning(f"Packed {len(texts)} documents into {len(dataset)} sequences of up to {max_length} tokens "
+                   f"({len(problems)} input lines skipped).")
+    defaults = dict(
+        per_device_train_batch_size=8, learning_rate=5e-5, warmup_steps=0.06, weight_decay=0.01, save_steps=500,
+        save_total_limit=2, logging_steps=50, report_to=[], disable_tqdm=not show_progress,
+    )
+    arguments = TrainingArguments(
+        output_dir=str(output_dir), remove_unused_columns=False, **{**defaults, **training_arguments}
+    )
+    trainer = Trainer(model=model, args=arguments, train_dataset=dataset,
+                      data_collator=WholeWordMaskCollator(tokenizer, mlm_probability))
+    last = get_last_checkpoint(str(output_dir)) if resume and Path(output_dir).is_dir() else None
+    result = trainer.train(resume_from_checkpoint=last)
+    trainer.save_model(str(output_dir))
+    tokenizer.save_pretrained(str(output_dir))
+    return result.metrics
+
+
+def main(argv=None) -> int:
+    """`nezha-hf pretrain`: command-line front end of `continue_pretraining`."""
+    parser = argparse.ArgumentParser(prog="nezha-hf pretrain", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="NEZHA checkpoint directory (with tokenizer)")
+    parser.add_argument("files", nargs="+", help=".txt / .jsonl files or folders")
+    parser.add_argument("--output", required=True, help="output directory (checkpoints and the final model)")
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--mlm-probability", type=float, default=0.15)
+    parser.add_argument("--txt-split", choices=TXT_SPLITS, default="blank-lines")
+    parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    parser.add_argument("--learning-rate", type=float, default=5e-5)
+    parser.add_argument("--save-steps", type=int, default=500)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
+    parser.add_argument("--seed", type=int, default=42)
+    args = parser.parse_args(argv)
+    metrics = continue_pretraining(
+        args.model, args.files, args.output, max_length=args.max_length, mlm_probability=args.mlm_probability,
+        txt_split=args.txt_split, resume=not args.no_resume, max_steps=args.max_steps, num_train_epochs=args.epochs,
+        per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate, save_steps=args.save_steps, bf16=args.bf16, seed=args.seed,
+    )
+    print(f"saved {args.output}; " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
+    return 0

@@ -1,0 +1,340 @@
+"""Converters: small BERTs saved in every layout, TensorFlow checkpoints written with TensorFlow, old NEZHA."""
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import FIXTURES, make_tokenizer
+from safetensors.torch import load_file, save_file
+from test_reference_fixtures import run_case
+from transformers import (
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoModelForPreTraining,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertConfig,
+    BertForPreTraining,
+    BertForSequenceClassification,
+    BertModel,
+)
+
+from nezha_hf.conversion import REPORT_NAME, ConversionError, convert_bert, convert_legacy_nezha, convert_tf
+
+SMALL_BERT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                  max_position_embeddings=64)
+POSITION_TENSORS = {"embeddings.position_embeddings.weight", "embeddings.position_ids"}
+
+
+def small_bert(cls=BertForPreTraining, **overrides):
+    torch.manual_seed(0)
+    model = cls(BertConfig(**{**SMALL_BERT, **overrides}))
+    with torch.no_grad():  # non-default values everywhere, so a mix-up cannot pass unnoticed
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.01)
+    return model
+
+
+def save_layout(model, directory, layout):
+    """Write `model` as Hugging Face would in `layout`: safetensors, a v4-style .bin, or without the prefix."""
+    directory.mkdir(parents=True)
+    model.config.save_pretrained(directory)
+    make_tokenizer(directory)
+    if layout == "safetensors":
+        model.save_pretrained(directory)
+        return
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    if layout == "bin-with-buffers":  # older transformers also saved the position_ids buffer and tied copies
+        state["bert.embeddings.position_ids"] = torch.arange(64)[None]
+        torch.save(state, directory / "pytorch_model.bin")
+    elif layout == "no-prefix":
+        base = {name.removeprefix("bert."): tensor for name, tensor in state.items() if name.startswith("bert.")}
+        model.config.architectures = ["BertModel"]
+        model.config.save_pretrained(directory)
+        save_file(base, directory / "model.safetensors")
+
+
+def source_value(model, source_name):
+    state = model.state_dict()
+    return state.get(source_name, state.get("bert." + source_name))
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "bin-with-buffers", "no-prefix"])
+def test_bert_converts_bit_identically(tmp_path, layout):
+    bert = small_bert()
+    save_layout(bert, tmp_path / "bert", layout)
+    report = convert_bert(tmp_path / "bert", tmp_path / "nezha")
+
+    converted = load_file(tmp_path / "nezha" / "model.safetensors")
+    assert set(converted) == set(report.mapped.values())
+    for source_name, target in report.mapped.items():
+        assert torch.equal(converted[target], source_value(bert, source_name)), source_name
+    # Every kind of tensor came across.
+    for part in ("word_embeddings", "token_type_embeddings", "embeddings.LayerNorm", "attention.self.query",
+                 "attention.output.dense", "intermediate.dense", "output.LayerNorm", "pooler.dense"):
+        assert any(part in target for target in converted), part
+    if layout != "no-prefix":
+        assert {"cls.predictions.bias", "cls.predictions.transform.dense.weight", "cls.seq_relationship.weight"} <= set(converted)
+
+    dropped = {item["name"].removeprefix("bert.") for item in report.dropped if not item["reason"].startswith("tied")}
+    expected_dropped = POSITION_TENSORS if layout == "bin-with-buffers" else {"embeddings.position_embeddings.weight"}
+    assert dropped == expected_dropped
+    tied = {item["name"] for item in report.dropped if item["reason"].startswith("tied")}
+    assert tied == ({"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"} if layout == "bin-with-buffers" else set())
+
+    saved_report = json.loads((tmp_path / "nezha" / REPORT_NAME).read_text())
+    assert saved_report["dropped"] == report.dropped and saved_report["mapped"] == report.mapped
+    auto = AutoModel if layout == "no-prefix" else AutoModelForPreTraining
+    model, info = auto.from_pretrained(tmp_path / "nezha", output_loading_info=True)
+    assert not any(info.values()), info
+    assert type(model).__name__ == ("NezhaModel" if layout == "no-prefix" else "NezhaForPreTraining")
+    assert (tmp_path / "nezha" / "vocab.txt").exists()
+
+
+def test_converted_bert_runs_past_512_tokens(tmp_path):
+    save_layout(small_bert(), tmp_path / "bert", "safetensors")
+    convert_bert(tmp_path / "bert", tmp_path / "nezha")
+    model = AutoModelForMaskedLM.from_pretrained(tmp_path / "nezha").eval()
+    with torch.no_grad():
+        logits = model(torch.randint(5, 99, (1, 1500))).logits
+    assert logits.shape == (1, 1500, 99) and torch.isfinite(logits).all()
+
+
+def test_classifier_head_and_architecture_choice(tmp_path):
+    save_layout(small_bert(BertForSequenceClassification, num_labels=3), tmp_path / "bert", "safetensors")
+    report = convert_bert(tmp_path / "bert", tmp_path / "nezha")
+    assert report.architecture == "NezhaForSequenceClassification"
+    model, info = AutoModelForSequenceClassification.from_pretrained(tmp_path / "nezha", output_loading_info=True)
+    assert not any(info.values()) and model.config.num_labels == 3
+
+
+def test_missing_weights_are_an_error_unless_allowed(tmp_path):
+    save_layout(small_bert(BertModel), tmp_path / "bert", "safetensors")
+    with pytest.raises(ConversionError, match=r"cls\.predictions"):
+        convert_bert(tmp_path / "bert", tmp_path / "a", architecture="NezhaForMaskedLM")
+    report = convert_bert(tmp_path / "bert", tmp_path / "b", architecture="NezhaForMaskedLM",
+                          allow_missing=["cls.predictions.*"])
+    assert set(report.missing_allowed) == {
+        "cls.predictions.bias", "cls.predictions.transform.dense.weight", "cls.predictions.transform.dense.bias",
+        "cls.predictions.transform.LayerNorm.weight", "cls.predictions.transform.LayerNorm.bias",
+    }
+    assert any(item["name"].startswith("pooler.") and "no counterpart" in item["reason"] for item in report.dropped)
+
+
+def test_corrupt_inputs_name_the_file(tmp_path):
+    save_layout(small_bert(), tmp_path / "bert", "safetensors")
+    weights = tmp_path / "bert" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ConversionError, match="model.safetensors"):
+        convert_bert(tmp_path / "bert", tmp_path / "out")
+    weights.unlink()
+    (tmp_path / "bert" / "pytorch_model.bin").write_bytes(b"not a pickle at all")
+    with pytest.raises(ConversionError, match="pytorch_model.bin"):
+        convert_bert(tmp_path / "bert", tmp_path / "out")
+    (tmp_path / "bert" / "pytorch_model.bin").unlink()
+    with pytest.raises(ConversionError, match="No model.safetensors"):
+        convert_bert(tmp_path / "bert", tmp_path / "out")
+
+
+def test_shape_mismatch_is_an_error(tmp_path):
+    save_layout(small_bert(), tmp_path / "bert", "safetensors")
+    config = json.loads((tmp_path / "bert" / "config.json").read_text())
+    config["intermediate_size"] = 40
+    (tmp_path / "bert" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match="intermediate.dense.weight: shape"):
+        convert_bert(tmp_path / "bert", tmp_path / "out")
+
+
+def test_legacy_nezha_release_converts_and_matches_v4_outputs(tmp_path):
+    report = convert_legacy_nezha(FIXTURES / "legacy-mlm-bert-prefix", tmp_path / "nezha")
+    reasons = {item["reason"] for item in report.dropped}
+    assert reasons and all("buffer" in reason or reason.startswith("tied") for reason in reasons)
+    assert sum("positions_encoding" in item["name"] for item in report.dropped) == 2  # one per layer
+    assert "use_relative_position" in report.config_dropped
+    run_case("legacy-mlm-bert-prefix", None, model_folder=tmp_path / "nezha")
+
+
+def test_cli_convert_prints_the_report(tmp_path):
+    save_layout(small_bert(), tmp_path / "bert", "safetensors")
+    done = subprocess.run(
+        [sys.executable, "-m", "nezha_hf.cli", "convert", "bert", str(tmp_path / "bert"), str(tmp_path / "nezha")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "position_embeddings" in done.stdout and "absolute position embeddings" in done.stdout
+    failed = subprocess.run(
+        [sys.executable, "-m", "nezha_hf.cli", "convert", "bert", str(tmp_path / "nowhere"), str(tmp_path / "x")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert failed.returncode == 1 and "nowhere" in failed.stderr
+
+
+# --- TensorFlow checkpoints, written by TensorFlow -----------------------------------------------
+
+
+def tf_variables(bert, naming):
+    """The BERT weights under Google's TF names (kernels `[in, out]`), written out here independently of the
+    converter. NEZHA naming has no position table and carries Adam slots and a global step, as Huawei's release."""
+    values = {}
+    for name, tensor in bert.state_dict().items():
+        if name.startswith("cls.predictions.decoder") or (naming == "nezha" and "position_embeddings" in name):
+            continue
+        array = tensor.numpy()
+        tf_name = re.sub(r"layer\.(\d+)", r"layer_\1", name).replace(".", "/")
+        if "LayerNorm" in tf_name:
+            tf_name = re.sub(r"/weight$", "/gamma", re.sub(r"/bias$", "/beta", tf_name))
+        elif tf_name.endswith("_embeddings/weight"):
+            tf_name = tf_name.removesuffix("/weight")
+        elif tf_name.startswith("cls/seq_relationship"):
+            tf_name = tf_name.replace("/weight", "/output_weights").replace("/bias", "/output_bias")
+        elif tf_name == "cls/predictions/bias":
+            tf_name = "cls/predictions/output_bias"
+        elif tf_name.endswith("/weight"):
+            tf_name, array = tf_name.removesuffix("/weight") + "/kernel", array.T
+        values[tf_name] = np.ascontiguousarray(array)
+    if naming == "nezha":
+        for name in list(values):
+            values[name + "/adam_m"] = np.zeros_like(values[name])
+            values[name + "/adam_v"] = np.ones_like(values[name])
+        values["global_step"] = np.array(900000, dtype=np.int64)
+    return values
+
+
+def write_tf_checkpoint(values, prefix):
+    """Save variables with TF1's Saver, as Google BERT and Huawei NEZHA did."""
+    import tensorflow as tf
+
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = [tf.compat.v1.get_variable(name, initializer=value) for name, value in values.items()]
+        saver = tf.compat.v1.train.Saver(variables)
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            saver.save(session, str(prefix))
+
+
+@pytest.mark.parametrize("naming", ["bert", "nezha"])
+def test_tensorflow_checkpoint_converts_tensor_by_tensor(tmp_path, naming):
+    bert = small_bert()
+    values = tf_variables(bert, naming)
+    write_tf_checkpoint(values, tmp_path / "tf" / "model.ckpt-900000")
+    config = {k: v for k, v in bert.config.to_dict().items() if k in (*SMALL_BERT, "type_vocab_size", "hidden_act",
+              "hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range")}
+    (tmp_path / "bert_config.json").write_text(json.dumps(config))
+    make_tokenizer(tmp_path / "vocab")
+
+    report = convert_tf(tmp_path / "tf" / "model.ckpt-900000", tmp_path / "nezha",
+                        config_file=tmp_path / "bert_config.json", vocab_file=tmp_path / "vocab" / "vocab.txt")
+    assert report.architecture == "NezhaForPreTraining"
+    converted = load_file(tmp_path / "nezha" / "model.safetensors")
+    source = bert.state_dict()
+    weights = [name for name in values if not name.endswith(("adam_m", "adam_v")) and name != "global_step"]
+    assert len(report.mapped) == len(converted) == len(weights) - (naming == "bert")
+    for target, tensor in converted.items():
+        expected = source["bert." + target.removeprefix("nezha.")] if target.startswith("nezha.") else source[target]
+        assert torch.equal(tensor, expected), target
+    dropped = {item["name"]: item["reason"] for item in report.dropped}
+    if naming == "bert":
+        assert set(dropped) == {"bert/embeddings/position_embeddings"}
+    else:
+        assert dropped.pop("global_step") == "training counter"
+        assert dropped and all(reason == "optimizer state" for reason in dropped.values())
+        assert len(dropped) == 2 * len(weights)
+    model, info = AutoModelForPreTraining.from_pretrained(tmp_path / "nezha", output_loading_info=True)
+    assert not any(info.values())
+
+
+def test_corrupt_tensorflow_checkpoint_names_the_file(tmp_path):
+    bert = small_bert()
+    write_tf_checkpoint(tf_variables(bert, "bert"), tmp_path / "tf" / "model.ckpt-1")
+    data = next((tmp_path / "tf").glob("model.ckpt-1.data-*"))
+    data.write_bytes(data.read_bytes()[:100])
+    (tmp_path / "bert_config.json").write_text(json.dumps(SMALL_BERT))
+    with pytest.raises(ConversionError, match="model.ckpt-1"):
+        convert_tf(tmp_path / "tf" / "model.ckpt-1", tmp_path / "nezha", config_file=tmp_path / "bert_config.json")
+
+
+# --- continued pretraining -------------------------------------------------------------------
+
+
+def chinese_corpus(directory, documents=40):
+    """Generated Chinese text with structure to learn: each document repeats a few phrases."""
+    import random
+
+    from conftest import CHARACTERS
+
+    rng = random.Random(0)
+    phrases = ["".join(rng.choice(CHARACTERS) for _ in range(rng.randint(2, 4))) for _ in range(12)]
+    directory.mkdir(parents=True)
+    blocks = ["".join(rng.choice(phrases) for _ in range(rng.randint(20, 60))) for _ in range(documents)]
+    (directory / "corpus.txt").write_text("\n\n".join(blocks), encoding="utf-8")
+    (directory / "more.jsonl").write_text(
+        json.dumps({"text": blocks[0]}, ensure_ascii=False) + "\n{broken json\n" + json.dumps({"id": 3}) + "\n",
+        encoding="utf-8",
+    )
+    return directory
+
+
+def test_whole_word_masking_masks_every_token_of_a_word(tokenizer):
+    from nezha_hf.pretraining import WholeWordMaskCollator, pack_documents
+
+    examples = pack_documents(tokenizer, ["原告被告法院判决了" * 30], max_length=64, show_progress=False)
+    assert all(len(e["input_ids"]) <= 64 for e in examples) and len(examples) == 5
+    assert examples[0]["input_ids"][0] == tokenizer.cls_token_id and examples[0]["input_ids"][-1] == tokenizer.sep_token_id
+    torch.manual_seed(0)
+    batch = WholeWordMaskCollator(tokenizer)(examples)
+    masked = batch["labels"] != -100
+    word_ids = torch.tensor([e["word_ids"] + [-1] * (64 - len(e["word_ids"])) for e in examples])
+    for row in range(len(examples)):
+        for word in word_ids[row][masked[row]].unique():
+            assert masked[row][word_ids[row] == word].all()  # whole words only
+        fraction = masked[row].sum() / (word_ids[row] >= 0).sum()
+        assert 0.1 <= fraction <= 0.3
+    assert not masked[:, 0].any()  # never [CLS]
+
+
+def test_pretrain_lowers_the_loss_and_resumes(tmp_path, tokenizer):
+    from nezha_hf import NezhaConfig
+    from nezha_hf.pretraining import WholeWordMaskCollator, pack_documents
+
+    from nezha_hf import NezhaForMaskedLM
+
+    corpus = chinese_corpus(tmp_path / "corpus")
+    torch.manual_seed(0)
+    start = tmp_path / "start"
+    NezhaForMaskedLM(NezhaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=64, max_relative_position=16)).save_pretrained(start)
+    tokenizer.save_pretrained(start)
+    texts = (corpus / "corpus.txt").read_text(encoding="utf-8").split("\n\n")
+    held_out = pack_documents(tokenizer, texts[:4], max_length=128, show_progress=False)
+
+    def loss_of(path):
+        model = NezhaForMaskedLM.from_pretrained(path).eval()
+        torch.manual_seed(1)
+        with torch.no_grad():
+            return model(**WholeWordMaskCollator(tokenizer)(held_out)).loss.item()
+
+    done = subprocess.run(
+        [sys.executable, "-m", "nezha_hf.cli", "pretrain", str(start), str(corpus), "--output", str(tmp_path / "out"),
+         "--max-length", "128", "--max-steps", "60", "--batch-size", "8", "--learning-rate", "2e-3",
+         "--save-steps", "30"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "more.jsonl:2" in done.stderr and "more.jsonl:3" in done.stderr  # bad lines named, run went on
+    assert loss_of(tmp_path / "out") < 0.9 * loss_of(start)
+    assert (tmp_path / "out" / "checkpoint-60").is_dir()
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "out")) == len(tokenizer)
+    # Rerun with more steps: continues from checkpoint-60 instead of starting over.
+    again = subprocess.run(
+        [sys.executable, "-m", "nezha_hf.cli", "pretrain", str(start), str(corpus), "--output", str(tmp_path / "out"),
+         "--max-length", "128", "--max-steps", "70", "--batch-size", "8", "--save-steps", "30"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    state = json.loads((tmp_path / "out" / "checkpoint-70" / "trainer_state.json").read_text())
+    assert state["global_step"] == 70 and len(state["log_history"]) >= 1
