@@ -31,6 +31,7 @@ from .modeling_nezha import (
     NezhaModel,
     NezhaPreTrainedModel,
 )
+from .pipelines import register_pipelines
 from .relative_attention import RelativeAttentionMask
 
 __version__ = "0.1.0"
@@ -51,6 +52,7 @@ AUTO_CLASSES = {
 AutoConfig.register("nezha", NezhaConfig, exist_ok=True)
 for _auto_class, _model_class in AUTO_CLASSES.items():
     _auto_class.register(NezhaConfig, _model_class, exist_ok=True)
+register_pipelines()  # "extractive-question-answering", which transformers v5 removed
 
 __all__ = [
     "AUTO_CLASSES",

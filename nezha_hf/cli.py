@@ -19,6 +19,8 @@ def _add_conversion_options(parser):
     parser.add_argument("--architecture", help="NEZHA class to produce, e.g. NezhaForMaskedLM (default: from the source)")
     parser.add_argument("--allow-missing", action="append", default=[], metavar="PATTERN",
                         help="glob of NEZHA weights that may stay uninitialised (repeatable)")
+    parser.add_argument("--remote-code", action="store_true",
+                        help="also make the output loadable with trust_remote_code=True without nezha_hf")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,12 +55,13 @@ def _convert(args) -> None:
     from .conversion import convert_bert, convert_legacy_nezha, convert_tf
 
     if args.source_format == "bert":
-        report = convert_bert(args.source, args.output, args.architecture, args.allow_missing, args.max_relative_position)
+        report = convert_bert(args.source, args.output, args.architecture, args.allow_missing,
+                              args.max_relative_position, args.remote_code)
     elif args.source_format == "tf":
         report = convert_tf(args.checkpoint, args.output, args.config, args.vocab, args.architecture, args.allow_missing,
-                            args.max_relative_position, do_lower_case=not args.cased)
+                            args.max_relative_position, do_lower_case=not args.cased, remote_code=args.remote_code)
     else:
-        report = convert_legacy_nezha(args.source, args.output, args.architecture, args.allow_missing)
+        report = convert_legacy_nezha(args.source, args.output, args.architecture, args.allow_missing, args.remote_code)
     print(report.summary())
 
 

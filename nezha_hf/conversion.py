@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from . import modeling_nezha
 from .configuration_nezha import NezhaConfig
+from .hub import export_remote_code, write_model_card
 
 REPORT_NAME = "conversion_report.json"
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
@@ -361,6 +362,7 @@ def _write_and_verify(mapped, config: NezhaConfig, output: Path, report: Convers
     save_file(mapped, str(output / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(output)
     report.save(output)
+    write_model_card(output, report.architecture, {"kind": "converted", **(config.nezha_card or {})})
     auto_class = next(auto for auto, cls in nezha_hf.AUTO_CLASSES.items() if cls.__name__ == report.architecture)
     _, info = auto_class.from_pretrained(output, output_loading_info=True)
     allowed = set(report.missing_allowed)
@@ -371,7 +373,7 @@ def _write_and_verify(mapped, config: NezhaConfig, output: Path, report: Convers
 
 
 def _convert_state(
-    state, config_dict, report, architecture, allow_missing, max_relative_position, source_names=None
+    state, config_dict, report, architecture, allow_missing, max_relative_position, remote_code, source_names=None
 ) -> ConversionReport:
     """The steps shared by every source format, once its tensors have PyTorch BERT names."""
     report.architecture = _architecture(config_dict, {nezha_name(n) for n in state}, architecture)
@@ -384,8 +386,13 @@ def _convert_state(
     config = nezha_config_from_bert(
         config_dict, report.architecture, report, max_relative_position=max_relative_position, tie_word_embeddings=tie
     )
+    # Model cards of this checkpoint and of models trained from it name the source (if it is a Hub id).
+    source_id = config_dict.get("_name_or_path", "")
+    config.nezha_card = {"base_model": source_id} if re.fullmatch(r"[\w.-]+/[\w.-]+", source_id) else {}
     mapped = map_state_dict(state, config, report.architecture, report, tuple(allow_missing), source_names)
     _write_and_verify(mapped, config, Path(report.output), report)
+    if remote_code:
+        export_remote_code(report.output)
     return report
 
 
@@ -402,6 +409,7 @@ def convert_bert(
     architecture: str | None = None,
     allow_missing: tuple[str, ...] | list[str] = (),
     max_relative_position: int | None = None,
+    remote_code: bool = False,
 ) -> ConversionReport:
     """Convert a Hugging Face BERT directory (any head, with or without the `bert.` prefix) to NEZHA.
 
@@ -413,6 +421,7 @@ def convert_bert(
             from the heads present).
         allow_missing: glob patterns of NEZHA weights that may stay uninitialised.
         max_relative_position: `K` for the new model (default 64, NEZHA's).
+        remote_code: also make the output loadable with `trust_remote_code=True` without nezha_hf.
 
     Returns:
         The `ConversionReport` (also printed by the CLI and saved as JSON).
@@ -424,7 +433,7 @@ def convert_bert(
     output.mkdir(parents=True, exist_ok=True)
     report = ConversionReport(str(source), str(output), "huggingface-pytorch", "")
     _copy_tokenizer(source, output, report)
-    return _convert_state(state, config_dict, report, architecture, allow_missing, max_relative_position)
+    return _convert_state(state, config_dict, report, architecture, allow_missing, max_relative_position, remote_code)
 
 
 def convert_legacy_nezha(
@@ -432,12 +441,13 @@ def convert_legacy_nezha(
     output: str | Path,
     architecture: str | None = None,
     allow_missing: tuple[str, ...] | list[str] = (),
+    remote_code: bool = False,
 ) -> ConversionReport:
     """Convert an older PyTorch NEZHA release (`bert.` prefix, persisted buffers) to the current layout.
 
     Same arguments as `convert_bert`; `max_relative_position` comes from the source config.
     """
-    return convert_bert(source, output, architecture, allow_missing)
+    return convert_bert(source, output, architecture, allow_missing, remote_code=remote_code)
 
 
 def convert_tf(
@@ -449,6 +459,7 @@ def convert_tf(
     allow_missing: tuple[str, ...] | list[str] = (),
     max_relative_position: int | None = None,
     do_lower_case: bool = True,
+    remote_code: bool = False,
 ) -> ConversionReport:
     """Convert a TensorFlow checkpoint (Google BERT or Huawei NEZHA naming) to NEZHA. Needs `nezha_hf[tf]`.
 
@@ -468,7 +479,9 @@ def convert_tf(
         _copy_tokenizer(None, output, report, vocab_file=vocab_file, do_lower_case=do_lower_case)
     else:
         report.notes.append("no vocab_file given: add the vocabulary before use")
-    return _convert_state(state, config_dict, report, architecture, allow_missing, max_relative_position, tf_names)
+    return _convert_state(
+        state, config_dict, report, architecture, allow_missing, max_relative_position, remote_code, tf_names
+    )
 
 
 __all__ = [

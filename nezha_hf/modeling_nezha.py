@@ -314,6 +314,52 @@ class NezhaPreTrainedModel(PreTrainedModel):
             )
         return requested_attention
 
+    def save_pretrained(self, save_directory, *args, model_card: dict | bool = True, remote_code: bool = False, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus a model card and, if asked, remote code.
+
+        Args:
+            model_card: True (default) writes `README.md` from `nezha_hf.hub.build_model_card`, with the
+                settings in `config.nezha_card` (the converters record `base_model` there); a dict adds
+                settings (`license`, `datasets`, `eval_results`, ...); False writes none. A README not
+                written by nezha_hf is never overwritten.
+            remote_code: also copy the modeling files and write a complete `auto_map`, so that the folder
+                loads with `trust_remote_code=True` where nezha_hf is not installed.
+        """
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if not kwargs.get("is_main_process", True):
+            return
+        try:
+            from nezha_hf.hub import export_remote_code, write_model_card
+        except ImportError:  # loaded as remote code, without nezha_hf installed: no card, no export
+            return
+        if model_card is not False:
+            settings = {**(getattr(self.config, "nezha_card", None) or {}), **(model_card if isinstance(model_card, dict) else {})}
+            write_model_card(save_directory, type(self).__name__, settings)
+        if remote_code:
+            export_remote_code(save_directory)
+
+    def push_to_hub(self, repo_id: str, *, model_card: dict | bool = True, remote_code: bool = False, commit_message=None,
+                    commit_description=None, private=None, token=None, revision=None, create_pr=False,
+                    max_shard_size="50GB", tags=None):
+        """Upload to the Hub with a NEZHA model card (see `save_pretrained`); the only method that uses the network.
+
+        Same arguments as transformers' `push_to_hub`, plus `model_card` and `remote_code`. `tags` are
+        added to the card's tags (which always include `nezha`).
+        """
+        import tempfile
+
+        from transformers.utils.hub import hf_api
+
+        repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        settings = {"repo_id": repo_id, "tags": list(tags or []), **(model_card if isinstance(model_card, dict) else {})}
+        with tempfile.TemporaryDirectory() as work_dir:
+            self.save_pretrained(work_dir, max_shard_size=max_shard_size, model_card=settings if model_card else False,
+                                 remote_code=remote_code)
+            return self._upload_modified_files(
+                work_dir, repo_id, files_timestamps={}, commit_message=commit_message, token=token,
+                create_pr=create_pr, revision=revision, commit_description=commit_description,
+            )
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """Load a checkpoint: transformers v4 NEZHA, or older releases that use a `bert.` prefix.
@@ -941,6 +987,8 @@ class NezhaForQuestionAnswering(NezhaPreTrainedModel):
 
     def __init__(self, config: NezhaConfig):
         super().__init__(config)
+        if config.num_labels != 2:
+            raise ValueError(f"NezhaForQuestionAnswering predicts a start and an end: num_labels must be 2, not {config.num_labels}.")
         self.num_labels = config.num_labels
         self.nezha = NezhaModel(config, add_pooling_layer=False)
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)

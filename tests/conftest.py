@@ -1,3 +1,6 @@
+import ipaddress
+import os
+import socket
 import sys
 from pathlib import Path
 
@@ -5,6 +8,25 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# Tests never reach the network: offline mode for everything transformers and huggingface_hub do
+# (inherited by subprocesses), and a guard that refuses any connection that is not loopback.
+os.environ["HF_HUB_OFFLINE"] = "1"
+_connect = socket.socket.connect
+
+
+def _loopback_only_connect(self, address):
+    host = address[0] if isinstance(address, tuple) else None
+    if host is not None:
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise OSError(f"tests must not use the network (tried to connect to {address})")
+    return _connect(self, address)
+
+
+socket.socket.connect = _loopback_only_connect
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nezha-v4-reference"
 
