@@ -5,6 +5,9 @@
     nezha-hf convert tf CKPT OUT_DIR --config bert_config.json --vocab vocab.txt
     nezha-hf convert nezha SRC_DIR OUT_DIR           an older PyTorch NEZHA release
     nezha-hf pretrain MODEL_DIR FILE... --output OUT continue masked-LM training (after converting a BERT)
+    nezha-hf summarize MODEL_DIR INPUT... [--output F] summarise judgments (.txt, folders, JSONL)
+    nezha-hf train-summarizer DATA.jsonl --base MODEL_DIR --output DIR
+    nezha-hf evaluate DATA.jsonl [--predictions P.jsonl] ROUGE / CAIL scores with lead-N and oracle
 
 `nezha-hf COMMAND --help` lists each command's options. Errors are printed as one line naming
 the file at fault, with exit status 1.
@@ -12,6 +15,7 @@ the file at fault, with exit status 1.
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _add_conversion_options(parser):
@@ -48,7 +52,99 @@ def build_parser() -> argparse.ArgumentParser:
     _add_conversion_options(legacy)
 
     sub.add_parser("pretrain", help="continue masked-LM training (see `nezha-hf pretrain --help`)", add_help=False)
+
+    summarize = sub.add_parser("summarize", help="summarise judgments: extract with NEZHA, then generate")
+    summarize.add_argument("model", help="a summariser folder (from train-summarizer)")
+    summarize.add_argument("inputs", nargs="+", help=".txt files, folders, or JSONL (CAIL2020 or a `text` string)")
+    summarize.add_argument("--output", help="JSONL (one {id, summary, extracted} per input) or .txt; default: stdout")
+    summarize.add_argument("--extract-only", action="store_true", help="output the extracted sentences")
+    summarize.add_argument("--batch-size", type=int, default=4)
+    summarize.add_argument("--threshold", type=float, help="extraction probability threshold")
+    summarize.add_argument("--token-budget", type=int, help="tokens of extracted source given to the generator")
+    summarize.add_argument("--num-beams", type=int, default=3)
+    summarize.add_argument("--max-new-tokens", type=int, default=512)
+
+    train = sub.add_parser("train-summarizer", help="train the extractor and the generator from CAIL2020 JSONL")
+    train.add_argument("data", nargs="+", help="CAIL2020 JSONL with summaries (labels optional: oracle otherwise)")
+    train.add_argument("--base", required=True, help="NEZHA checkpoint with tokenizer to start from")
+    train.add_argument("--output", required=True)
+    train.add_argument("--validation-fraction", type=float, default=0.1)
+    train.add_argument("--extractor-steps", type=int, default=1000)
+    train.add_argument("--generator-steps", type=int, default=2000)
+    train.add_argument("--max-length", type=int, default=1024, help="generator source + summary tokens")
+    train.add_argument("--learning-rate", type=float, default=5e-5)
+    train.add_argument("--save-steps", type=int, default=500)
+
+    evaluate = sub.add_parser("evaluate", help="ROUGE-1/2/L and CAIL score, over characters and jieba words")
+    evaluate.add_argument("data", nargs="+", help="judgments with reference summaries (CAIL2020 JSONL)")
+    evaluate.add_argument("--predictions", help="JSONL of {id, summary} to score (e.g. from summarize)")
+    evaluate.add_argument("--lead", type=int, default=3, help="N of the lead-N baseline")
+    evaluate.add_argument("--output", help="write the scores as JSON here")
     return parser
+
+
+def _read_inputs(paths):
+    from .cail import read_judgments
+
+    problems = []
+    judgments = read_judgments(paths, problems)
+    for problem in problems:
+        print(f"skipped {problem}", file=sys.stderr)
+    if not judgments:
+        raise ValueError(f"No judgments found in {', '.join(paths)}.")
+    return judgments
+
+
+def _summarize(args) -> None:
+    import json
+
+    from .summarization import Summarizer
+
+    settings = {key: value for key, value in (("threshold", args.threshold), ("token_budget", args.token_budget))
+                if value is not None}
+    summarizer = Summarizer.from_pretrained(args.model, **settings)
+    results = summarizer.summarize(_read_inputs(args.inputs), extract_only=args.extract_only,
+                                   batch_size=args.batch_size, show_progress=True, num_beams=args.num_beams,
+                                   max_new_tokens=args.max_new_tokens)
+    if args.output and args.output.endswith(".txt"):
+        text = "\n\n".join(f"{r['id']}\n{r['summary']}" for r in results) + "\n"
+    else:
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+        print(f"wrote {len(results)} summaries to {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+
+
+def _train_summarizer(args) -> None:
+    from .summarization import train_summarizer
+
+    metrics = train_summarizer(
+        _read_inputs(args.data), args.base, args.output, validation_fraction=args.validation_fraction,
+        extractor_steps=args.extractor_steps, generator_steps=args.generator_steps, max_length=args.max_length,
+        learning_rate=args.learning_rate, save_steps=args.save_steps,
+    )
+    print(f"saved {args.output}; " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+
+
+def _evaluate(args) -> None:
+    import json
+
+    from .documents import iter_jsonl
+    from .summarization import evaluate_summaries, format_scores
+
+    predictions = None
+    if args.predictions:
+        problems = []
+        predictions = {str(r["id"]): r["summary"] for _, r in iter_jsonl(Path(args.predictions), problems)
+                       if "id" in r and isinstance(r.get("summary"), str)}
+        for problem in problems:
+            print(f"skipped {problem}", file=sys.stderr)
+    results = evaluate_summaries(_read_inputs(args.data), predictions, lead_count=args.lead)
+    print(format_scores(results))
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _convert(args) -> None:
@@ -79,7 +175,8 @@ def main(argv=None) -> int:
             return pretrain_main(rest) or 0
         if rest:
             build_parser().error(f"unrecognised arguments: {' '.join(rest)}")
-        _convert(args)
+        {"convert": _convert, "summarize": _summarize, "train-summarizer": _train_summarizer,
+         "evaluate": _evaluate}[args.command](args)
     except (ValueError, FileNotFoundError) as error:
         print(f"nezha-hf {args.command}: error: {error}", file=sys.stderr)
         return 1

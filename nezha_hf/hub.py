@@ -31,11 +31,13 @@ PIPELINE_TAGS = {
     "NezhaForTokenClassification": "token-classification",
     "NezhaForQuestionAnswering": "question-answering",
     "NezhaForUniLM": "summarization",
+    "NezhaForSentenceExtraction": "summarization",
 }
 DEFAULT_TEMPLATE = {
     "NezhaForPreTraining": "continued-pretraining",
     "NezhaForMaskedLM": "continued-pretraining",
     "NezhaForUniLM": "summarizer",
+    "NezhaForSentenceExtraction": "summarizer",
 }
 TASK_DESCRIPTIONS = {
     "text-classification": "text classification",

@@ -1027,12 +1027,87 @@ class NezhaForQuestionAnswering(NezhaPreTrainedModel):
         )
 
 
+@dataclass
+class NezhaSentenceExtractionOutput(ModelOutput):
+    """Output of `NezhaForSentenceExtraction`: one logit per sentence (`[batch, max_sentences]`) and the loss."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor] | None = None
+    attentions: tuple[torch.Tensor] | None = None
+
+
+class NezhaForSentenceExtraction(NezhaPreTrainedModel):
+    """Scores every sentence of a whole document for extractive summarisation.
+
+    The document is encoded in one pass (thousands of tokens: every sentence is judged in the
+    context of the entire judgment), each sentence is the mean of its tokens' final states, and a
+    linear layer gives its logit (sigmoid = probability of being extracted).
+
+    Inputs: `input_ids` etc. as usual, plus `sentence_ids` `[batch, length]`: the index of the
+    sentence each token belongs to (0, 1, ...), -1 for `[CLS]`, `[SEP]` and padding. `labels`
+    `[batch, max_sentences]` are 1 / 0, or -100 for sentences that do not exist. The loss is the
+    mean binary cross-entropy over existing sentences (`accepts_loss_kwargs = False`).
+    `nezha_hf.summarization` builds these inputs from judgments.
+    """
+
+    accepts_loss_kwargs = False
+
+    def __init__(self, config: NezhaConfig):
+        super().__init__(config)
+        self.nezha = NezhaModel(config, add_pooling_layer=False)
+        self.dropout = _classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        inputs_embeds=None,
+        sentence_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> NezhaSentenceExtractionOutput:
+        if sentence_ids is None:
+            raise ValueError("NezhaForSentenceExtraction needs sentence_ids: the sentence index of every token (-1 for none).")
+        outputs = self.nezha(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds,
+            return_dict=True, **kwargs,
+        )
+        hidden = self.dropout(outputs.last_hidden_state)
+        num_sentences = max(int(sentence_ids.max()) + 1, labels.shape[1] if labels is not None else 0, 1)
+        in_sentence = sentence_ids >= 0
+        index = sentence_ids.clamp(min=0)
+        sums = hidden.new_zeros(hidden.shape[0], num_sentences, hidden.shape[-1])
+        sums.index_put_(
+            (torch.arange(hidden.shape[0], device=hidden.device)[:, None].expand_as(index)[in_sentence], index[in_sentence]),
+            hidden[in_sentence],
+            accumulate=True,
+        )
+        counts = torch.zeros(hidden.shape[0], num_sentences, device=hidden.device, dtype=hidden.dtype)
+        counts.scatter_add_(1, index, in_sentence.to(hidden.dtype))
+        logits = self.classifier(sums / counts.clamp(min=1)[..., None]).squeeze(-1)
+        logits = logits.masked_fill(counts == 0, torch.finfo(logits.dtype).min)  # sentences with no tokens
+        loss = None
+        if labels is not None:
+            labels = labels[:, :num_sentences].to(logits.dtype)
+            valid = (labels != -100) & (counts > 0)
+            loss = BCEWithLogitsLoss()(logits[valid], labels[valid])
+        return NezhaSentenceExtractionOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
 __all__ = [
     "NezhaForMaskedLM",
     "NezhaForMultipleChoice",
     "NezhaForNextSentencePrediction",
     "NezhaForPreTraining",
     "NezhaForQuestionAnswering",
+    "NezhaForSentenceExtraction",
     "NezhaForSequenceClassification",
     "NezhaForTokenClassification",
     "NezhaForUniLM",

@@ -1,0 +1,286 @@
+"""Long-judgment summarisation: extract sentences with NEZHA over the whole document, then generate.
+
+    summarizer = Summarizer.from_pretrained("my-summarizer/")
+    summaries = summarizer.summarize(read_judgments(["judgments/"]))
+
+Stage 1, `NezhaForSentenceExtraction`, reads the entire judgment in one pass (no 512-token
+windows, unlike SPACES, which encoded one sentence at a time) and scores every sentence. The
+selection keeps sentences whose probability reaches `threshold`, in document order, within a
+token budget for the generator. Stage 2, `NezhaForUniLM`, writes the summary from the selected
+sentences. `train_summarizer` trains both from one CAIL2020 JSONL file (labels from the file, or
+from `oracle_labels` when a record has none); `evaluate_summaries` scores against references.
+"""
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, Trainer, TrainingArguments
+from transformers.utils import logging
+
+from .cail import Judgment, lead, oracle_labels, rouge_scores
+from .modeling_nezha import NezhaForSentenceExtraction, NezhaForUniLM
+from .unilm import UniLMDataCollator, decode_new_tokens, encode_sources
+
+logger = logging.get_logger(__name__)
+EXTRACTOR_DIR, GENERATOR_DIR = "extractor", "generator"
+
+
+# --- stage 1: extraction ---------------------------------------------------------------------
+
+
+def encode_document(tokenizer, sentences: list[str], max_length: int | None = None) -> dict[str, list[int]]:
+    """`[CLS] sentence tokens ... [SEP]` with the sentence index of every token (-1 on special tokens).
+
+    `max_length=None` keeps the whole document (NEZHA has no length cap); otherwise the sentences
+    that do not fit are dropped, with a warning.
+    """
+    input_ids, sentence_ids = [tokenizer.cls_token_id], [-1]
+    for index, sentence in enumerate(sentences):
+        ids = tokenizer(sentence, add_special_tokens=False, verbose=False)["input_ids"] or [tokenizer.unk_token_id]
+        if max_length is not None and len(input_ids) + len(ids) + 1 > max_length:
+            logger.warning(f"Document cut at sentence {index} of {len(sentences)} to fit max_length={max_length}.")
+            break
+        input_ids += ids
+        sentence_ids += [index] * len(ids)
+    return {"input_ids": input_ids + [tokenizer.sep_token_id], "sentence_ids": sentence_ids + [-1]}
+
+
+class ExtractionCollator:
+    """Pads encoded documents (`input_ids`, `sentence_ids`, optional `labels`) into a batch."""
+
+    def __init__(self, tokenizer):
+        self.pad_id = tokenizer.pad_token_id
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        length = max(len(f["input_ids"]) for f in features)
+        batch = {
+            "input_ids": [f["input_ids"] + [self.pad_id] * (length - len(f["input_ids"])) for f in features],
+            "attention_mask": [[1] * len(f["input_ids"]) + [0] * (length - len(f["input_ids"])) for f in features],
+            "sentence_ids": [f["sentence_ids"] + [-1] * (length - len(f["sentence_ids"])) for f in features],
+        }
+        if "labels" in features[0]:
+            sentences = max(len(f["labels"]) for f in features)
+            batch["labels"] = [list(f["labels"]) + [-100] * (sentences - len(f["labels"])) for f in features]
+        return {key: torch.tensor(value) for key, value in batch.items()}
+
+
+def extraction_labels(judgment: Judgment) -> list[int]:
+    """The judgment's own labels, else the greedy oracle's (needs a reference summary)."""
+    if judgment.labels is not None:
+        return list(judgment.labels)
+    if judgment.summary is None:
+        raise ValueError(f"{judgment.id}: no labels and no summary to derive them from.")
+    return oracle_labels(judgment.sentences, judgment.summary)
+
+
+def sentence_probabilities(model, tokenizer, judgments: list[Judgment], batch_size: int = 1,
+                           show_progress: bool = False) -> list[list[float]]:
+    """Extraction probability of every sentence of every judgment (whole documents, one pass each)."""
+    collator, results = ExtractionCollator(tokenizer), []
+    model.eval()
+    for start in tqdm(range(0, len(judgments), batch_size), desc="extracting", disable=not show_progress):
+        chunk = judgments[start : start + batch_size]
+        batch = collator([encode_document(tokenizer, j.sentences) for j in chunk])
+        with torch.no_grad():
+            logits = model(**{k: v.to(model.device) for k, v in batch.items()}).logits.float()
+        for row, judgment in enumerate(chunk):
+            results.append(torch.sigmoid(logits[row, : len(judgment.sentences)]).tolist())
+    return results
+
+
+def select_sentences(probabilities: list[float], sentences: list[str], tokenizer=None, threshold: float = 0.5,
+                     token_budget: int | None = None) -> list[int]:
+    """Indices (document order) of sentences with probability >= `threshold`, at least the best one.
+
+    With `token_budget` (and a tokenizer), the most probable of those are kept until their tokens
+    would exceed the budget: the generator's source length.
+    """
+    ranked = sorted(range(len(probabilities)), key=lambda i: -probabilities[i])
+    chosen = [i for i in ranked if probabilities[i] >= threshold] or ranked[:1]
+    if token_budget is not None:
+        kept, used = [], 0
+        for index in chosen:
+            size = len(tokenizer(sentences[index], add_special_tokens=False, verbose=False)["input_ids"])
+            if used + size > token_budget and kept:
+                break
+            kept.append(index)
+            used += size
+        chosen = kept
+    return sorted(chosen)
+
+
+# --- the two stages together -----------------------------------------------------------------
+
+
+@dataclass
+class Summarizer:
+    """An extractor, a generator and their tokenizer, saved side by side in one folder."""
+
+    extractor: NezhaForSentenceExtraction
+    generator: NezhaForUniLM
+    tokenizer: object
+    threshold: float = 0.5
+    token_budget: int = 1000
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, **settings) -> "Summarizer":
+        """Load `directory/extractor`, `directory/generator` and the tokenizer (in `directory`)."""
+        directory = Path(directory)
+        saved = json.loads((directory / "summarizer.json").read_text()) if (directory / "summarizer.json").exists() else {}
+        return cls(
+            NezhaForSentenceExtraction.from_pretrained(directory / EXTRACTOR_DIR).eval(),
+            NezhaForUniLM.from_pretrained(directory / GENERATOR_DIR).eval(),
+            AutoTokenizer.from_pretrained(directory),
+            **{**saved, **settings},
+        )
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        self.extractor.save_pretrained(directory / EXTRACTOR_DIR)
+        self.generator.save_pretrained(directory / GENERATOR_DIR)
+        self.tokenizer.save_pretrained(directory)
+        (directory / "summarizer.json").write_text(json.dumps({"threshold": self.threshold, "token_budget": self.token_budget}))
+
+    def extract(self, judgments: list[Judgment], show_progress: bool = False) -> list[list[int]]:
+        """Selected sentence indices per judgment."""
+        probabilities = sentence_probabilities(self.extractor, self.tokenizer, judgments, show_progress=show_progress)
+        return [select_sentences(p, j.sentences, self.tokenizer, self.threshold, self.token_budget)
+                for p, j in zip(probabilities, judgments)]
+
+    def summarize(self, judgments: list[Judgment], extract_only: bool = False, batch_size: int = 4,
+                  show_progress: bool = False, **generate_kwargs) -> list[dict]:
+        """One result per judgment: `id`, `extracted` (sentence indices) and `summary`.
+
+        `extract_only=True` returns the extracted sentences as the summary. `generate_kwargs` go to
+        `generate` (default: beam search with 3 beams, up to 512 new tokens, no repeated trigrams).
+        """
+        selections = self.extract(judgments, show_progress)
+        sources = ["".join(j.sentences[i] for i in chosen) for j, chosen in zip(judgments, selections)]
+        if extract_only:
+            summaries = sources
+        else:
+            settings = {"num_beams": 3, "max_new_tokens": 512, "no_repeat_ngram_size": 3,
+                        "eos_token_id": self.tokenizer.sep_token_id, "pad_token_id": self.tokenizer.pad_token_id,
+                        **generate_kwargs}
+            summaries = []
+            for start in tqdm(range(0, len(sources), batch_size), desc="generating", disable=not show_progress):
+                inputs = encode_sources(self.tokenizer, sources[start : start + batch_size], self.token_budget)
+                with torch.no_grad():
+                    sequences = self.generator.generate(**{k: v.to(self.generator.device) for k, v in inputs.items()},
+                                                        **settings)
+                summaries += decode_new_tokens(self.tokenizer, sequences, inputs["input_ids"].shape[1])
+        return [{"id": j.id, "extracted": chosen, "summary": summary}
+                for j, chosen, summary in zip(judgments, selections, summaries)]
+
+
+def train_summarizer(
+    judgments: list[Judgment],
+    base_model: str | Path,
+    output_dir: str | Path,
+    validation_fraction: float = 0.1,
+    extractor_steps: int = 1000,
+    generator_steps: int = 2000,
+    max_length: int = 1024,
+    seed: int = 42,
+    show_progress: bool = True,
+    **training_arguments,
+) -> dict:
+    """Train both stages from judgments with reference summaries; save a `Summarizer` in `output_dir`.
+
+    `base_model` is a NEZHA checkpoint with its tokenizer (masked-LM or converted BERT). The
+    extractor learns the file's labels (or oracle labels); the generator learns to write the
+    summary from the labelled sentences, as in SPACES (at most `max_length` tokens of source plus
+    summary). A `validation_fraction` of the judgments is held out and evaluated after each stage;
+    Trainer checkpoints go to `output_dir/extractor-checkpoints` and `generator-checkpoints`.
+    Returns the validation metrics.
+    """
+    usable = [j for j in judgments if j.summary]
+    if len(usable) < 2:
+        raise ValueError("train_summarizer needs at least two judgments with a reference summary.")
+    order = list(range(len(usable)))
+    random.Random(seed).shuffle(order)
+    held = max(1, round(len(usable) * validation_fraction)) if validation_fraction > 0 else 0
+    validation = [usable[i] for i in order[:held]]
+    train = [usable[i] for i in order[held:]] or validation
+    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    output_dir = Path(output_dir)
+
+    def examples_for_extraction(items):
+        return [{**encode_document(tokenizer, j.sentences), "labels": extraction_labels(j)} for j in items]
+
+    def examples_for_generation(items):
+        return [{"source": "".join(s for s, label in zip(j.sentences, extraction_labels(j)) if label) or lead(j.sentences),
+                 "target": j.summary} for j in items]
+
+    defaults = dict(per_device_train_batch_size=1, learning_rate=5e-5, logging_steps=10, save_steps=500,
+                    save_total_limit=1, report_to=[], seed=seed, disable_tqdm=not show_progress,
+                    remove_unused_columns=False)
+    metrics = {}
+    extractor = NezhaForSentenceExtraction.from_pretrained(base_model)
+    trainer = Trainer(model=extractor, data_collator=ExtractionCollator(tokenizer),
+                      train_dataset=examples_for_extraction(train),
+                      eval_dataset=examples_for_extraction(validation) if validation else None,
+                      args=TrainingArguments(str(output_dir / "extractor-checkpoints"), max_steps=extractor_steps,
+                                             **{**defaults, **training_arguments}))
+    trainer.train()
+    if validation:
+        metrics["extractor_eval_loss"] = trainer.evaluate()["eval_loss"]
+
+    generator = NezhaForUniLM.from_pretrained(base_model)
+    trainer = Trainer(model=generator, data_collator=UniLMDataCollator(tokenizer, max_length=max_length, truncation="middle"),
+                      train_dataset=examples_for_generation(train),
+                      eval_dataset=examples_for_generation(validation) if validation else None,
+                      args=TrainingArguments(str(output_dir / "generator-checkpoints"), max_steps=generator_steps,
+                                             **{**defaults, **training_arguments}))
+    trainer.train()
+    if validation:
+        metrics["generator_eval_loss"] = trainer.evaluate()["eval_loss"]
+    generator.generation_config.eos_token_id = tokenizer.sep_token_id
+    generator.generation_config.pad_token_id = tokenizer.pad_token_id
+    Summarizer(extractor.eval(), generator.eval(), tokenizer, token_budget=max_length // 2).save_pretrained(output_dir)
+    (output_dir / "validation_ids.json").write_text(json.dumps([j.id for j in validation]))
+    return metrics
+
+
+# --- evaluation ------------------------------------------------------------------------------
+
+
+def evaluate_summaries(judgments: list[Judgment], predictions: dict[str, str] | None = None,
+                       units=("char", "word"), lead_count: int = 3) -> dict:
+    """Mean ROUGE-1/2/L F and CAIL score of each system against the references, per tokenisation unit.
+
+    Systems: `lead-N` (floor), `oracle` (greedy oracle extraction: a ceiling for extraction),
+    `labelled` (the file's own labels, when present) and, if given, `predictions` (id -> summary).
+    """
+    scored = [j for j in judgments if j.summary]
+    systems = {f"lead-{lead_count}": {j.id: lead(j.sentences, lead_count) for j in scored},
+               "oracle": {j.id: "".join(s for s, k in zip(j.sentences, oracle_labels(j.sentences, j.summary)) if k)
+                          for j in scored}}
+    if all(j.labels is not None for j in scored):
+        systems["labelled"] = {j.id: "".join(s for s, k in zip(j.sentences, j.labels) if k) for j in scored}
+    if predictions is not None:
+        missing = [j.id for j in scored if j.id not in predictions]
+        if missing:
+            raise ValueError(f"No prediction for {len(missing)} judgment(s), e.g. {missing[:3]}.")
+        systems["predictions"] = {j.id: predictions[j.id] for j in scored}
+    results = {"documents": len(scored), "systems": {}}
+    for name, outputs in systems.items():
+        results["systems"][name] = {}
+        for unit in units:
+            rows = [rouge_scores(outputs[j.id], j.summary, unit) for j in scored]
+            results["systems"][name][unit] = {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]}
+    return results
+
+
+def format_scores(results: dict) -> str:
+    """A Markdown table of `evaluate_summaries` results."""
+    lines = [f"{results['documents']} documents; F scores (`rouge` package); CAIL = 0.2 R1 + 0.4 R2 + 0.4 RL", "",
+             "| system | unit | ROUGE-1 | ROUGE-2 | ROUGE-L | CAIL |", "|---|---|---|---|---|---|"]
+    for name, by_unit in results["systems"].items():
+        for unit, s in by_unit.items():
+            lines.append(f"| {name} | {unit} | {s['rouge-1']:.4f} | {s['rouge-2']:.4f} | {s['rouge-l']:.4f} | {s['cail']:.4f} |")
+    return "\n".join(lines)
