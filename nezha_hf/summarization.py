@@ -220,25 +220,22 @@ def train_summarizer(
                     save_total_limit=1, report_to=[], seed=seed, disable_tqdm=not show_progress,
                     remove_unused_columns=False)
     metrics = {}
-    extractor = NezhaForSentenceExtraction.from_pretrained(base_model)
-    trainer = Trainer(model=extractor, data_collator=ExtractionCollator(tokenizer),
-                      train_dataset=examples_for_extraction(train),
-                      eval_dataset=examples_for_extraction(validation) if validation else None,
-                      args=TrainingArguments(str(output_dir / "extractor-checkpoints"), max_steps=extractor_steps,
-                                             **{**defaults, **training_arguments}))
-    trainer.train()
-    if validation:
-        metrics["extractor_eval_loss"] = trainer.evaluate()["eval_loss"]
 
-    generator = NezhaForUniLM.from_pretrained(base_model)
-    trainer = Trainer(model=generator, data_collator=UniLMDataCollator(tokenizer, max_length=max_length, truncation="middle"),
-                      train_dataset=examples_for_generation(train),
-                      eval_dataset=examples_for_generation(validation) if validation else None,
-                      args=TrainingArguments(str(output_dir / "generator-checkpoints"), max_steps=generator_steps,
-                                             **{**defaults, **training_arguments}))
-    trainer.train()
-    if validation:
-        metrics["generator_eval_loss"] = trainer.evaluate()["eval_loss"]
+    def train_stage(name, model, collator, make_examples, steps):
+        trainer = Trainer(model=model, data_collator=collator, train_dataset=make_examples(train),
+                          eval_dataset=make_examples(validation) if validation else None,
+                          args=TrainingArguments(str(output_dir / f"{name}-checkpoints"), max_steps=steps,
+                                                 **{**defaults, **training_arguments}))
+        trainer.train()
+        if validation:
+            metrics[f"{name}_eval_loss"] = trainer.evaluate()["eval_loss"]
+        return model
+
+    extractor = train_stage("extractor", NezhaForSentenceExtraction.from_pretrained(base_model),
+                            ExtractionCollator(tokenizer), examples_for_extraction, extractor_steps)
+    generator = train_stage("generator", NezhaForUniLM.from_pretrained(base_model),
+                            UniLMDataCollator(tokenizer, max_length=max_length, truncation="middle"),
+                            examples_for_generation, generator_steps)
     generator.generation_config.eos_token_id = tokenizer.sep_token_id
     generator.generation_config.pad_token_id = tokenizer.pad_token_id
     Summarizer(extractor.eval(), generator.eval(), tokenizer, token_budget=max_length // 2).save_pretrained(output_dir)
