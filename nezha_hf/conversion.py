@@ -132,7 +132,7 @@ def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def read_pytorch_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
+def read_pytorch_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a Hugging Face checkpoint directory (safetensors or `.bin`, sharded or not)."""
     directory = Path(directory)
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
@@ -151,7 +151,7 @@ def read_pytorch_checkpoint(directory: str | Path) -> tuple[dict[str, torch.Tens
     state = {}
     for path in files:
         state.update(_read_weight_file(path))
-    return state, files
+    return state
 
 
 def _tf_to_pytorch_name(name: str) -> str:
@@ -427,7 +427,7 @@ def convert_bert(
         The `ConversionReport` (also printed by the CLI and saved as JSON).
     """
     source = Path(source)
-    state, _ = read_pytorch_checkpoint(source)
+    state = read_pytorch_checkpoint(source)
     config_dict = _read_config(source / "config.json")
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)

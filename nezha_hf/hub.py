@@ -11,6 +11,7 @@
 Nothing here touches the network; `push_to_hub` is the only call that does, and only when asked.
 """
 
+import json
 import shutil
 from importlib import resources
 from pathlib import Path
@@ -114,8 +115,6 @@ def export_remote_code(directory: str | Path) -> dict[str, str]:
     Copies the modeling files next to the weights and writes a complete `auto_map` (every Auto
     class NEZHA registers) into `config.json`. Returns the `auto_map`.
     """
-    import json
-
     import nezha_hf
 
     directory = Path(directory)

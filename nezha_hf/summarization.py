@@ -39,8 +39,10 @@ def encode_document(tokenizer, sentences: list[str], max_length: int | None = No
     that do not fit are dropped, with a warning.
     """
     input_ids, sentence_ids = [tokenizer.cls_token_id], [-1]
-    for index, sentence in enumerate(sentences):
-        ids = tokenizer(sentence, add_special_tokens=False, verbose=False)["input_ids"] or [tokenizer.unk_token_id]
+    # One batched tokenizer call for the whole document, not one call per sentence.
+    encoded = tokenizer(sentences, add_special_tokens=False, verbose=False)["input_ids"] if sentences else []
+    for index, ids in enumerate(encoded):
+        ids = ids or [tokenizer.unk_token_id]
         if max_length is not None and len(input_ids) + len(ids) + 1 > max_length:
             logger.warning(f"Document cut at sentence {index} of {len(sentences)} to fit max_length={max_length}.")
             break
@@ -201,20 +203,20 @@ def train_summarizer(
     usable = [j for j in judgments if j.summary]
     if len(usable) < 2:
         raise ValueError("train_summarizer needs at least two judgments with a reference summary.")
-    order = list(range(len(usable)))
-    random.Random(seed).shuffle(order)
-    held = max(1, round(len(usable) * validation_fraction)) if validation_fraction > 0 else 0
-    validation = [usable[i] for i in order[:held]]
-    train = [usable[i] for i in order[held:]] or validation
+    # Labels once per judgment: both stages use them, and oracle labels are costly.
+    labelled = [(j, extraction_labels(j)) for j in usable]
+    random.Random(seed).shuffle(labelled)
+    held = max(1, round(len(labelled) * validation_fraction)) if validation_fraction > 0 else 0
+    validation, train = labelled[:held], labelled[held:] or labelled[:held]
     tokenizer = AutoTokenizer.from_pretrained(base_model)
     output_dir = Path(output_dir)
 
     def examples_for_extraction(items):
-        return [{**encode_document(tokenizer, j.sentences), "labels": extraction_labels(j)} for j in items]
+        return [{**encode_document(tokenizer, j.sentences), "labels": labels} for j, labels in items]
 
     def examples_for_generation(items):
-        return [{"source": "".join(s for s, label in zip(j.sentences, extraction_labels(j)) if label) or lead(j.sentences),
-                 "target": j.summary} for j in items]
+        return [{"source": "".join(s for s, label in zip(j.sentences, labels) if label) or lead(j.sentences),
+                 "target": j.summary} for j, labels in items]
 
     defaults = dict(per_device_train_batch_size=1, learning_rate=5e-5, logging_steps=10, save_steps=500,
                     save_total_limit=1, report_to=[], seed=seed, disable_tqdm=not show_progress,
@@ -239,7 +241,7 @@ def train_summarizer(
     generator.generation_config.eos_token_id = tokenizer.sep_token_id
     generator.generation_config.pad_token_id = tokenizer.pad_token_id
     Summarizer(extractor.eval(), generator.eval(), tokenizer, token_budget=max_length // 2).save_pretrained(output_dir)
-    (output_dir / "validation_ids.json").write_text(json.dumps([j.id for j in validation]))
+    (output_dir / "validation_ids.json").write_text(json.dumps([j.id for j, _ in validation]))
     return metrics
 
 
