@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     summarize.add_argument("--threshold", type=float, help="extraction probability threshold")
     summarize.add_argument("--token-budget", type=int, help="tokens of extracted source given to the generator")
     summarize.add_argument("--num-beams", type=int, default=3)
+    summarize.add_argument("--no-copy-constraint", action="store_true",
+                           help="decode freely even if the generator has a copy head")
     summarize.add_argument("--max-new-tokens", type=int, default=512)
 
     train = sub.add_parser("train-summarizer", help="train the extractor and the generator from CAIL2020 JSONL")
@@ -74,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-length", type=int, default=1024, help="generator source + summary tokens")
     train.add_argument("--learning-rate", type=float, default=5e-5)
     train.add_argument("--save-steps", type=int, default=500)
+    train.add_argument("--copy", action="store_true",
+                       help="SPACES copy mechanism: copy tags trained jointly, copied spans follow source n-grams")
 
     evaluate = sub.add_parser("evaluate", help="ROUGE-1/2/L and CAIL score, over characters and jieba words")
     evaluate.add_argument("data", nargs="+", help="judgments with reference summaries (CAIL2020 JSONL)")
@@ -105,7 +109,8 @@ def _summarize(args) -> None:
     summarizer = Summarizer.from_pretrained(args.model, **settings)
     results = summarizer.summarize(_read_inputs(args.inputs), extract_only=args.extract_only,
                                    batch_size=args.batch_size, show_progress=True, num_beams=args.num_beams,
-                                   max_new_tokens=args.max_new_tokens)
+                                   max_new_tokens=args.max_new_tokens,
+                                   **({"copy_constraint": False} if args.no_copy_constraint else {}))
     if args.output and args.output.endswith(".txt"):
         text = "\n\n".join(f"{r['id']}\n{r['summary']}" for r in results) + "\n"
     else:
@@ -123,7 +128,7 @@ def _train_summarizer(args) -> None:
     metrics = train_summarizer(
         _read_inputs(args.data), args.base, args.output, validation_fraction=args.validation_fraction,
         extractor_steps=args.extractor_steps, generator_steps=args.generator_steps, max_length=args.max_length,
-        learning_rate=args.learning_rate, save_steps=args.save_steps,
+        learning_rate=args.learning_rate, save_steps=args.save_steps, copy_mechanism=args.copy,
     )
     print(f"saved {args.output}; " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
 

@@ -28,6 +28,12 @@ class NezhaConfig(PreTrainedConfig):
         use_cache: return a key/value cache when `is_decoder` is set.
         tie_word_embeddings: tie the masked-LM decoder to the word embeddings (as every NEZHA
             checkpoint does).
+        unilm_copy_tags: give `NezhaForUniLM` the SPACES copy mechanism: a head that tags every
+            next target token 0 (generated), 1 (starts a span copied from the source) or 2
+            (continues that span), trained jointly with `copy_labels`; `generate()` then keeps a
+            copied span on an n-gram of the source.
+        copy_loss_weight: weight of the copy-tag loss added to the language-model loss (SPACES
+            used 2).
 
     Example:
 
@@ -61,6 +67,8 @@ class NezhaConfig(PreTrainedConfig):
     is_decoder: bool = False
     add_cross_attention: bool = False
     tie_word_embeddings: bool = True
+    unilm_copy_tags: bool = False
+    copy_loss_weight: float | int = 2.0
 
     def __post_init__(self, **kwargs):
         # Old releases spell the classes `NeZha*`; the classes here are `Nezha*`.
@@ -83,6 +91,8 @@ class NezhaConfig(PreTrainedConfig):
             )
         if self.max_relative_position < 1:
             raise ValueError(f"max_relative_position must be at least 1, got {self.max_relative_position}.")
+        if self.copy_loss_weight < 0:
+            raise ValueError(f"copy_loss_weight must be non-negative, got {self.copy_loss_weight}.")
         if self.type_vocab_size < 1 or self.vocab_size < 1:
             raise ValueError("vocab_size and type_vocab_size must be positive.")
         if isinstance(self.hidden_act, str) and self.hidden_act not in ACT2FN:

@@ -106,10 +106,11 @@ def long_input_on_v4_checkpoint(tokens: int) -> None:
     print(f"    max |logit difference| between the two implementations: {difference:.2e}")
 
 
-def summarizer_pipeline(workdir: Path, quick: bool = False) -> None:
+def summarizer_pipeline(workdir: Path, quick: bool = False, copy: bool = False) -> None:
     """Step 3: train a toy summariser on two bundled judgments and summarise the third with the CLI.
 
-    `quick` trains for a handful of steps only (the tests use it).
+    `quick` trains for a handful of steps only (the tests use it); `copy` gives the generator the
+    SPACES copy mechanism.
     """
     from transformers import BertTokenizerFast
 
@@ -118,7 +119,7 @@ def summarizer_pipeline(workdir: Path, quick: bool = False) -> None:
 
     judgments = read_judgments([EXAMPLES])
     held_out = min(judgments, key=lambda j: len(j.text))
-    model_dir = workdir / "toy-summarizer"
+    model_dir = workdir / ("toy-summarizer-copy" if copy else "toy-summarizer")
     print(f"[3] Legal summariser: train on {len(judgments) - 1} bundled judgments, summarise {held_out.id} "
           f"({len(held_out.text)} characters)")
     if not (model_dir / "summarizer.json").exists():
@@ -141,7 +142,7 @@ def summarizer_pipeline(workdir: Path, quick: bool = False) -> None:
         cli.main(["train-summarizer", str(train_file), "--base", str(base), "--output", str(model_dir),
                   "--validation-fraction", "0", "--extractor-steps", "2" if quick else "40",
                   "--generator-steps", "4" if quick else "120",
-                  "--learning-rate", "2e-3", "--max-length", "768"])
+                  "--learning-rate", "2e-3", "--max-length", "768", *(["--copy"] if copy else [])])
         print(f"    trained in {time.perf_counter() - start:.0f} s")
     test_file = workdir / "held-out.jsonl"
     test_file.write_text(next(line for line in EXAMPLES.read_text(encoding="utf-8").splitlines()
@@ -159,11 +160,12 @@ def main(argv=None):
     parser.add_argument("--workdir", type=Path, default=Path("demo-output"))
     parser.add_argument("--tokens", type=int, default=4096, help="input length for step 2")
     parser.add_argument("--quick", action="store_true", help="train the step-3 summariser for a few steps only")
+    parser.add_argument("--copy", action="store_true", help="step 3 with the SPACES copy mechanism")
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     convert_real_bert(args.workdir)
     long_input_on_v4_checkpoint(args.tokens)
-    summarizer_pipeline(args.workdir, args.quick)
+    summarizer_pipeline(args.workdir, args.quick, args.copy)
     print(f"peak resident memory of this process: {peak_memory_mb():.0f} MB")
 
 

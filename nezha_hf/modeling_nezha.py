@@ -16,7 +16,7 @@ from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationMixin, LogitsProcessor, LogitsProcessorList
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
@@ -686,6 +686,94 @@ class NezhaForMaskedLM(_LMHeadTying, NezhaPreTrainedModel):
         )
 
 
+COPY_TAGS = ("generated", "copy-start", "copy-continue")
+
+
+@dataclass
+class NezhaUniLMOutput(CausalLMOutputWithCrossAttentions):
+    """Output of `NezhaForUniLM`; `copy_logits` (`[batch, length, 3]`) only with `config.unilm_copy_tags`.
+
+    `copy_logits[:, t]` scores the copy tag of the token at `t + 1`, as `logits[:, t]` scores its id.
+    """
+
+    copy_logits: torch.Tensor | None = None
+
+
+class CopySpanLogitsProcessor(LogitsProcessor):
+    """SPACES copy decoding: a token tagged as copied must continue an n-gram of its source.
+
+    `NezhaForUniLM.generate` adds it when the model has a copy head; a forward hook hands it the
+    copy-tag logits of each step (`read_copy_logits`). For every row, with `n` the length of the
+    current copied span (0 outside one): the tag is the arg-max of the copy logits (2 is not
+    allowed when `n = 0`); tag 0 leaves the scores alone and ends the span; tag 1 starts a span
+    (`n = 1`) and keeps only tokens of the source; tag 2 extends it (`n + 1`) and keeps only the
+    tokens that follow the span's last `n` tokens somewhere in the source. If the span cannot be
+    continued, it restarts as a new span (`n = 1`), as SPACES did; if another processor (e.g.
+    `no_repeat_ngram_size`) has banned every source token, the row decodes freely. Scores of the
+    kept tokens are renormalised among themselves (log-softmax). The span length is kept per
+    generated prefix, so beam search and sampling with several sequences are handled.
+
+    Args:
+        sources: the token ids a copy may come from, one list per batch row before expansion.
+        prompt_length: length of the (padded) prompt; what follows it is the generated target.
+    """
+
+    def __init__(self, sources: list[list[int]], prompt_length: int):
+        if any(not source for source in sources):
+            raise ValueError("Copy decoding needs a non-empty source in every row.")
+        self.sources = [list(source) for source in sources]
+        self.prompt_length = prompt_length
+        self.copy_logits = None
+        self._span_length = {}
+        self._continuations = {}
+
+    def read_copy_logits(self, module, args, output) -> None:
+        """Forward hook: keep the copy-tag logits of the last position."""
+        self.copy_logits = output.copy_logits[:, -1].float()
+
+    def _candidates(self, source_index: int, span: tuple) -> list[int] | None:
+        """Tokens that follow `span` somewhere in the source (every source token for an empty span)."""
+        key = (source_index, len(span))
+        if key not in self._continuations:
+            source, n = self.sources[source_index], len(span)
+            table = {}
+            for start in range(len(source) - n):
+                table.setdefault(tuple(source[start : start + n]), set()).add(source[start + n])
+            self._continuations[key] = {prefix: sorted(tokens) for prefix, tokens in table.items()}
+        return self._continuations[key].get(span)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.copy_logits is None or self.copy_logits.shape[0] != input_ids.shape[0]:
+            raise RuntimeError("CopySpanLogitsProcessor got no copy logits for this step: use NezhaForUniLM.generate.")
+        rows_per_source = input_ids.shape[0] // len(self.sources)
+        constrained = torch.full_like(scores, float("-inf"))
+        for row in range(input_ids.shape[0]):
+            source_index = row // rows_per_source
+            target = tuple(input_ids[row, self.prompt_length :].tolist())
+            span = self._span_length.get((source_index, target[:-1]), 0) if target else 0
+            tag_scores = self.copy_logits[row].clone()
+            if span == 0:
+                tag_scores[2] = float("-inf")
+            tag = int(tag_scores.argmax())
+            span = tag if tag < 2 else span + 1
+            options = [(span, target[len(target) - span + 1 :])] if span > 1 else []
+            options += [(1, ())] if span > 0 else []
+            for option_span, prefix in options:
+                candidates = self._candidates(source_index, prefix)
+                kept = None if candidates is None else scores[row, torch.tensor(candidates, device=scores.device)]
+                if kept is not None and bool((kept > float("-inf")).any()):
+                    # Renormalised over the candidates (as SPACES did): beam search then ranks a copied
+                    # token by its probability given that the token is copied, not below every free one.
+                    constrained[row, candidates] = kept.log_softmax(-1)
+                    span = option_span
+                    break
+            else:
+                span = 0
+                constrained[row] = scores[row]
+            self._span_length[(source_index, target)] = span
+        return constrained
+
+
 class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
     """NEZHA as a UniLM sequence-to-sequence model: one encoder with a prefix mask, and `generate()`.
 
@@ -703,6 +791,13 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
     Left-pad batches. With the KV cache each new token costs O(length). Generation stops at
     `generation_config.eos_token_id`; for a BERT vocabulary that is `tokenizer.sep_token_id`
     (`nezha_hf.unilm.generate_text` sets it, and returns only the new text).
+
+    Copy mechanism (SPACES), with `config.unilm_copy_tags=True`: a linear head predicts, from each
+    position, the copy tag of the next token (0 generated, 1 starts a span copied from the source,
+    2 continues it). Train it with `copy_labels` (`nezha_hf.unilm.copy_tags` derives them from the
+    longest common subsequence of source and target; -100 elsewhere): the loss becomes
+    `lm_loss + config.copy_loss_weight * copy_loss`. `generate()` then applies
+    `CopySpanLogitsProcessor` (turn it off with `copy_constraint=False`).
 
     Example:
 
@@ -723,6 +818,7 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
             logger.warning("NezhaForUniLM builds its own prefix mask: set config.is_decoder=False.")
         self.nezha = NezhaModel(config, add_pooling_layer=False)
         self.cls = NezhaOnlyMLMHead(config)
+        self.copy_head = nn.Linear(config.hidden_size, len(COPY_TAGS)) if config.unilm_copy_tags else None
         self.loss_type = "ForCausalLM"
         self.post_init()
 
@@ -736,15 +832,20 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
         past_key_values: Cache | None = None,
         use_cache: bool | None = None,
         labels: torch.Tensor | None = None,
+        copy_labels: torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithCrossAttentions:
+    ) -> NezhaUniLMOutput:
         r"""
         token_type_ids: 0 on the source (`[CLS] source [SEP]`), 1 on the target. Default: all source
             when there is no cache, all target when continuing from a cache.
         labels: `input_ids` with -100 on the source and padding; shifted inside the loss.
+        copy_labels: copy tag (0, 1, 2) of every target token, -100 where `labels` is -100; shifted
+            like `labels`. Needs `config.unilm_copy_tags`.
         logits_to_keep: compute logits for the last this many positions only (0 = all).
         """
+        if copy_labels is not None and self.copy_head is None:
+            raise ValueError("copy_labels given, but this model has no copy head: set config.unilm_copy_tags=True.")
         batch_size, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         past_length = int(past_key_values.get_seq_length()) if past_key_values is not None else 0
         device = self.nezha.relative_table.device
@@ -773,13 +874,20 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.cls(outputs.last_hidden_state[:, slice_indices, :])
+        hidden = outputs.last_hidden_state[:, slice_indices, :]
+        logits = self.cls(hidden)
+        copy_logits = self.copy_head(hidden) if self.copy_head is not None else None
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithCrossAttentions(
+        if copy_labels is not None:
+            # Same targets as the LM loss, so Trainer's num_items_in_batch normalises both.
+            copy_loss = self.loss_function(copy_logits, copy_labels, vocab_size=len(COPY_TAGS), **kwargs)
+            loss = copy_loss * self.config.copy_loss_weight + (loss if loss is not None else 0)
+        return NezhaUniLMOutput(
             loss=loss,
             logits=logits,
+            copy_logits=copy_logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
@@ -789,11 +897,21 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
         """`GenerationMixin.generate`, with the prompt as the UniLM source.
 
         Without `token_type_ids` every prompt token is source (type 0); generated tokens get type 1.
-        No length cap applies (`config.max_position_embeddings` is ignored). Takes every argument of `transformers` `generate` (greedy, beam search, sampling, streamers).
+        No length cap applies (`config.max_position_embeddings` is ignored). Takes every argument of
+        `transformers` `generate` (greedy, beam search, sampling, streamers), plus `copy_constraint`:
+        with a copy head (`config.unilm_copy_tags`) copied spans are kept on source n-grams
+        (`CopySpanLogitsProcessor`) unless `copy_constraint=False`. The copy source is every
+        attended prompt token except padding, `bos_token_id` and `eos_token_id`.
         """
         prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         if kwargs.get("token_type_ids") is None and prompt is not None:
             kwargs["token_type_ids"] = torch.zeros(prompt.shape[:2], dtype=torch.long, device=prompt.device)
+        copy_constraint = kwargs.pop("copy_constraint", self.copy_head is not None)
+        hook = None
+        if copy_constraint:
+            processor = self._copy_processor(prompt, kwargs)
+            kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), processor])
+            hook = self.register_forward_hook(processor.read_copy_logits)
         # transformers caps lengths at config.max_position_embeddings (512 in v4 configs, which kept
         # it for their position buffers); NEZHA has no such limit.
         kept, self.config.max_position_embeddings = self.config.max_position_embeddings, None
@@ -801,6 +919,24 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
             return super().generate(inputs, *args, **kwargs)
         finally:
             self.config.max_position_embeddings = kept
+            if hook is not None:
+                hook.remove()
+
+    def _copy_processor(self, prompt: torch.Tensor | None, kwargs: dict) -> CopySpanLogitsProcessor:
+        if self.copy_head is None:
+            raise ValueError("copy_constraint=True needs a copy head: set config.unilm_copy_tags=True and train it.")
+        if prompt is None or prompt.dtype != torch.long:
+            raise ValueError("Copy decoding needs the prompt as input_ids (not inputs_embeds).")
+        generation_config = kwargs.get("generation_config") or self.generation_config
+        special = set()
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = kwargs.get(name, getattr(generation_config, name, None))
+            special.update(value if isinstance(value, list) else [] if value is None else [value])
+        attended = kwargs.get("attention_mask")
+        attended = torch.ones_like(prompt, dtype=torch.bool) if attended is None else attended.bool()
+        sources = [[token for token, keep in zip(row.tolist(), keep_row.tolist()) if keep and token not in special]
+                   for row, keep_row in zip(prompt, attended)]
+        return CopySpanLogitsProcessor(sources, prompt.shape[1])
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=1):
         # transformers repeats the last token type; generated tokens are targets.
@@ -1102,6 +1238,7 @@ class NezhaForSentenceExtraction(NezhaPreTrainedModel):
 
 
 __all__ = [
+    "CopySpanLogitsProcessor",
     "NezhaForMaskedLM",
     "NezhaForMultipleChoice",
     "NezhaForNextSentencePrediction",

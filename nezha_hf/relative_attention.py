@@ -38,6 +38,8 @@ logger = logging.get_logger(__name__)
 THREE_REGIONS_MIN_LENGTH = 512
 # Queries per block of the explicit band.
 BAND_BLOCK_SIZE = 64
+# Blocks of the band computed at once in the forward pass: bounds its memory, whatever the length.
+BAND_BLOCKS_PER_CHUNK = 16
 
 _flash_forward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -233,19 +235,25 @@ class _Band:
             torch.arange(self.num_blocks, device=device)[:, None] * self.block + torch.arange(self.window, device=device)
         ).view(-1)
 
+    def chunks(self):
+        """Block ranges of at most `BAND_BLOCKS_PER_CHUNK` blocks covering the band."""
+        return [slice(start, min(start + BAND_BLOCKS_PER_CHUNK, self.num_blocks))
+                for start in range(0, self.num_blocks, BAND_BLOCKS_PER_CHUNK)]
+
     def blocks(self, x: torch.Tensor) -> torch.Tensor:
         """`[.., L, d]` queries -> `[.., blocks, B, d]`."""
         x = _pad_to_blocks(x, self.num_blocks, self.block, dim=-2)
         return x.view(*x.shape[:-2], self.num_blocks, self.block, x.shape[-1])
 
-    def relative_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """`[.., L, 2K+1]` per-query table scores -> the band rows 1 .. 2K-1 as `[.., blocks, B, 2K-1]`."""
-        return self.blocks(x[..., 1 : 2 * self.K])
+    def padded_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """`[.., L, d]` keys or values padded so that every block has its full window."""
+        return _pad_to_blocks(x, self.num_blocks, self.block, dim=-2, left=self.K - 1, right=self.K - 1)
 
-    def windows(self, x: torch.Tensor) -> torch.Tensor:
-        """`[.., L, d]` keys or values -> `[.., blocks, W, d]` (overlapping windows, a copy)."""
-        x = _pad_to_blocks(x, self.num_blocks, self.block, dim=-2, left=self.K - 1, right=self.K - 1)
-        return x.unfold(-2, self.window, self.block).transpose(-1, -2)
+    def windows(self, padded: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
+        """Padded keys or values -> `[.., blocks in part, W, d]` (overlapping windows, a view)."""
+        start, stop, _ = part.indices(self.num_blocks)
+        rows = padded[..., start * self.block : stop * self.block + 2 * self.K - 2, :]
+        return rows.unfold(-2, self.window, self.block).transpose(-1, -2)
 
     def to_relative(self, window_scores: torch.Tensor) -> torch.Tensor:
         """`[.., blocks, B, W]` -> `[.., blocks, B, 2K-1]`."""
@@ -265,14 +273,15 @@ class _Band:
 
     def unblock(self, x: torch.Tensor) -> torch.Tensor:
         """`[.., blocks, B, ...]` -> `[.., L, ...]`."""
-        x = x.reshape(*x.shape[:-3], self.num_blocks * self.block, *x.shape[-1:])
+        x = x.reshape(*x.shape[:-3], -1, *x.shape[-1:])
         return x[..., : self.length, :]
 
-    def scores(self, query, key, query_table_scores, scaling):
-        """Masked band scores `[.., blocks, B, 2K-1]` (key term included, scaled)."""
-        window_scores = torch.matmul(self.blocks(query), self.windows(key).transpose(-1, -2))
-        scores = (self.to_relative(window_scores) + self.relative_blocks(query_table_scores)) * scaling
-        return scores.masked_fill(~self.allowed, float("-inf"))
+    def scores(self, query_blocks, padded_keys, table, scaling, part: slice = slice(None)):
+        """Masked band scores `[.., blocks in part, B, 2K-1]` (key term included, scaled)."""
+        query_blocks = query_blocks[..., part, :, :]
+        window_scores = torch.matmul(query_blocks, self.windows(padded_keys, part).transpose(-1, -2))
+        scores = self.to_relative(window_scores) + torch.matmul(query_blocks, table[1 : 2 * self.K].T)
+        return scores.mul_(scaling).masked_fill_(~self.allowed[..., part, :, :], float("-inf"))
 
 
 def _key_padding(flags: torch.Tensor | None, dtype) -> torch.Tensor | None:
@@ -359,37 +368,45 @@ class _ThreeRegionFunction(torch.autograd.Function):
         tails = [_Tail("left", length, K, mask, query.dtype)]
         if not mask.causal or mask.key_is_source is not None:
             tails.append(_Tail("right", length, K, mask, query.dtype))
+        two_tails = len(tails) == 2
+        keep_left = two_tails and any(ctx.needs_input_grad[:3])  # the backward of two tails needs these
 
-        query_table_scores = torch.matmul(query, table.T)  # [.., L, 2K+1], unscaled
-        band_scores = band.scores(query, key, query_table_scores, scaling)
-        parts_lse = [band.unblock(torch.logsumexp(band_scores, -1, keepdim=True)).squeeze(-1)]
         tail_parts = []
         for tail in tails:
             out, tail_lse = tail.forward(query, key, value, scaling)
             tail_lse = tail.place(tail_lse.unsqueeze(-1), float("-inf")).squeeze(-1)
-            tail_lse = tail_lse + query_table_scores[..., tail.row] * scaling
-            parts_lse.append(tail_lse)
+            tail_lse = tail_lse + torch.matmul(query, table[tail.row]) * scaling
             tail_parts.append((tail, tail.place(out, 0.0), tail_lse))
-        lse = torch.logsumexp(torch.stack(parts_lse), 0)
-        safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # fully masked rows -> output 0
 
-        # Log-sum-exps are float32 even for bfloat16 inputs; probabilities go back to the input dtype.
-        band_probs = torch.exp(band_scores - band.blocks(safe_lse.unsqueeze(-1))).to(query.dtype)
-        output = band.unblock(
-            torch.matmul(band.to_window(band_probs), band.windows(value)) + torch.matmul(band_probs, table[1 : 2 * K])
-        )
-        left_mass = left_values = None
-        for tail, out, tail_lse in tail_parts:
-            mass = torch.exp(tail_lse - safe_lse).unsqueeze(-1).to(query.dtype)
-            weighted_values = torch.where(mass > 0, mass * out, torch.zeros_like(out))
-            output = output + weighted_values + mass * table[tail.row]
-            if tail.side == "left":
-                left_mass, left_values = mass, weighted_values
+        # The band chunk by chunk: its scores never exist for the whole sequence at once.
+        query_blocks, padded_values = band.blocks(query), band.padded_keys(value)
+        padded_keys = band.padded_keys(key)
+        output = torch.empty_like(query)
+        lse = query.new_empty(query.shape[:-1], dtype=torch.promote_types(query.dtype, torch.float32))
+        left_mass = query.new_empty(*query.shape[:-1], 1) if keep_left else None
+        left_values = torch.empty_like(query) if keep_left else None
+        for part in band.chunks():
+            rows = slice(part.start * band.block, min(part.stop * band.block, length))
+            count = rows.stop - rows.start
+            band_scores = band.scores(query_blocks, padded_keys, table, scaling, part)
+            band_lse = torch.logsumexp(band_scores, -1).flatten(-2)[..., :count]
+            # Log-sum-exps are float32 even for bfloat16 inputs; probabilities go back to the input dtype.
+            chunk_lse = torch.logsumexp(torch.stack([band_lse.to(lse.dtype), *(t[2][..., rows] for t in tail_parts)]), 0)
+            safe_lse = torch.where(torch.isinf(chunk_lse), torch.zeros_like(chunk_lse), chunk_lse)  # masked rows -> 0
+            block_lse = nn.functional.pad(safe_lse, (0, band_scores.shape[-3] * band.block - count))
+            band_probs = torch.exp(band_scores - block_lse.view(*band_scores.shape[:-1], 1)).to(query.dtype)
+            chunk = torch.matmul(band.to_window(band_probs), band.windows(padded_values, part))
+            chunk = band.unblock(chunk.add_(torch.matmul(band_probs, table[1 : 2 * K])))[..., :count, :]
+            for tail, out, tail_lse in tail_parts:
+                mass = torch.exp(tail_lse[..., rows] - safe_lse).unsqueeze(-1).to(query.dtype)
+                weighted_values = torch.where(mass > 0, mass * out[..., rows, :], torch.zeros_like(chunk))
+                chunk = chunk + weighted_values + mass * table[tail.row]
+                if keep_left and tail.side == "left":
+                    left_mass[..., rows, :], left_values[..., rows, :] = mass, weighted_values
+            output[..., rows, :] = chunk
+            lse[..., rows] = chunk_lse
 
-        two_tails = len(tails) == 2
-        ctx.save_for_backward(
-            query, key, value, table, output, lse, left_mass if two_tails else None, left_values if two_tails else None
-        )
+        ctx.save_for_backward(query, key, value, table, output, lse, left_mass, left_values)
         ctx.band, ctx.tails, ctx.scaling = band, tails, scaling
         return output
 
@@ -404,25 +421,24 @@ class _ThreeRegionFunction(torch.autograd.Function):
         row_dot = (grad_output * output).sum(-1)  # D_i = dO_i . O_i
 
         # Band: recompute the probabilities, then the usual attention backward in the relative layout.
-        query_table_scores = torch.matmul(query, table.T)
-        band_scores = band.scores(query, key, query_table_scores, scaling)
+        query_blocks, padded_keys, padded_values = band.blocks(query), band.padded_keys(key), band.padded_keys(value)
+        band_scores = band.scores(query_blocks, padded_keys, table, scaling)
         band_probs = torch.exp(band_scores - band.blocks(safe_lse.unsqueeze(-1))).to(query.dtype)
         grad_blocks = band.blocks(grad_output)
-        grad_table_scores = torch.matmul(grad_output, table.T)  # dO_i . T[p]
-        grad_probs = band.to_relative(torch.matmul(grad_blocks, band.windows(value).transpose(-1, -2)))
-        grad_probs = grad_probs + band.relative_blocks(grad_table_scores)
+        grad_probs = band.to_relative(torch.matmul(grad_blocks, band.windows(padded_values).transpose(-1, -2)))
+        grad_probs = grad_probs + torch.matmul(grad_blocks, table[1 : 2 * K].T)  # dO_i . T[p]
         grad_scores = band_probs * (grad_probs - band.blocks(row_dot.unsqueeze(-1)))  # dL/ds, before the scale
         grad_scores_window = band.to_window(grad_scores)
         grad_query = scaling * band.unblock(
-            torch.matmul(grad_scores_window, band.windows(key)) + torch.matmul(grad_scores, table[1 : 2 * K])
+            torch.matmul(grad_scores_window, band.windows(padded_keys)) + torch.matmul(grad_scores, table[1 : 2 * K])
         )
-        grad_key = scaling * band.fold(torch.matmul(grad_scores_window.transpose(-1, -2), band.blocks(query)))
+        grad_key = scaling * band.fold(torch.matmul(grad_scores_window.transpose(-1, -2), query_blocks))
         grad_value = band.fold(torch.matmul(band.to_window(band_probs).transpose(-1, -2), grad_blocks))
 
         # Tails: the stock fused backward with out' = O - T[row] and lse' = LSE - c is exact
         # (it reads `out` only through rowsum(dO * out)); its gradients already include the scale.
         for tail in tails:
-            constant = query_table_scores[..., tail.row] * scaling
+            constant = torch.matmul(query, table[tail.row]) * scaling
             shifted_lse = torch.where(fully_masked, torch.full_like(lse, float("inf")), lse - constant)
             dq, dk, dv = tail.backward(grad_output, query, key, value, output - table[tail.row], shifted_lse, scaling)
             grad_query = grad_query + tail.place(dq, 0.0)
@@ -437,7 +453,7 @@ class _ThreeRegionFunction(torch.autograd.Function):
             grad_query = grad_query - scaling * band_sum * table[0]
         else:
             left_sum = (grad_output * left_values).sum(-1, keepdim=True) + left_mass * (
-                grad_table_scores[..., :1] - row_dot.unsqueeze(-1)
+                torch.matmul(grad_output, table[:1].T) - row_dot.unsqueeze(-1)
             )
             grad_query = grad_query + scaling * (left_sum * table[0] - (band_sum + left_sum) * table[2 * K])
         return grad_query, grad_key, grad_value, None, None, None, None

@@ -187,6 +187,7 @@ def train_summarizer(
     extractor_steps: int = 1000,
     generator_steps: int = 2000,
     max_length: int = 1024,
+    copy_mechanism: bool = False,
     seed: int = 42,
     show_progress: bool = True,
     **training_arguments,
@@ -198,6 +199,8 @@ def train_summarizer(
     summary from the labelled sentences, as in SPACES (at most `max_length` tokens of source plus
     summary). A `validation_fraction` of the judgments is held out and evaluated after each stage;
     Trainer checkpoints go to `output_dir/extractor-checkpoints` and `generator-checkpoints`.
+    `copy_mechanism=True` gives the generator the SPACES copy head (`unilm_copy_tags`), trained
+    jointly on `copy_tags` labels; its `generate()` then keeps copied spans on source n-grams.
     Returns the validation metrics.
     """
     usable = [j for j in judgments if j.summary]
@@ -235,11 +238,13 @@ def train_summarizer(
 
     extractor = train_stage("extractor", NezhaForSentenceExtraction.from_pretrained(base_model),
                             ExtractionCollator(tokenizer), examples_for_extraction, extractor_steps)
-    generator = train_stage("generator", NezhaForUniLM.from_pretrained(base_model),
-                            UniLMDataCollator(tokenizer, max_length=max_length, truncation="middle"),
+    generator = train_stage("generator", NezhaForUniLM.from_pretrained(base_model, unilm_copy_tags=copy_mechanism),
+                            UniLMDataCollator(tokenizer, max_length=max_length, truncation="middle",
+                                              copy_labels=copy_mechanism),
                             examples_for_generation, generator_steps)
     generator.generation_config.eos_token_id = tokenizer.sep_token_id
     generator.generation_config.pad_token_id = tokenizer.pad_token_id
+    generator.generation_config.bos_token_id = tokenizer.cls_token_id  # never a copy candidate
     Summarizer(extractor.eval(), generator.eval(), tokenizer, token_budget=max_length // 2).save_pretrained(output_dir)
     (output_dir / "validation_ids.json").write_text(json.dumps([j.id for j, _ in validation]))
     return metrics

@@ -5,11 +5,16 @@ and 1 on `target [SEP]`, and labels equal to the ids on the target part (-100 el
 the pair is longer than `max_length` the target is kept (cut only if it alone does not fit) and
 the source is cut, from its end (`truncation="end"`) or from its middle, keeping its head and
 tail (`truncation="middle"`; judgments put the parties first and the decision last).
+
+For the SPACES copy mechanism (`NezhaConfig(unilm_copy_tags=True)`), `copy_tags` labels each
+target token as generated (0), starting a copied span (1) or continuing one (2), and
+`tokenize_pair(..., copy_labels=True)` / `UniLMDataCollator(..., copy_labels=True)` add them.
 """
 
 import re
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 TRUNCATION_MODES = ("end", "middle")
@@ -43,6 +48,39 @@ def _ids(tokenizer, text_or_ids) -> list[int]:
     return list(text_or_ids)
 
 
+def copy_tags(source_ids: Sequence[int], target_ids: Sequence[int]) -> list[int]:
+    """SPACES copy tags of the target tokens: 0 generated, 1 starts a copied span, 2 continues one.
+
+    The target tokens of one longest common subsequence of source and target are the copied ones;
+    a copied token continues a span when it follows the previous copied token in both the source
+    and the target, otherwise it starts one. Among equally long subsequences the one ending latest
+    in the source is taken (SPACES' backtracking).
+
+    >>> copy_tags([1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 8, 6])
+    [0, 1, 2, 2, 0, 1]
+    """
+    source, target = np.asarray(source_ids), np.asarray(target_ids)
+    # table[t, i] = length of the LCS of target[:t] and source[:i]; one vectorised row per target token.
+    table = np.zeros((len(target) + 1, len(source) + 1), dtype=np.int32)
+    for t in range(1, len(target) + 1):
+        matched = np.where(source == target[t - 1], table[t - 1, :-1] + 1, 0)
+        table[t, 1:] = np.maximum.accumulate(np.maximum(table[t - 1, 1:], matched))
+    pairs, t, i = [], len(target), len(source)
+    while t > 0 and i > 0:
+        if source[i - 1] == target[t - 1] and table[t, i] == table[t - 1, i - 1] + 1:
+            pairs.append((i - 1, t - 1))
+            t, i = t - 1, i - 1
+        elif table[t - 1, i] >= table[t, i - 1]:
+            t -= 1
+        else:
+            i -= 1
+    tags, previous = [0] * len(target), (-2, -2)
+    for i, t in reversed(pairs):
+        tags[t] = 2 if (i, t) == (previous[0] + 1, previous[1] + 1) else 1
+        previous = (i, t)
+    return tags
+
+
 def tokenize_pair(
     tokenizer,
     source: str | Sequence[int],
@@ -50,6 +88,7 @@ def tokenize_pair(
     max_length: int | None = 1024,
     max_target_length: int | None = None,
     truncation: str = "end",
+    copy_labels: bool = False,
 ) -> dict[str, list[int]]:
     """Build one UniLM training example.
 
@@ -61,9 +100,11 @@ def tokenize_pair(
         max_target_length: cap on the target tokens; by default the target is cut only when it
             leaves no room for a single source token.
         truncation: `"end"` or `"middle"`, how the source is shortened.
+        copy_labels: also return `copy_labels`, the `copy_tags` of `target [SEP]` against the
+            (shortened) source, -100 on the source part.
 
     Returns:
-        `input_ids`, `token_type_ids`, `labels` (lists of equal length).
+        `input_ids`, `token_type_ids`, `labels` (and `copy_labels`), lists of equal length.
     """
     _check_truncation(truncation)
     source_ids, target_ids = _ids(tokenizer, source), _ids(tokenizer, target)
@@ -77,11 +118,14 @@ def tokenize_pair(
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     source_part = [cls, *source_ids, sep]
     target_part = [*target_ids, sep]
-    return {
+    example = {
         "input_ids": source_part + target_part,
         "token_type_ids": [0] * len(source_part) + [1] * len(target_part),
         "labels": [-100] * len(source_part) + target_part,
     }
+    if copy_labels:
+        example["copy_labels"] = [-100] * len(source_part) + copy_tags(source_ids, target_ids) + [0]
+    return example
 
 
 class UniLMDataCollator:
@@ -89,8 +133,9 @@ class UniLMDataCollator:
 
     Each feature is either `{"source": ..., "target": ...}` (text or token ids; tokenised with
     `tokenize_pair` and the truncation settings given here) or an already tokenised
-    `{"input_ids", "token_type_ids", "labels"}`. Returns tensors `input_ids`, `attention_mask`,
-    `token_type_ids`, `labels` (-100 on padding).
+    `{"input_ids", "token_type_ids", "labels"}` (plus `copy_labels`). Returns tensors `input_ids`,
+    `attention_mask`, `token_type_ids`, `labels` (-100 on padding), and `copy_labels` when
+    `copy_labels=True` (for a model with `config.unilm_copy_tags`).
 
     Example:
 
@@ -108,8 +153,10 @@ class UniLMDataCollator:
         max_target_length: int | None = None,
         truncation: str = "end",
         pad_to_multiple_of: int | None = None,
+        copy_labels: bool = False,
     ):
         _check_truncation(truncation)
+        self.copy_labels = copy_labels
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.max_target_length = max_target_length
@@ -117,16 +164,17 @@ class UniLMDataCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def encode(self, feature: dict) -> dict[str, list[int]]:
-        """One feature as `input_ids`, `token_type_ids`, `labels` lists."""
+        """One feature as `input_ids`, `token_type_ids`, `labels` (and `copy_labels`) lists."""
         if "source" in feature:
             return tokenize_pair(
                 self.tokenizer, feature["source"], feature["target"], self.max_length, self.max_target_length,
-                self.truncation,
+                self.truncation, self.copy_labels,
             )
-        missing = {"input_ids", "token_type_ids", "labels"} - set(feature)
+        needed = ["input_ids", "token_type_ids", "labels"] + (["copy_labels"] if self.copy_labels else [])
+        missing = set(needed) - set(feature)
         if missing:
-            raise ValueError(f"A UniLM feature needs source/target or input_ids/token_type_ids/labels; missing {sorted(missing)}.")
-        return {key: list(feature[key]) for key in ("input_ids", "token_type_ids", "labels")}
+            raise ValueError(f"A UniLM feature needs source/target or {'/'.join(needed)}; missing {sorted(missing)}.")
+        return {key: list(feature[key]) for key in needed}
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         encoded = [self.encode(feature) for feature in features]
@@ -134,6 +182,8 @@ class UniLMDataCollator:
         if self.pad_to_multiple_of:
             length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
         pad_values = {"input_ids": self.tokenizer.pad_token_id, "token_type_ids": 1, "labels": -100, "attention_mask": 0}
+        if self.copy_labels:
+            pad_values["copy_labels"] = -100
         batch = {key: [] for key in pad_values}
         for example in encoded:
             example = {**example, "attention_mask": [1] * len(example["input_ids"])}
@@ -202,6 +252,7 @@ def generate_text(
 __all__ = [
     "TRUNCATION_MODES",
     "UniLMDataCollator",
+    "copy_tags",
     "cut_source",
     "decode_new_tokens",
     "encode_sources",

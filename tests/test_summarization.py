@@ -140,7 +140,9 @@ def test_cli_trains_summarizes_and_evaluates_end_to_end(tmp_path, tokenizer):
         return done
 
     cli("train-summarizer", data, "--base", base, "--output", tmp_path / "model", "--extractor-steps", 30,
-        "--generator-steps", 30, "--learning-rate", 3e-3, "--max-length", 256)
+        "--generator-steps", 30, "--learning-rate", 3e-3, "--max-length", 256, "--copy")
+    generator_config = json.loads((tmp_path / "model" / "generator" / "config.json").read_text())
+    assert generator_config["unilm_copy_tags"] is True  # the SPACES copy head was trained and is used below
     inputs = tmp_path / "inputs"
     inputs.mkdir()
     (inputs / "a.txt").write_text("原告起诉被告。判决被告还钱。", encoding="utf-8")

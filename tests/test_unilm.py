@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, TextStreamer
 
 import nezha_hf
 from nezha_hf import NezhaForMaskedLM, NezhaForUniLM
-from nezha_hf.unilm import UniLMDataCollator, cut_source, encode_sources, generate_text, tokenize_pair
+from nezha_hf.unilm import UniLMDataCollator, copy_tags, cut_source, encode_sources, generate_text, tokenize_pair
 
 CLS, SEP, PAD = 2, 3, 0
 
@@ -348,3 +348,217 @@ def test_generation_is_not_capped_at_max_position_embeddings():
     out = model.generate(input_ids, eos_token_id=SEP, pad_token_id=PAD, min_new_tokens=20)
     assert out.shape[1] == 600 + 20  # transformers' default of 20 new tokens
     assert model.config.max_position_embeddings == 512
+
+
+# --- the SPACES copy mechanism ---------------------------------------------------------------
+
+
+def lcs_length(a, b):
+    """Plain dynamic programming, the textbook recurrence."""
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        current = [0]
+        for j, y in enumerate(b):
+            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
+        previous = current
+    return previous[-1]
+
+
+def is_subsequence(needle, haystack):
+    remaining = iter(haystack)
+    return all(token in remaining for token in needle)
+
+
+def test_copy_tags_hand_example_and_properties():
+    assert copy_tags([1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 8, 6]) == [0, 1, 2, 2, 0, 1]
+    assert copy_tags([7, 8], [8, 7, 8]) == [0, 1, 2]
+    assert copy_tags([], [1, 2]) == [0, 0] and copy_tags([1], []) == []
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        source = torch.randint(0, 6, (int(torch.randint(0, 15, (1,), generator=generator)),), generator=generator).tolist()
+        target = torch.randint(0, 6, (int(torch.randint(0, 15, (1,), generator=generator)),), generator=generator).tolist()
+        tags = copy_tags(source, target)
+        copied = [token for token, tag in zip(target, tags) if tag]
+        assert len(copied) == lcs_length(source, target)
+        assert is_subsequence(copied, source)
+        assert not tags or tags[0] != 2  # a span starts with 1
+        spans, current = [], []
+        for token, tag in zip(target, tags):
+            if tag != 2 and current:
+                spans.append(current)
+                current = []
+            if tag:
+                current.append(token)
+        spans += [current] if current else []
+        for span in spans:  # a span is a contiguous piece of the source
+            assert any(source[i : i + len(span)] == span for i in range(len(source))), (source, target, tags)
+
+
+def copy_unilm(seed=0, **overrides):
+    model = tiny_unilm(seed, unilm_copy_tags=True, **overrides)
+    with torch.no_grad():  # a decisive random tagger, so every tag gets used
+        model.copy_head.weight.normal_(0, 1.0)
+        model.copy_head.bias.copy_(torch.tensor([0.0, 0.0, 2.0]))
+    return model
+
+
+def test_copy_loss_is_lm_loss_plus_weighted_tag_cross_entropy():
+    model = copy_unilm(copy_loss_weight=2.0)
+    batch = unilm_batch([6, 9], 5)
+    generator = torch.Generator().manual_seed(1)
+    copy_labels = torch.randint(0, 3, batch["labels"].shape, generator=generator).masked_fill(batch["labels"] == -100, -100)
+    with_copy = model(**batch, copy_labels=copy_labels, num_items_in_batch=torch.tensor(7))
+    plain = model(**batch, num_items_in_batch=torch.tensor(7))
+    expected_tag_loss = torch.nn.functional.cross_entropy(
+        with_copy.copy_logits[:, :-1].reshape(-1, 3), copy_labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+    ) / 7
+    torch.testing.assert_close(with_copy.loss, plain.loss + 2.0 * expected_tag_loss)
+
+
+def reference_copy_decode(model, source, max_new_tokens):
+    """SPACES greedy copy decoding, one full forward per step (no cache)."""
+    sequence, span, tags_used = [CLS, *source, SEP], 0, []
+    for _ in range(max_new_tokens):
+        types = [0] * (len(source) + 2) + [1] * (len(sequence) - len(source) - 2)
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([sequence]), token_type_ids=torch.tensor([types]))
+        scores, tag_scores = out.logits[0, -1], out.copy_logits[0, -1].clone()
+        if span == 0:
+            tag_scores[2] = float("-inf")
+        tag = int(tag_scores.argmax())
+        tags_used.append(tag)
+        span = tag if tag < 2 else span + 1
+        target = sequence[len(source) + 2 :]
+        allowed = None
+        if span > 1:
+            prefix = target[len(target) - span + 1 :]
+            allowed = {source[i + len(prefix)] for i in range(len(source) - len(prefix)) if source[i : i + len(prefix)] == prefix}
+            if not allowed:
+                span = 1
+        if span == 1:
+            allowed = set(source)
+        if allowed is not None:
+            scores = torch.where(torch.isin(torch.arange(len(scores)), torch.tensor(sorted(allowed))), scores, float("-inf"))
+        sequence.append(int(scores.argmax()))
+        if sequence[-1] == SEP:
+            break
+    return sequence[len(source) + 2 :], tags_used
+
+
+def test_copy_decoding_matches_the_spaces_reference_loop():
+    model = copy_unilm()
+    prompts, input_ids, attention_mask = left_padded_prompts([9, 14], vocab=30)
+    generated = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=12, eos_token_id=SEP,
+                               pad_token_id=PAD, do_sample=False)
+    all_tags = set()
+    for row, prompt in enumerate(prompts):
+        expected, tags = reference_copy_decode(model, prompt[1:-1], 12)
+        all_tags.update(tags)
+        got = generated[row, input_ids.shape[1] :].tolist()
+        assert got[: len(expected)] == expected
+    assert all_tags == {0, 1, 2}  # the comparison exercised generation, span starts and continuations
+    free = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=12, eos_token_id=SEP,
+                          pad_token_id=PAD, do_sample=False, copy_constraint=False)
+    assert not torch.equal(free, generated)
+
+
+@pytest.mark.parametrize("decoding", [dict(do_sample=False), dict(num_beams=3), dict(do_sample=True, num_return_sequences=2)])
+def test_copied_spans_continue_source_ngrams(decoding):
+    """A tagger that always copies: each generated token follows its predecessor in the source."""
+    model = tiny_unilm(0, unilm_copy_tags=True)
+    with torch.no_grad():
+        model.copy_head.weight.zero_()
+        model.copy_head.bias.copy_(torch.tensor([0.0, 5.0, 10.0]))  # start a span, then always continue
+    sources = [list(range(10, 40)), list(range(40, 60))]  # distinct tokens: every continuation is unique
+    input_ids = torch.tensor([[PAD] * 10 + [CLS, *sources[0][:20], SEP], [PAD] * 10 + [CLS, *sources[1], SEP]])
+    input_ids[0, 10:] = torch.tensor([CLS, *sources[0], SEP])
+    attention_mask = (input_ids != PAD).long()
+    torch.manual_seed(0)
+    out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, eos_token_id=SEP,
+                         pad_token_id=PAD, **decoding)
+    rows_per_source = out.shape[0] // 2
+    for row, generated in enumerate(out[:, input_ids.shape[1] :].tolist()):
+        source = sources[row // rows_per_source]
+        assert all(token in source for token in generated)
+        for before, after in zip(generated, generated[1:]):
+            # continue the source, or restart after its last token (nothing follows it)
+            assert after == before + 1 or before == source[-1], generated
+
+
+def test_copy_constraint_gives_way_to_no_repeat_ngram():
+    """When no_repeat_ngram_size bans every source token, the row decodes freely instead of breaking."""
+    model = tiny_unilm(0, unilm_copy_tags=True)
+    with torch.no_grad():
+        model.copy_head.weight.zero_()
+        model.copy_head.bias.copy_(torch.tensor([0.0, 5.0, 10.0]))
+    input_ids = torch.tensor([[CLS, 10, 11, 12, SEP]])
+    for decoding in (dict(do_sample=False), dict(num_beams=2)):
+        out = model.generate(input_ids, max_new_tokens=12, min_new_tokens=12, eos_token_id=SEP, pad_token_id=PAD,
+                             no_repeat_ngram_size=2, **decoding)[0, 5:].tolist()
+        assert len(out) == 12
+        bigrams = list(zip(out, out[1:]))
+        assert len(bigrams) == len(set(bigrams))  # only 3x3 bigrams of source tokens exist: some are free
+
+
+def test_copy_head_errors_are_clear():
+    plain = tiny_unilm()
+    batch = unilm_batch([4], 3)
+    with pytest.raises(ValueError, match="unilm_copy_tags"):
+        plain(**batch, copy_labels=batch["labels"])
+    with pytest.raises(ValueError, match="copy head"):
+        plain.generate(batch["input_ids"][:, :6], copy_constraint=True, max_new_tokens=2)
+    with pytest.raises(Exception, match="copy_loss_weight"):  # huggingface_hub wraps the ValueError
+        tiny_config(unilm_copy_tags=True, copy_loss_weight=-1)
+    model = copy_unilm()
+    with pytest.raises(ValueError, match="input_ids"):
+        model.generate(inputs_embeds=torch.randn(1, 5, model.config.hidden_size), max_new_tokens=2)
+
+
+def test_tokenize_pair_and_collator_add_copy_labels(tokenizer):
+    example = tokenize_pair(tokenizer, "原告起诉被告", "被告起诉", copy_labels=True)
+    source_part = 1 + 6 + 1
+    assert example["copy_labels"][:source_part] == [-100] * source_part
+    assert example["copy_labels"][source_part:] == copy_tags(
+        tokenizer("原告起诉被告", add_special_tokens=False)["input_ids"],
+        tokenizer("被告起诉", add_special_tokens=False)["input_ids"]) + [0]
+    batch = UniLMDataCollator(tokenizer, copy_labels=True)([{"source": "原告", "target": "原告"},
+                                                           {"source": "原告起诉被告", "target": "被告"}])
+    assert batch["copy_labels"].tolist()[0] == [-100] * 4 + [1, 2, 0] + [-100] * 4
+    assert ((batch["copy_labels"] == -100) == (batch["labels"] == -100)).all()
+
+
+def test_copy_head_learns_tags_jointly_and_constrained_decoding_copies():
+    """Target = source tokens 2..4, then a fixed token: copy tags 1 2 2 0 0."""
+    torch.manual_seed(0)
+    vocab, marker = 24, 4
+    model = NezhaForUniLM(tiny_config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      max_relative_position=16, unilm_copy_tags=True))
+    generator = torch.Generator().manual_seed(0)
+
+    def examples(count):
+        rows = []
+        for source in torch.randint(5, vocab, (count, 6), generator=generator).tolist():
+            target = [*source[1:4], marker]
+            rows.append({"input_ids": [CLS, *source, SEP, *target, SEP], "token_type_ids": [0] * 8 + [1] * 5,
+                         "labels": [-100] * 8 + [*target, SEP], "copy_labels": [-100] * 8 + copy_tags(source, target) + [0]})
+        return rows
+
+    def collate(rows):
+        return {key: torch.tensor([row[key] for row in rows]) for key in rows[0]}
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(500):
+        loss = model(**collate(examples(32))).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    held_out = collate(examples(64))
+    with torch.no_grad():
+        predicted = model(**held_out).copy_logits[:, :-1].argmax(-1)
+    wanted = held_out["copy_labels"][:, 1:]
+    assert (predicted == wanted)[wanted != -100].float().mean() > 0.9
+    generated = model.generate(held_out["input_ids"][:, :8], max_new_tokens=5, eos_token_id=SEP, pad_token_id=PAD)
+    correct = (generated[:, 8:11] == held_out["input_ids"][:, 2:5]).all(1).float().mean()
+    assert correct >= 0.75, generated
