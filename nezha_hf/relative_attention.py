@@ -183,12 +183,11 @@ def gather_relative_attention(
 # ----------------------------------------------------------------------------------------------
 
 
-def _pad_to_blocks(tensor: torch.Tensor, num_blocks: int, block: int, dim: int, left: int = 0, right: int = 0):
-    """Pad `dim` with `left` entries before and enough after to hold `num_blocks * block + left + right`."""
-    length = tensor.shape[dim]
-    pad_after = num_blocks * block + right - length
-    pad = [0, 0] * (tensor.dim() - 1 - (dim % tensor.dim())) + [left, pad_after]
-    return nn.functional.pad(tensor, pad)
+def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows `start .. stop - 1` of `[.., L, d]`, with zeros for the rows outside `0 .. L - 1`."""
+    length = x.shape[-2]
+    inside = x[..., max(start, 0) : min(stop, length), :]
+    return nn.functional.pad(inside, (0, 0, max(0, -start), max(0, stop - length)))
 
 
 class _Band:
@@ -240,20 +239,17 @@ class _Band:
         return [slice(start, min(start + BAND_BLOCKS_PER_CHUNK, self.num_blocks))
                 for start in range(0, self.num_blocks, BAND_BLOCKS_PER_CHUNK)]
 
-    def blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """`[.., L, d]` queries -> `[.., blocks, B, d]`."""
-        x = _pad_to_blocks(x, self.num_blocks, self.block, dim=-2)
-        return x.view(*x.shape[:-2], self.num_blocks, self.block, x.shape[-1])
-
-    def padded_keys(self, x: torch.Tensor) -> torch.Tensor:
-        """`[.., L, d]` keys or values padded so that every block has its full window."""
-        return _pad_to_blocks(x, self.num_blocks, self.block, dim=-2, left=self.K - 1, right=self.K - 1)
-
-    def windows(self, padded: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
-        """Padded keys or values -> `[.., blocks in part, W, d]` (overlapping windows, a view)."""
+    def blocks(self, x: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
+        """`[.., L, d]` queries -> the blocks in `part` as `[.., blocks, B, d]`."""
         start, stop, _ = part.indices(self.num_blocks)
-        rows = padded[..., start * self.block : stop * self.block + 2 * self.K - 2, :]
-        return rows.unfold(-2, self.window, self.block).transpose(-1, -2)
+        x = _rows(x, start * self.block, stop * self.block)
+        return x.view(*x.shape[:-2], stop - start, self.block, x.shape[-1])
+
+    def windows(self, x: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
+        """`[.., L, d]` keys or values -> the windows of the blocks in `part`, `[.., blocks, W, d]`."""
+        start, stop, _ = part.indices(self.num_blocks)
+        x = _rows(x, start * self.block - (self.K - 1), stop * self.block + self.K - 1)
+        return x.unfold(-2, self.window, self.block).transpose(-1, -2)
 
     def to_relative(self, window_scores: torch.Tensor) -> torch.Tensor:
         """`[.., blocks, B, W]` -> `[.., blocks, B, 2K-1]`."""
@@ -276,10 +272,10 @@ class _Band:
         x = x.reshape(*x.shape[:-3], -1, *x.shape[-1:])
         return x[..., : self.length, :]
 
-    def scores(self, query_blocks, padded_keys, table, scaling, part: slice = slice(None)):
-        """Masked band scores `[.., blocks in part, B, 2K-1]` (key term included, scaled)."""
-        query_blocks = query_blocks[..., part, :, :]
-        window_scores = torch.matmul(query_blocks, self.windows(padded_keys, part).transpose(-1, -2))
+    def scores(self, query, key, table, scaling, part: slice = slice(None)):
+        """Masked band scores of the blocks in `part`, `[.., blocks, B, 2K-1]` (key term included, scaled)."""
+        query_blocks = self.blocks(query, part)
+        window_scores = torch.matmul(query_blocks, self.windows(key, part).transpose(-1, -2))
         scores = self.to_relative(window_scores) + torch.matmul(query_blocks, table[1 : 2 * self.K].T)
         return scores.mul_(scaling).masked_fill_(~self.allowed[..., part, :, :], float("-inf"))
 
@@ -330,6 +326,19 @@ class _Tail:
         pad = x.new_full(pad_shape, fill)
         return torch.cat([pad, x], -2) if self.side == "left" else torch.cat([x.flip(-2), pad], -2)
 
+    def take(self, x, start: int, stop: int, fill):
+        """Per-query tail values `[.., n, *]` of query positions `start .. stop - 1`, `fill` where the tail has none."""
+        if self.side == "left":
+            first = max(start, self.K)
+            inside = x[..., first - self.K : max(stop - self.K, 0), :]
+            pad = (first - start, 0) if stop > self.K else (stop - start, 0)
+        else:
+            end = self.length - self.K
+            last = min(stop, end)
+            inside = x[..., max(end - last, 0) : max(end - start, 0), :].flip(-2)
+            pad = (0, stop - last) if start < end else (0, stop - start)
+        return nn.functional.pad(inside, (0, 0, *pad), value=fill)
+
     def place_keys(self, x):
         """Key gradients `[.., n, d]` back at key positions `[.., L, d]`."""
         pad = x.new_zeros(*x.shape[:-2], self.K, x.shape[-1])
@@ -374,32 +383,35 @@ class _ThreeRegionFunction(torch.autograd.Function):
         tail_parts = []
         for tail in tails:
             out, tail_lse = tail.forward(query, key, value, scaling)
-            tail_lse = tail.place(tail_lse.unsqueeze(-1), float("-inf")).squeeze(-1)
-            tail_lse = tail_lse + torch.matmul(query, table[tail.row]) * scaling
-            tail_parts.append((tail, tail.place(out, 0.0), tail_lse))
+            tail_parts.append((tail, out, tail_lse.unsqueeze(-1)))  # read chunk by chunk below, never copied whole
 
-        # The band chunk by chunk: its scores never exist for the whole sequence at once.
-        query_blocks, padded_values = band.blocks(query), band.padded_keys(value)
-        padded_keys = band.padded_keys(key)
-        output = torch.empty_like(query)
+        # The band chunk by chunk: its scores never exist for the whole sequence at once. The output
+        # is laid out as [batch, L, heads, d], what the caller reshapes it to, so that costs no copy.
+        output = query.new_empty(query.shape[0], length, query.shape[1], query.shape[-1]).transpose(1, 2)
         lse = query.new_empty(query.shape[:-1], dtype=torch.promote_types(query.dtype, torch.float32))
         left_mass = query.new_empty(*query.shape[:-1], 1) if keep_left else None
         left_values = torch.empty_like(query) if keep_left else None
         for part in band.chunks():
             rows = slice(part.start * band.block, min(part.stop * band.block, length))
             count = rows.stop - rows.start
-            band_scores = band.scores(query_blocks, padded_keys, table, scaling, part)
+            band_scores = band.scores(query, key, table, scaling, part)
             band_lse = torch.logsumexp(band_scores, -1).flatten(-2)[..., :count]
+            tails_lse = [
+                tail.take(tail_lse, rows.start, rows.stop, float("-inf")).squeeze(-1)
+                + torch.matmul(query[..., rows, :], table[tail.row]) * scaling
+                for tail, _, tail_lse in tail_parts
+            ]
             # Log-sum-exps are float32 even for bfloat16 inputs; probabilities go back to the input dtype.
-            chunk_lse = torch.logsumexp(torch.stack([band_lse.to(lse.dtype), *(t[2][..., rows] for t in tail_parts)]), 0)
+            chunk_lse = torch.logsumexp(torch.stack([band_lse.to(lse.dtype), *tails_lse]), 0)
             safe_lse = torch.where(torch.isinf(chunk_lse), torch.zeros_like(chunk_lse), chunk_lse)  # masked rows -> 0
             block_lse = nn.functional.pad(safe_lse, (0, band_scores.shape[-3] * band.block - count))
             band_probs = torch.exp(band_scores - block_lse.view(*band_scores.shape[:-1], 1)).to(query.dtype)
-            chunk = torch.matmul(band.to_window(band_probs), band.windows(padded_values, part))
+            chunk = torch.matmul(band.to_window(band_probs), band.windows(value, part))
             chunk = band.unblock(chunk.add_(torch.matmul(band_probs, table[1 : 2 * K])))[..., :count, :]
-            for tail, out, tail_lse in tail_parts:
-                mass = torch.exp(tail_lse[..., rows] - safe_lse).unsqueeze(-1).to(query.dtype)
-                weighted_values = torch.where(mass > 0, mass * out[..., rows, :], torch.zeros_like(chunk))
+            for (tail, out, _), tail_lse in zip(tail_parts, tails_lse):
+                mass = torch.exp(tail_lse - safe_lse).unsqueeze(-1).to(query.dtype)
+                out = tail.take(out, rows.start, rows.stop, 0.0)
+                weighted_values = torch.where(mass > 0, mass * out, torch.zeros_like(chunk))
                 chunk = chunk + weighted_values + mass * table[tail.row]
                 if keep_left and tail.side == "left":
                     left_mass[..., rows, :], left_values[..., rows, :] = mass, weighted_values
@@ -421,18 +433,17 @@ class _ThreeRegionFunction(torch.autograd.Function):
         row_dot = (grad_output * output).sum(-1)  # D_i = dO_i . O_i
 
         # Band: recompute the probabilities, then the usual attention backward in the relative layout.
-        query_blocks, padded_keys, padded_values = band.blocks(query), band.padded_keys(key), band.padded_keys(value)
-        band_scores = band.scores(query_blocks, padded_keys, table, scaling)
+        band_scores = band.scores(query, key, table, scaling)
         band_probs = torch.exp(band_scores - band.blocks(safe_lse.unsqueeze(-1))).to(query.dtype)
         grad_blocks = band.blocks(grad_output)
-        grad_probs = band.to_relative(torch.matmul(grad_blocks, band.windows(padded_values).transpose(-1, -2)))
+        grad_probs = band.to_relative(torch.matmul(grad_blocks, band.windows(value).transpose(-1, -2)))
         grad_probs = grad_probs + torch.matmul(grad_blocks, table[1 : 2 * K].T)  # dO_i . T[p]
         grad_scores = band_probs * (grad_probs - band.blocks(row_dot.unsqueeze(-1)))  # dL/ds, before the scale
         grad_scores_window = band.to_window(grad_scores)
         grad_query = scaling * band.unblock(
-            torch.matmul(grad_scores_window, band.windows(padded_keys)) + torch.matmul(grad_scores, table[1 : 2 * K])
+            torch.matmul(grad_scores_window, band.windows(key)) + torch.matmul(grad_scores, table[1 : 2 * K])
         )
-        grad_key = scaling * band.fold(torch.matmul(grad_scores_window.transpose(-1, -2), query_blocks))
+        grad_key = scaling * band.fold(torch.matmul(grad_scores_window.transpose(-1, -2), band.blocks(query)))
         grad_value = band.fold(torch.matmul(band.to_window(band_probs).transpose(-1, -2), grad_blocks))
 
         # Tails: the stock fused backward with out' = O - T[row] and lse' = LSE - c is exact
@@ -498,7 +509,5 @@ def three_region_attention(
         )
         return output, None
     table = _relative_table(relative_table, query.dtype)
-    output = _ThreeRegionFunction.apply(
-        query.contiguous(), key.contiguous(), value.contiguous(), table, mask, module.max_relative_position, scaling
-    )
+    output = _ThreeRegionFunction.apply(query, key, value, table, mask, module.max_relative_position, scaling)
     return output.transpose(1, 2).contiguous(), None

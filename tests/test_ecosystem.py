@@ -314,7 +314,7 @@ def test_fsdp_no_split_modules_name_real_layers():
 
 
 ACCELERATE_SCRIPT = """
-import hashlib, sys, torch
+import hashlib, os, sys, torch
 sys.path.insert(0, {tests!r})
 from test_ecosystem import ListDataset, head_batch, VOCAB
 from conftest import tiny_config
@@ -329,7 +329,10 @@ args = TrainingArguments(output_dir={out!r}, per_device_train_batch_size=2, max_
 trainer = Trainer(model=model, args=args, train_dataset=ListDataset(head_batch(NezhaForSequenceClassification, rows=16)))
 trainer.train()
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-print(f"rank {{trainer.args.process_index}} of {{trainer.args.world_size}} weights {{digest}}", flush=True)
+# One file per rank: two ranks printing to one pipe can interleave their lines.
+os.makedirs({out!r}, exist_ok=True)
+with open(f"{out}/rank{{trainer.args.process_index}}.txt", "w") as report:
+    report.write(f"rank {{trainer.args.process_index}} of {{trainer.args.world_size}} weights {{digest}}")
 # Shut gloo down before exit: left running, its threads can abort the interpreter at teardown.
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
@@ -347,6 +350,6 @@ def test_accelerate_two_processes_end_with_identical_weights(tmp_path):
         capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    lines = [path.read_text() for path in sorted((tmp_path / "out").glob("rank*.txt"))]
     assert len(lines) == 2 and {line.split()[3] for line in lines} == {"2"}
     assert len({line.split()[-1] for line in lines}) == 1, lines

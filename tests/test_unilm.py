@@ -470,8 +470,7 @@ def test_copied_spans_continue_source_ngrams(decoding):
         model.copy_head.weight.zero_()
         model.copy_head.bias.copy_(torch.tensor([0.0, 5.0, 10.0]))  # start a span, then always continue
     sources = [list(range(10, 40)), list(range(40, 60))]  # distinct tokens: every continuation is unique
-    input_ids = torch.tensor([[PAD] * 10 + [CLS, *sources[0][:20], SEP], [PAD] * 10 + [CLS, *sources[1], SEP]])
-    input_ids[0, 10:] = torch.tensor([CLS, *sources[0], SEP])
+    input_ids = torch.tensor([[CLS, *sources[0], SEP], [PAD] * 10 + [CLS, *sources[1], SEP]])  # left-padded
     attention_mask = (input_ids != PAD).long()
     torch.manual_seed(0)
     out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, eos_token_id=SEP,
