@@ -33,9 +33,9 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-# Below this many tokens the gather formulation is faster than three regions on CPU
-# (`benchmarks/attention.py` measures the crossover).
-THREE_REGIONS_MIN_LENGTH = 512
+# Up to 512 tokens the gather formulation is faster on CPU (`benchmarks/results/attention-all-lengths.md`,
+# 512 tokens: gather 1.14x BERT, three regions 1.37x); longer inputs use three regions.
+THREE_REGIONS_MIN_LENGTH = 513
 # Queries per block of the explicit band.
 BAND_BLOCK_SIZE = 64
 # Blocks of the band computed at once in the forward pass: bounds its memory, whatever the length.

@@ -51,7 +51,7 @@ def left_padded_prompts(lengths, vocab=99, seed=1):
 # --- the prefix mask -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("source_length", [12, 700])  # the gather path, and three regions (>= 512 tokens)
+@pytest.mark.parametrize("source_length", [12, 700])  # the gather path, and three regions (> 512 tokens)
 def test_prefix_mask_matches_independent_reference(source_length):
     model = tiny_unilm()
     batch = unilm_batch([source_length, source_length - 5], target_length=9)
