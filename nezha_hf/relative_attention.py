@@ -320,14 +320,15 @@ class _Tail:
     def keys(self, x):
         return x[..., : self.length - self.K, :] if self.side == "left" else x[..., self.K :, :].flip(-2)
 
-    def place(self, x, fill):
-        """Put per-query tail values `[.., n, *]` back at their query positions `[.., L, *]`."""
-        pad_shape = (*x.shape[:-2], self.K, x.shape[-1])
-        pad = x.new_full(pad_shape, fill)
-        return torch.cat([pad, x], -2) if self.side == "left" else torch.cat([x.flip(-2), pad], -2)
+    def constant(self, query, table, scaling):
+        """The tail's per-query key term `c_i = q_i . T[row] * scale` for the given query rows."""
+        return torch.matmul(query, table[self.row]) * scaling
 
     def take(self, x, start: int, stop: int, fill):
-        """Per-query tail values `[.., n, *]` of query positions `start .. stop - 1`, `fill` where the tail has none."""
+        """Per-query tail values `[.., n, *]` at query positions `start .. stop - 1` (`fill` where the tail has none).
+
+        `take(x, 0, length, fill)` puts them all back at their query positions.
+        """
         if self.side == "left":
             first = max(start, self.K)
             inside = x[..., first - self.K : max(stop - self.K, 0), :]
@@ -377,8 +378,7 @@ class _ThreeRegionFunction(torch.autograd.Function):
         tails = [_Tail("left", length, K, mask, query.dtype)]
         if not mask.causal or mask.key_is_source is not None:
             tails.append(_Tail("right", length, K, mask, query.dtype))
-        two_tails = len(tails) == 2
-        keep_left = two_tails and any(ctx.needs_input_grad[:3])  # the backward of two tails needs these
+        keep_left = len(tails) == 2 and any(ctx.needs_input_grad[:3])  # the backward of two tails needs these
 
         tail_parts = []
         for tail in tails:
@@ -398,7 +398,7 @@ class _ThreeRegionFunction(torch.autograd.Function):
             band_lse = torch.logsumexp(band_scores, -1).flatten(-2)[..., :count]
             tails_lse = [
                 tail.take(tail_lse, rows.start, rows.stop, float("-inf")).squeeze(-1)
-                + torch.matmul(query[..., rows, :], table[tail.row]) * scaling
+                + tail.constant(query[..., rows, :], table, scaling)
                 for tail, _, tail_lse in tail_parts
             ]
             # Log-sum-exps are float32 even for bfloat16 inputs; probabilities go back to the input dtype.
@@ -449,10 +449,10 @@ class _ThreeRegionFunction(torch.autograd.Function):
         # Tails: the stock fused backward with out' = O - T[row] and lse' = LSE - c is exact
         # (it reads `out` only through rowsum(dO * out)); its gradients already include the scale.
         for tail in tails:
-            constant = torch.matmul(query, table[tail.row]) * scaling
+            constant = tail.constant(query, table, scaling)
             shifted_lse = torch.where(fully_masked, torch.full_like(lse, float("inf")), lse - constant)
             dq, dk, dv = tail.backward(grad_output, query, key, value, output - table[tail.row], shifted_lse, scaling)
-            grad_query = grad_query + tail.place(dq, 0.0)
+            grad_query = grad_query + tail.take(dq, 0, tail.length, 0.0)
             grad_key = grad_key + tail.place_keys(dk)
             grad_value = grad_value + tail.place_keys(dv)
 
