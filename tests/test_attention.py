@@ -96,6 +96,32 @@ def test_three_regions_gradcheck_float64(mode, monkeypatch_module):
     assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in (q, k, v)))
 
 
+@pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
+@pytest.mark.parametrize("length,K", [(41, 9), (41, 4), (13, 12)])
+def test_band_windows_and_chunks(mode, length, K, monkeypatch_module, monkeypatch):
+    # Blocks of 4 queries: band windows reach up to 3 blocks on each side, and the band runs in
+    # several chunks of 3 blocks; the batch mixes padded and unpadded sequences.
+    monkeypatch.setattr(ra, "BAND_BLOCK_SIZE", 4)
+    monkeypatch.setattr(ra, "BAND_BLOCKS_PER_CHUNK", 3)
+    q, k, v, mask, allowed = make_case(3, 2, length, 8, K, mode, [length, 7, length - 2], torch.float32, seed=5)
+    check_against_reference(q, k, v, mask, allowed, K, atol=1e-5)
+
+
+def test_band_rotary_identity_far_from_the_start():
+    # The band's key term is (M(a_i) q) . E_j; it must equal q . T[j - i + K] at large positions too,
+    # where float32 angles would be off by 1e-3 (the angles are computed in float64).
+    K, size = 64, 64
+    table = ra.sinusoid_relative_table(K, size).double()
+    band = ra._Band(20000, K, ra.RelativeAttentionMask(), size, torch.device("cpu"))
+    q = torch.randn(1, size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for i in (0, 5000, 19990):
+        rotated = ra._reflect(q, [r[0] for r in band._query_rotation(slice(i, i + 1), torch.float64)])
+        for j in (max(i - K + 1, 0), i, i + K - 1):
+            sin, cos = band._angles(torch.tensor([j]))
+            rotary = torch.stack((cos, sin), -1).flatten(-2)[0, 0]
+            torch.testing.assert_close(rotated[0] @ rotary, q[0] @ table[j - i + K], atol=1e-5, rtol=0)
+
+
 def test_three_regions_is_used(monkeypatch_module, monkeypatch):
     calls = []
     original = ra._ThreeRegionFunction.apply
