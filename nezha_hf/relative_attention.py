@@ -294,8 +294,8 @@ class _Band:
         signed_sin = torch.stack((sin, -sin), -1).flatten(-2)
         return signed_sin.to(dtype), cos.repeat_interleave(2, -1).to(dtype)
 
-    def _queries(self, x, part: range, plan: dict, rotation=None):
-        """Query side `[x, M x]` (`[x, 0]` without `rotation`) of the blocks in `part`, as `[N, H, S, 2d]`."""
+    def _queries(self, x, plan: dict, rotation=None):
+        """Query side `[x, M x]` (`[x, 0]` without `rotation`) of the chunk's blocks, as `[N, H, S, 2d]`."""
         rows = plan["rows"]
         extra = None if rotation is None else lambda rows_x, target: _reflect(rows_x, rotation, out=target)
         buffer = self._buffer(x, rows.start - self.reach * self.block, plan["per_sequence"], rows, extra)
@@ -303,16 +303,9 @@ class _Band:
         blocks = buffer[self.reach * self.block : (self.reach + windows) * self.block]
         return blocks.view(windows, self.block, *buffer.shape[1:]).transpose(1, 2)
 
-    def _first_key(self, part: range) -> int:
-        return (part.start - self.reach) * self.block
-
-    def _key_rows(self, part: range) -> slice:
-        """Key positions the windows of `part` cover."""
-        return slice(max(self._first_key(part), 0), min((part.stop + self.reach) * self.block, self.length))
-
-    def _keys(self, x, part: range, plan: dict):
-        """Key side `[x, E]` of the blocks in `part`, as overlapping windows `[N, H, W, 2d]` (a view, no copy)."""
-        buffer = self._buffer(x, self._first_key(part), plan["per_sequence"], self._key_rows(part), plan["key_rotary"])
+    def _keys(self, x, plan: dict):
+        """Key side `[x, E]` of the chunk's windows, as overlapping windows `[N, H, W, 2d]` (a view, no copy)."""
+        buffer = self._buffer(x, plan["first_key"], plan["per_sequence"], plan["keys"], plan["key_rotary"])
         return buffer.unfold(0, self.window, self.block).permute(0, 1, 3, 2)
 
     def _unblock(self, x: torch.Tensor, plan: dict) -> torch.Tensor:
@@ -332,7 +325,8 @@ class _Band:
         """Masks and rotations of the chunk `part` (computed once, then reused by every layer)."""
         key = (part.start, batch, dtype)
         if key not in self._plans:
-            rows, keys = self.rows(part), self._key_rows(part)
+            rows, first_key = self.rows(part), (part.start - self.reach) * self.block
+            keys = slice(max(first_key, 0), min((part.stop + self.reach) * self.block, self.length))
             per_sequence, windows = self._layout(batch, part)
             allowed = self._allowed(part, self.frequency.device)
             sin, cos = self._angles(torch.arange(keys.start, keys.stop, device=self.frequency.device))
@@ -340,6 +334,8 @@ class _Band:
                 per_sequence=per_sequence,
                 rows=rows,
                 count=rows.stop - rows.start,
+                first_key=first_key,
+                keys=keys,  # key positions the windows cover
                 mask=self._mask(allowed, batch, per_sequence, windows, dtype),
                 has_keys=allowed.any(-1).flatten(1)[:, None, : rows.stop - rows.start],
                 rotation=self._query_rotation(rows, dtype),
@@ -354,9 +350,9 @@ class _Band:
         """
         plan, size = self._plan(part, query.shape[0], query.dtype), query.shape[-1]
         out, lse = _flash_forward(
-            self._queries(query, part, plan, plan["rotation"]),
-            self._keys(key, part, plan),
-            self._keys(value, part, plan),
+            self._queries(query, plan, plan["rotation"]),
+            self._keys(key, plan),
+            self._keys(value, plan),
             0.0,
             False,
             attn_mask=plan["mask"],
@@ -376,12 +372,12 @@ class _Band:
         plan, size = self._plan(part, query.shape[0], query.dtype), query.shape[-1]
         # The kernel uses `out` only through rowsum(dO' * out'); with out' = [O, 0] that is dO . O.
         grad_query, grad_key, grad_value = _flash_backward(
-            self._queries(grad_output, part, plan, plan["rotation"]),
-            self._queries(query, part, plan, plan["rotation"]),
-            self._keys(key, part, plan),
-            self._keys(value, part, plan),
-            self._queries(output, part, plan),
-            self._queries(lse[..., None], part, plan)[..., 0].contiguous(),
+            self._queries(grad_output, plan, plan["rotation"]),
+            self._queries(query, plan, plan["rotation"]),
+            self._keys(key, plan),
+            self._keys(value, plan),
+            self._queries(output, plan),
+            self._queries(lse[..., None], plan)[..., 0].contiguous(),
             0.0,
             False,
             attn_mask=plan["mask"],
@@ -390,20 +386,20 @@ class _Band:
         grad_query = self._unblock(grad_query, plan)
         rotation = [r.transpose(0, 1) for r in plan["rotation"]]
         grad_query = _reflect(grad_query[..., size:], rotation).add_(grad_query[..., :size])
-        keys = self._key_rows(part)
-        offset = keys.start - self._first_key(part)
-        fold = lambda windows: self._fold(windows[..., :size], plan["per_sequence"], offset, keys)  # noqa: E731
-        return grad_query, fold(grad_key), fold(grad_value), keys
+        fold = lambda windows: self._fold(windows[..., :size], plan)  # noqa: E731
+        return grad_query, fold(grad_key), fold(grad_value), plan["keys"]
 
-    def _fold(self, windows: torch.Tensor, per_sequence: int, offset: int, keys: slice) -> torch.Tensor:
-        """Overlap-add window gradients `[N, H, W, d]` back to the key positions `keys`, `[B, H, keys, d]`."""
+    def _fold(self, windows: torch.Tensor, plan: dict) -> torch.Tensor:
+        """Overlap-add window gradients `[N, H, W, d]` back to the chunk's key positions, `[B, H, keys, d]`."""
         S, count, heads, size = self.block, windows.shape[0], windows.shape[1], windows.shape[-1]
+        per_sequence, keys = plan["per_sequence"], plan["keys"]
         batch = (count + 2 * self.reach) // per_sequence
         windows = windows.transpose(1, 2)  # [N, W, H, d]
         buffer = windows.new_zeros(batch * per_sequence * S, heads, size)
         for piece in range(2 * self.reach + 1):
             buffer[piece * S : (piece + count) * S] += windows[:, piece * S : (piece + 1) * S].reshape(-1, heads, size)
         buffer = buffer.view(batch, per_sequence * S, heads, size)
+        offset = keys.start - plan["first_key"]
         return buffer[:, offset : offset + keys.stop - keys.start].transpose(1, 2)
 
 

@@ -1,0 +1,98 @@
+"""Where the time of one three-region attention call goes, against one SDPA call of the same size.
+
+    python benchmarks/attention_parts.py --length 2048
+
+One attention layer's worth of heads (batch 1, 12 heads, head size 64, K = 64, float32, no mask).
+Each line is the median of `--repeats` runs of: PyTorch's SDPA (what BERT uses), the two tails'
+fused-kernel calls, the band (all its chunks), and the whole three-region function, forward and
+backward separately. The backward lines reuse the forward's saved state, as autograd does.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nezha_hf import relative_attention as ra  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    length, heads, size, K, scale = args.length, 12, 64, 64, 64**-0.5
+    torch.manual_seed(0)
+    # [batch, heads, L, d] views of [batch, L, heads, d], as the model passes them.
+    query, key, value = (torch.randn(1, length, heads, size).transpose(1, 2) for _ in range(3))
+    grad = torch.randn(1, heads, length, size)
+    table = ra.sinusoid_relative_table(K, size)
+    mask = ra.RelativeAttentionMask()
+    band = ra._Band(length, K, mask, size, query.device)
+    tails = [ra._Tail(side, length, K, mask, query.dtype) for side in ("left", "right")]
+    lse = torch.zeros(1, heads, length)
+
+    def tails_forward():
+        return [tail.forward(query, key, value, scale) for tail in tails]
+
+    def tails_backward():
+        for tail in tails:
+            tail.backward(grad, query, key, value, grad, lse, scale)
+
+    def band_forward():
+        return [band.forward(query, key, value, scale, part) for part in band.chunks()]
+
+    def band_backward():
+        return [band.backward(grad, query, key, value, grad, lse, scale, part) for part in band.chunks()]
+
+    def three_regions_forward():
+        return ra._ThreeRegionFunction.apply(query, key, value, table, mask, K, scale)
+
+    leaves = [t.detach().requires_grad_() for t in (query, key, value)]
+
+    def three_regions_forward_backward():
+        ra._ThreeRegionFunction.apply(*leaves, table, ra.RelativeAttentionMask(), K, scale).backward(grad)
+
+    def sdpa_forward():
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value)
+
+    def sdpa_forward_backward():
+        torch.nn.functional.scaled_dot_product_attention(*leaves).backward(grad)
+
+    no_grad = torch.no_grad()
+    cases = {
+        ("forward", "SDPA"): no_grad(sdpa_forward),
+        ("forward", "tails (two causal kernel calls)"): no_grad(tails_forward),
+        ("forward", "band (kernel on windows)"): no_grad(band_forward),
+        ("forward", "three regions (all, with merging)"): no_grad(three_regions_forward),
+        ("backward", "tails"): no_grad(tails_backward),
+        ("backward", "band"): no_grad(band_backward),
+        ("forward+backward", "SDPA"): sdpa_forward_backward,
+        ("forward+backward", "three regions"): three_regions_forward_backward,
+    }
+    samples = {case: [] for case in cases}
+    for fn in cases.values():  # warm-up
+        fn()
+    for _ in range(args.repeats):  # round robin, so a slow spell of the machine hits every case alike
+        for case, fn in cases.items():
+            start = time.perf_counter()
+            fn()
+            samples[case].append(time.perf_counter() - start)
+    ms = {case: 1e3 * statistics.median(values) for case, values in samples.items()}
+    ms[("backward", "SDPA (forward+backward - forward)")] = ms[("forward+backward", "SDPA")] - ms[("forward", "SDPA")]
+
+    print(f"L = {length}, {heads} heads, head size {size}, K = {K}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; median of {args.repeats} (ms)")
+    for section in ("forward", "backward", "forward+backward"):
+        reference = next(value for (part, name), value in ms.items() if part == section and name.startswith("SDPA"))
+        for (part, name), value in sorted(ms.items(), key=lambda item: not item[0][1].startswith("SDPA")):
+            if part == section:
+                print(f"{section:17s} {name:36s} {value:8.1f}   {value / reference:5.2f}x SDPA")
+
+
+if __name__ == "__main__":
+    main()
