@@ -50,6 +50,11 @@ if not FUSED_KERNEL_AVAILABLE:
     logger.info("PyTorch has no fused CPU attention kernel returning log-sum-exp: NEZHA uses the gather path.")
 
 
+def _sinusoid_frequencies(head_size: int) -> torch.Tensor:
+    """The table's angular frequencies `w_m = 10000^(-2m / head_size)`, in float32 as transformers 4.x computed them."""
+    return torch.exp(torch.arange(0, head_size, 2).float() * (-math.log(10000.0) / head_size))
+
+
 def sinusoid_relative_table(max_relative_position: int, head_size: int) -> torch.Tensor:
     """The fixed `(2K + 1) x head_size` table `T`, computed exactly as transformers 4.x did (float32).
 
@@ -57,7 +62,7 @@ def sinusoid_relative_table(max_relative_position: int, head_size: int) -> torch
     """
     num_rows = 2 * max_relative_position + 1
     position = torch.arange(num_rows, dtype=torch.int64).float().unsqueeze(1)
-    div_term = torch.exp(torch.arange(0, head_size, 2).float() * (-math.log(10000.0) / head_size))
+    div_term = _sinusoid_frequencies(head_size)
     table = torch.zeros(num_rows, head_size)
     table[:, 0::2] = torch.sin(position * div_term)
     table[:, 1::2] = torch.cos(position * div_term)
@@ -184,11 +189,6 @@ def gather_relative_attention(
 # ----------------------------------------------------------------------------------------------
 # Three regions: band + two fused-kernel tails, exact forward and backward, linear memory.
 # ----------------------------------------------------------------------------------------------
-
-
-def _sinusoid_frequencies(head_size: int) -> torch.Tensor:
-    """The table's angular frequencies `w_m = 10000^(-2m / head_size)`, in float32 as transformers 4.x computed them."""
-    return torch.exp(torch.arange(0, head_size, 2).float() * (-math.log(10000.0) / head_size))
 
 
 def _reflect(x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None = None):
