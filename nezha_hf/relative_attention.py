@@ -101,7 +101,7 @@ class RelativeAttentionMask:
     key_is_source: torch.Tensor | None = None
     query_offset: int = 0
     _additive: dict = field(default_factory=dict, repr=False, compare=False)
-    _bands: dict = field(default_factory=dict, repr=False, compare=False)
+    _regions: dict = field(default_factory=dict, repr=False, compare=False)
 
     def allowed(self, query_length: int, key_length: int, device) -> torch.Tensor | None:
         """Dense `[batch or 1, 1, query_length, key_length]` bool mask, or None if everything is visible."""
@@ -259,11 +259,6 @@ class _Band:
             allowed = allowed & key_flag(mask.key_is_valid)
         return allowed if allowed.dim() == 4 else allowed[None]
 
-    def _layout(self, batch: int, part: range):
-        """Blocks per sequence in the end-to-end buffer (`P`) and the number of windows (`N`)."""
-        per_sequence = len(part) + 2 * self.reach
-        return per_sequence, batch * per_sequence - 2 * self.reach
-
     def _buffer(self, x, first: int, per_sequence: int, rows: slice, extra) -> torch.Tensor:
         """`[B, H, L, d]` -> zero buffer `[B * P * S, H, 2d]` in which row `r` of a sequence is position `first + r`.
 
@@ -299,9 +294,8 @@ class _Band:
         rows = plan["rows"]
         extra = None if rotation is None else lambda rows_x, target: _reflect(rows_x, rotation, out=target)
         buffer = self._buffer(x, rows.start - self.reach * self.block, plan["per_sequence"], rows, extra)
-        windows = buffer.shape[0] // self.block - 2 * self.reach
-        blocks = buffer[self.reach * self.block : (self.reach + windows) * self.block]
-        return blocks.view(windows, self.block, *buffer.shape[1:]).transpose(1, 2)
+        blocks = buffer[self.reach * self.block : (self.reach + plan["windows"]) * self.block]
+        return blocks.view(plan["windows"], self.block, *buffer.shape[1:]).transpose(1, 2)
 
     def _keys(self, x, plan: dict):
         """Key side `[x, E]` of the chunk's windows, as overlapping windows `[N, H, W, 2d]` (a view, no copy)."""
@@ -327,11 +321,14 @@ class _Band:
         if key not in self._plans:
             rows, first_key = self.rows(part), (part.start - self.reach) * self.block
             keys = slice(max(first_key, 0), min((part.stop + self.reach) * self.block, self.length))
-            per_sequence, windows = self._layout(batch, part)
+            per_sequence = len(part) + 2 * self.reach  # blocks per sequence in the end-to-end buffer (P)
+            windows = batch * per_sequence - 2 * self.reach  # N
             allowed = self._allowed(part, self.frequency.device)
             sin, cos = self._angles(torch.arange(keys.start, keys.stop, device=self.frequency.device))
             self._plans[key] = dict(
+                batch=batch,
                 per_sequence=per_sequence,
+                windows=windows,
                 rows=rows,
                 count=rows.stop - rows.start,
                 first_key=first_key,
@@ -391,14 +388,13 @@ class _Band:
 
     def _fold(self, windows: torch.Tensor, plan: dict) -> torch.Tensor:
         """Overlap-add window gradients `[N, H, W, d]` back to the chunk's key positions, `[B, H, keys, d]`."""
-        S, count, heads, size = self.block, windows.shape[0], windows.shape[1], windows.shape[-1]
-        per_sequence, keys = plan["per_sequence"], plan["keys"]
-        batch = (count + 2 * self.reach) // per_sequence
+        S, count, heads, size = self.block, plan["windows"], windows.shape[1], windows.shape[-1]
+        keys = plan["keys"]
         windows = windows.transpose(1, 2)  # [N, W, H, d]
-        buffer = windows.new_zeros(batch * per_sequence * S, heads, size)
+        buffer = windows.new_zeros(plan["batch"] * plan["per_sequence"] * S, heads, size)
         for piece in range(2 * self.reach + 1):
             buffer[piece * S : (piece + count) * S] += windows[:, piece * S : (piece + 1) * S].reshape(-1, heads, size)
-        buffer = buffer.view(batch, per_sequence * S, heads, size)
+        buffer = buffer.view(plan["batch"], plan["per_sequence"] * S, heads, size)
         offset = keys.start - plan["first_key"]
         return buffer[:, offset : offset + keys.stop - keys.start].transpose(1, 2)
 
@@ -500,13 +496,13 @@ class _ThreeRegionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, table, mask, max_relative_position, scaling):
         K, length = max_relative_position, query.shape[-2]
-        band_key = (length, K, query.shape[-1], str(query.device))
-        if band_key not in mask._bands:  # one per model call: its masks serve every layer
-            mask._bands[band_key] = _Band(length, K, mask, query.shape[-1], query.device)
-        band = mask._bands[band_key]
-        tails = [_Tail("left", length, K, mask, query.dtype)]
-        if not mask.causal or mask.key_is_source is not None:
-            tails.append(_Tail("right", length, K, mask, query.dtype))
+        regions_key = (length, K, query.shape[-1], query.dtype, str(query.device))
+        if regions_key not in mask._regions:  # built once per model call: their masks serve every layer
+            tails = [_Tail("left", length, K, mask, query.dtype)]
+            if not mask.causal or mask.key_is_source is not None:
+                tails.append(_Tail("right", length, K, mask, query.dtype))
+            mask._regions[regions_key] = (_Band(length, K, mask, query.shape[-1], query.device), tails)
+        band, tails = mask._regions[regions_key]
         keep = any(ctx.needs_input_grad[:3])  # the tail constants' gradients need each tail's share
 
         tail_parts = [(tail, *tail.forward(query, key, value, scaling)) for tail in tails]
