@@ -96,7 +96,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096, 8192])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--memory-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--memory-lengths", type=int, nargs="*", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--eager-up-to", type=int, default=1024, help="also time the gather path up to this length")
     parser.add_argument("--no-train", action="store_true", help="forward only")
     parser.add_argument("--train-up-to", type=int, default=1 << 30, help="time forward+backward up to this length")

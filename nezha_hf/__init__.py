@@ -20,6 +20,7 @@ from transformers import (
 from .configuration_nezha import NezhaConfig
 from .modeling_nezha import (
     FAST_ATTENTION,
+    PYTORCH_ATTENTION,
     NezhaForMaskedLM,
     NezhaForMultipleChoice,
     NezhaForNextSentencePrediction,
@@ -58,6 +59,7 @@ register_pipelines()  # "extractive-question-answering", which transformers v5 r
 __all__ = [
     "AUTO_CLASSES",
     "FAST_ATTENTION",
+    "PYTORCH_ATTENTION",
     "NezhaConfig",
     "NezhaForMaskedLM",
     "NezhaForMultipleChoice",

@@ -38,6 +38,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_nezha import NezhaConfig
 from .relative_attention import (
     RelativeAttentionMask,
+    fused_relative_attention,
     gather_relative_attention,
     sinusoid_relative_table,
     three_region_attention,
@@ -46,9 +47,12 @@ from .relative_attention import (
 
 logger = logging.get_logger(__name__)
 
-# The default attention: three regions for long inputs, the gather maths for short ones.
-FAST_ATTENTION = "nezha_three_regions"
-AttentionInterface.register(FAST_ATTENTION, three_region_attention)
+# The default attention: the compiled kernel, or the PyTorch paths where it does not run.
+FAST_ATTENTION = "nezha_fused"
+# The same maths in PyTorch ops only: three regions for long inputs, the gather maths for short ones.
+PYTORCH_ATTENTION = "nezha_three_regions"
+AttentionInterface.register(FAST_ATTENTION, fused_relative_attention)
+AttentionInterface.register(PYTORCH_ATTENTION, three_region_attention)
 
 
 class NezhaEmbeddings(nn.Module):
@@ -263,9 +267,10 @@ class NezhaPreTrainingHeads(nn.Module):
 class NezhaPreTrainedModel(PreTrainedModel):
     """Weight initialisation, checkpoint-loading rules and attention selection shared by every NEZHA class.
 
-    Attention implementations: `"nezha_three_regions"` (default; exact, linear memory, falls back to
-    the gather maths where that is faster or needed) and `"eager"` (the gather maths; the only one
-    returning attention probabilities). `"sdpa"`, flash and flex attention cannot express NEZHA's
+    Attention implementations, all exact: `"nezha_fused"` (default; a compiled CPU kernel, linear
+    memory, falling back to the next one where it does not run), `"nezha_three_regions"` (PyTorch ops
+    only, linear memory for long inputs, the gather maths for short ones) and `"eager"` (the gather
+    maths; the only one returning attention probabilities). `"sdpa"`, flash and flex attention cannot express NEZHA's
     relative value term and are refused.
     """
 
@@ -307,10 +312,10 @@ class NezhaPreTrainedModel(PreTrainedModel):
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
         if requested_attention is None:
             return FAST_ATTENTION
-        if requested_attention not in ("eager", FAST_ATTENTION):
+        if requested_attention not in ("eager", FAST_ATTENTION, PYTORCH_ATTENTION):
             raise ValueError(
                 f'NEZHA does not support attn_implementation="{requested_attention}": its relative value term needs '
-                f'the attention probabilities. Use "{FAST_ATTENTION}" (the default, fast and exact) or "eager".'
+                f'the attention probabilities. Use "{FAST_ATTENTION}" (the default), "{PYTORCH_ATTENTION}" or "eager".'
             )
         return requested_attention
 

@@ -1,4 +1,4 @@
-"""NEZHA's relative-position attention: every piece of the relative-position maths lives here.
+"""NEZHA's relative-position attention: the relative-position maths lives here and in its compiled twin.
 
 For a head of size `d`, query position `i`, key position `j` and `K = max_relative_position`:
 
@@ -6,8 +6,8 @@ For a head of size `d`, query position `i`, key position `j` and `K = max_relati
     s_ij    = (q_i . k_j + q_i . T[r(i, j)]) * scale + mask_ij
     out_i   = sum_j softmax_j(s_ij) (v_j + T[r(i, j)])
 
-`T` is a fixed `(2K + 1) x d` sinusoid table shared by every head and layer. Two exact
-implementations are provided, both with the transformers attention-function signature
+`T` is a fixed `(2K + 1) x d` sinusoid table shared by every head and layer. Three exact
+implementations are provided, all with the transformers attention-function signature
 `fn(module, query, key, value, attention_mask, scaling, dropout, **kwargs) -> (out, probs)`:
 
 - `gather_relative_attention`: builds the `L x L` scores, adds the key term by gathering
@@ -20,13 +20,21 @@ implementations are provided, both with the transformers attention-function sign
   terms become extra head dimensions and the band is a plain attention over sliding key windows.
   All three are calls of PyTorch's fused kernel, which also returns the row log-sum-exp used to
   merge them; the backward reuses the kernel's backward for all three.
+- `fused_relative_attention`: the same maths as one compiled CPU kernel (`csrc/relative_attention.cpp`,
+  built on first use): a flash-attention loop that adds the key term from `q @ T^T` and sums
+  probabilities into the `2K + 1` buckets as it goes. Linear memory, about BERT-SDPA's speed;
+  the default, falling back to `three_region_attention` where it does not run.
 
 The mask is described by `RelativeAttentionMask` (key padding, causal or UniLM prefix) rather
 than a dense `L x L` tensor, so the fast path never materialises one.
 """
 
+import hashlib
 import math
+import os
+import platform
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -575,7 +583,9 @@ def three_region_attention(
     relative_table: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Exact NEZHA attention in linear memory (`attn_implementation="nezha_three_regions"`, the default).
+    """Exact NEZHA attention in linear memory from PyTorch ops (`attn_implementation="nezha_three_regions"`).
+
+    Also what the default, `fused_relative_attention`, runs where its compiled kernel does not.
 
     Uses three regions (the band and two tails, each a call of PyTorch's fused attention kernel,
     see `_Band` and `_Tail`) for inputs of `THREE_REGIONS_MIN_LENGTH` tokens or more, forward and backward. It falls
@@ -607,3 +617,113 @@ def three_region_attention(
     table = _relative_table(relative_table, query.dtype)
     output = _ThreeRegionFunction.apply(query, key, value, table, mask, module.max_relative_position, scaling)
     return output.transpose(1, 2).contiguous(), None
+
+
+# ----------------------------------------------------------------------------------------------
+# The compiled kernel: the whole relative attention in one flash-style pass (csrc/relative_attention.cpp).
+# ----------------------------------------------------------------------------------------------
+
+_KERNEL_SOURCE = Path(__file__).with_name("csrc") / "relative_attention.cpp"
+_compiled_kernel = {}  # "module": the loaded extension or None once a build was tried
+
+
+def compiled_kernel():
+    """The compiled NEZHA attention kernel, built on first use (about 40 s, then cached); None if unavailable.
+
+    It is built with PyTorch's `torch.utils.cpp_extension.load` (needs a C++ compiler and `ninja`)
+    into `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), for the CPU it runs on. It is
+    not used, and the pure PyTorch paths run instead, when the environment variable
+    `NEZHA_HF_KERNEL=0` is set, the source file is absent (remote-code checkpoints copy only the
+    Python files) or the build fails (logged once).
+    """
+    if "module" not in _compiled_kernel:
+        _compiled_kernel["module"] = None
+        if os.environ.get("NEZHA_HF_KERNEL", "1") == "0" or not _KERNEL_SOURCE.is_file():
+            return None
+        from torch.utils.cpp_extension import load
+
+        # -march=native: the build is for this CPU, so the name says which CPU and which source.
+        digest = hashlib.sha1(_KERNEL_SOURCE.read_bytes() + platform.processor().encode() + torch.__version__.encode())
+        try:
+            logger.info("Building NEZHA's attention kernel (first use only, about a minute).")
+            _compiled_kernel["module"] = load(
+                name=f"nezha_hf_relative_attention_{digest.hexdigest()[:12]}",
+                sources=[str(_KERNEL_SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+            )
+        except Exception as error:  # no compiler, no ninja, no BLAS symbol: the PyTorch paths still work
+            logger.warning(f"NEZHA's attention kernel is unavailable ({type(error).__name__}: {error}); using PyTorch ops.")
+    return _compiled_kernel["module"]
+
+
+def _kernel_flags(mask: RelativeAttentionMask) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    return mask.key_is_valid, mask.key_is_source if mask.causal else None
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class _KernelFunction(torch.autograd.Function):
+    """Exact NEZHA attention by the compiled kernel, forward and backward (float32 on CPU)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, table, mask, max_relative_position, scaling):
+        query, key, value = (_last_dim_contiguous(x) for x in (query, key, value))
+        kernel = compiled_kernel()
+        output, lse = kernel.forward(
+            query, key, value, table, max_relative_position, scaling, mask.causal, *_kernel_flags(mask)
+        )
+        output = output.transpose(1, 2)  # [batch, heads, L, d] view of [batch, L, heads, d]
+        ctx.save_for_backward(query, key, value, table, output, lse)
+        ctx.mask, ctx.max_relative_position, ctx.scaling = mask, max_relative_position, scaling
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, table, output, lse = ctx.saved_tensors
+        mask = ctx.mask
+        grads = compiled_kernel().backward(
+            _last_dim_contiguous(grad_output), query, key, value, output, lse, table,
+            ctx.max_relative_position, ctx.scaling, mask.causal, *_kernel_flags(mask),
+        )
+        return (*(grad.transpose(1, 2) for grad in grads), None, None, None, None)
+
+
+def fused_relative_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: RelativeAttentionMask | None,
+    scaling: float,
+    dropout: float = 0.0,
+    relative_table: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Exact NEZHA attention by one compiled kernel (`attn_implementation="nezha_fused"`, the default).
+
+    The kernel computes the relative key and value terms inside a flash-attention loop (query
+    blocks against key blocks, online softmax), so memory is linear in the length and no
+    `L x L` tensor exists; forward and backward are exact, with any padding, causal or UniLM
+    prefix mask, and it uses the same float32 table as the gather path. It runs for float32 inputs
+    on CPU without a KV cache and without attention dropout in training; everything else (other
+    dtypes, cached decoding, dropout, a machine where the kernel cannot be built, see
+    `compiled_kernel`) goes to `three_region_attention`, which gives the same result.
+    """
+    mask = attention_mask if attention_mask is not None else RelativeAttentionMask()
+    if (
+        query.dtype != torch.float32
+        or query.device.type != "cpu"
+        or query.shape[-2] != key.shape[-2]
+        or mask.query_offset != 0
+        or (dropout > 0.0 and module.training)
+        or compiled_kernel() is None
+    ):
+        return three_region_attention(
+            module, query, key, value, attention_mask, scaling, dropout, relative_table=relative_table
+        )
+    table = _relative_table(relative_table, query.dtype)
+    output = _KernelFunction.apply(query, key, value, table, mask, module.max_relative_position, scaling)
+    return output.transpose(1, 2), None

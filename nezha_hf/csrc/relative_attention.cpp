@@ -1,0 +1,331 @@
+// NEZHA relative-position attention as one fused CPU kernel (float32), forward and backward.
+//
+// The maths is `nezha_hf/relative_attention.py`'s (see its module docstring):
+//     s_ij  = (q_i . k_j + q_i . T[r(i, j)]) * scale + mask,   r(i, j) = clip(j - i, -K, K) + K
+//     out_i = sum_j p_ij (v_j + T[r(i, j)])
+// computed like flash attention: query blocks against key blocks with an online softmax, so
+// memory stays linear in the length. The relative key term is a lookup in `qt = scale * q T^T`
+// (per query row, 2K + 1 numbers); the value term is accumulated as probability mass per table
+// row (`bucket`, 2K + 1 numbers per query row) and added as `bucket @ T` at the end. In a key
+// block each query row splits into at most three contiguous column ranges: the left tail (row 0),
+// the band (rows 1 .. 2K - 1) and the right tail (row 2K).
+//
+// Matrix products go to the BLAS `sgemm_` that PyTorch links (MKL on x86 wheels); the loader in
+// relative_attention.py falls back to the pure PyTorch path if this file does not build or load.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Row-major C[M, N] = alpha * op(A)[M, K] @ op(B)[K, N] + beta * C, with leading dimensions (row strides).
+void matmul(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+            const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  // A row-major matrix is its column-major transpose: compute C^T = op(B)^T op(A)^T.
+  const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
+  const int m = N, n = M, k = K, ia = ldb, ib = lda, ic = ldc;
+  sgemm_(&ta, &tb, &m, &n, &k, &alpha, B, &ia, A, &ib, &beta, C, &ic);
+}
+
+// expf to about 1 ulp, written so the compiler vectorises the loops that call it; 0 below -87.
+inline float fast_exp(float x) {
+  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float power;
+  std::memcpy(&power, &bits, sizeof(float));
+  return x < -87.0f ? 0.0f : p * power;
+}
+
+float maximum(const float* x, int64_t n) {
+  float lanes[16];
+  std::fill(lanes, lanes + 16, kNegInf);
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] = x[c + l] > lanes[l] ? x[c + l] : lanes[l];
+  float m = kNegInf;
+  for (int l = 0; l < 16; ++l) m = lanes[l] > m ? lanes[l] : m;
+  for (; c < n; ++c) m = x[c] > m ? x[c] : m;
+  return m;
+}
+
+float total(const float* x, int64_t start, int64_t stop) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t c = start; c < stop; ++c) s += x[c];
+  return s;
+}
+
+struct Problem {
+  int64_t B, H, L, d, K, R;
+  float scale;
+  bool causal;
+  const bool* key_valid;         // [B, L] or null
+  const bool* key_source;        // [B, L] or null (UniLM prefix mask, with causal)
+  std::vector<int64_t> key_end;  // per batch row: keys past this are never visible to a causal query block
+  int64_t q_block, kv_block;
+
+  // Keys a causal query block ending before `stop` may see: up to itself, or to the last source key.
+  int64_t keys_for(int64_t b, int64_t stop) const { return causal ? std::max(stop, key_end[b]) : L; }
+
+  // Column ranges of query `i` in the key block starting at `n` with `kb` keys:
+  // [0, left) left tail, [left, right) band, [right, kb) right tail.
+  void ranges(int64_t i, int64_t n, int64_t kb, int64_t& left, int64_t& right) const {
+    left = std::min(std::max(i - K + 1 - n, int64_t(0)), kb);
+    right = std::min(std::max(i + K - n, int64_t(0)), kb);
+  }
+
+  // row[c] += table_terms[r(i, n + c)] for the whole key block (qt rows or dO T^T rows).
+  void add_relative(float* row, const float* terms, int64_t i, int64_t n, int64_t kb) const {
+    int64_t left, right;
+    ranges(i, n, kb, left, right);
+    const float first = terms[0], last = terms[2 * K];
+    const float* band = terms + (n - i + K);
+#pragma omp simd
+    for (int64_t c = 0; c < left; ++c) row[c] += first;
+#pragma omp simd
+    for (int64_t c = left; c < right; ++c) row[c] += band[c];
+#pragma omp simd
+    for (int64_t c = right; c < kb; ++c) row[c] += last;
+  }
+
+  void apply_mask(float* row, int64_t b, int64_t i, int64_t n, int64_t kb) const {
+    if (!causal && !key_valid) return;
+    const bool* valid = key_valid ? key_valid + b * L + n : nullptr;
+    const bool* source = key_source ? key_source + b * L + n : nullptr;
+    for (int64_t c = 0; c < kb; ++c) {
+      bool visible = !valid || valid[c];
+      if (causal) visible = visible && (n + c <= i || (source && source[c]));
+      if (!visible) row[c] = kNegInf;
+    }
+  }
+
+  // bucket[r(i, n + c)] += values[c]: the tails sum into rows 0 and 2K.
+  void add_to_buckets(float* bucket, const float* values, int64_t i, int64_t n, int64_t kb) const {
+    int64_t left, right;
+    ranges(i, n, kb, left, right);
+    bucket[0] += total(values, 0, left);
+    bucket[2 * K] += total(values, right, kb);
+    float* band = bucket + (n - i + K);
+#pragma omp simd
+    for (int64_t c = left; c < right; ++c) band[c] += values[c];
+  }
+};
+
+Problem make_problem(const at::Tensor& q, int64_t K, double scale, bool causal, const at::Tensor& key_valid,
+                     const at::Tensor& key_source) {
+  Problem p;
+  p.B = q.size(0), p.H = q.size(1), p.L = q.size(2), p.d = q.size(3), p.K = K, p.R = 2 * K + 1;
+  p.scale = static_cast<float>(scale);
+  p.causal = causal;
+  p.key_valid = key_valid.defined() ? key_valid.data_ptr<bool>() : nullptr;
+  p.key_source = key_source.defined() ? key_source.data_ptr<bool>() : nullptr;
+  p.key_end.assign(p.B, 0);
+  if (causal && p.key_source)
+    for (int64_t b = 0; b < p.B; ++b)
+      for (int64_t j = 0; j < p.L; ++j)
+        if (p.key_source[b * p.L + j]) p.key_end[b] = j + 1;
+  // PyTorch's own CPU flash kernel picks its query block by length the same way.
+  p.q_block = p.L >= 768 ? 256 : p.L >= 192 ? 64 : 32;
+  p.kv_block = 512;
+  return p;
+}
+
+at::Tensor optional_flags(const c10::optional<at::Tensor>& flags) {
+  return flags.has_value() ? flags->to(at::kBool).contiguous() : at::Tensor();
+}
+
+void check_inputs(std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1,
+                "NEZHA kernel: expected float32 CPU tensors [batch, heads, length, head_size] with a contiguous last dimension");
+  }
+}
+
+}  // namespace
+
+// Returns (out [B, L, H, d] contiguous, lse [B, H, L]); a row with no visible key gets out 0, lse -inf.
+std::vector<at::Tensor> forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                const at::Tensor& table, int64_t K, double scale, bool causal,
+                                const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source) {
+  check_inputs({&query, &key, &value});
+  const at::Tensor valid = optional_flags(key_valid), source = optional_flags(key_source), T = table.contiguous();
+  const Problem p = make_problem(query, K, scale, causal, valid, source);
+  const int64_t B = p.B, H = p.H, L = p.L, d = p.d, R = p.R;
+  auto out = at::empty({B, L, H, d}, query.options());
+  auto lse = at::empty({B, H, L}, query.options());
+  const float *q = query.data_ptr<float>(), *k = key.data_ptr<float>(), *v = value.data_ptr<float>();
+  const float* t = T.data_ptr<float>();
+  float *o = out.data_ptr<float>(), *l = lse.data_ptr<float>();
+  const int64_t qs = query.stride(2), ks = key.stride(2), vs = value.stride(2);
+  const int64_t num_q_blocks = (L + p.q_block - 1) / p.q_block;
+
+  // One task per (batch, head, query block); query blocks vary fastest so each thread gets whole heads.
+  at::parallel_for(0, B * H * num_q_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(p.q_block * p.kv_block), qt(p.q_block * R), bucket(p.q_block * R), acc(p.q_block * d);
+    std::vector<float> row_max(p.q_block), row_sum(p.q_block);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (H * num_q_blocks), h = task / num_q_blocks % H;
+      const int64_t m = task % num_q_blocks * p.q_block, qb = std::min(p.q_block, L - m);
+      const float* qm = q + b * query.stride(0) + h * query.stride(1) + m * qs;
+      const float* kh = k + b * key.stride(0) + h * key.stride(1);
+      const float* vh = v + b * value.stride(0) + h * value.stride(1);
+      matmul(false, true, qb, R, d, p.scale, qm, qs, t, d, 0.0f, qt.data(), R);
+      std::fill(bucket.begin(), bucket.end(), 0.0f);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(row_max.begin(), row_max.end(), kNegInf);
+      std::fill(row_sum.begin(), row_sum.end(), 0.0f);
+      const int64_t keys = p.keys_for(b, m + qb);
+      for (int64_t n = 0; n < keys; n += p.kv_block) {
+        const int64_t kb = std::min(p.kv_block, keys - n);
+        matmul(false, true, qb, kb, d, p.scale, qm, qs, kh + n * ks, ks, 0.0f, scores.data(), kb);
+        for (int64_t r = 0; r < qb; ++r) {
+          const int64_t i = m + r;
+          float* row = scores.data() + r * kb;
+          p.add_relative(row, qt.data() + r * R, i, n, kb);
+          p.apply_mask(row, b, i, n, kb);
+          const float new_max = std::max(row_max[r], maximum(row, kb));
+          if (new_max == kNegInf) {  // nothing visible yet: this block adds nothing to the row
+            std::fill(row, row + kb, 0.0f);
+            continue;
+          }
+          const float correction = fast_exp(row_max[r] - new_max);  // 0 while the row was empty
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t c = 0; c < kb; ++c) {
+            row[c] = fast_exp(row[c] - new_max);
+            sum += row[c];
+          }
+          float* row_bucket = bucket.data() + r * R;
+          float* row_acc = acc.data() + r * d;
+          if (correction != 1.0f) {
+            for (int64_t x = 0; x < R; ++x) row_bucket[x] *= correction;
+            for (int64_t x = 0; x < d; ++x) row_acc[x] *= correction;
+          }
+          p.add_to_buckets(row_bucket, row, i, n, kb);
+          row_sum[r] = row_sum[r] * correction + sum;
+          row_max[r] = new_max;
+        }
+        matmul(false, false, qb, d, kb, 1.0f, scores.data(), kb, vh + n * vs, vs, 1.0f, acc.data(), d);
+      }
+      matmul(false, false, qb, d, R, 1.0f, bucket.data(), R, t, d, 1.0f, acc.data(), d);  // value term
+      for (int64_t r = 0; r < qb; ++r) {
+        const bool empty = row_sum[r] == 0.0f;
+        const float inverse = empty ? 0.0f : 1.0f / row_sum[r];
+        float* out_row = o + ((b * L + m + r) * H + h) * d;
+        for (int64_t x = 0; x < d; ++x) out_row[x] = acc[r * d + x] * inverse;
+        l[(b * H + h) * L + m + r] = empty ? kNegInf : row_max[r] + std::log(row_sum[r]);
+      }
+    }
+  });
+  return {out, lse};
+}
+
+// Gradients of query, key and value, each [B, L, H, d] contiguous, given the forward's output and lse.
+std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+                                 const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+                                 const at::Tensor& table, int64_t K, double scale, bool causal,
+                                 const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source) {
+  check_inputs({&grad_out, &query, &key, &value, &out});
+  const at::Tensor valid = optional_flags(key_valid), source = optional_flags(key_source), T = table.contiguous();
+  const at::Tensor row_lse = lse.contiguous();
+  const Problem p = make_problem(query, K, scale, causal, valid, source);
+  const int64_t B = p.B, H = p.H, L = p.L, d = p.d, R = p.R;
+  auto grad_query = at::empty({B, L, H, d}, query.options());
+  auto grad_key = at::zeros({B, L, H, d}, query.options());
+  auto grad_value = at::zeros({B, L, H, d}, query.options());
+  const float *q = query.data_ptr<float>(), *k = key.data_ptr<float>(), *v = value.data_ptr<float>();
+  const float *go = grad_out.data_ptr<float>(), *o = out.data_ptr<float>(), *t = T.data_ptr<float>();
+  const float* lse_data = row_lse.data_ptr<float>();
+  float *gq = grad_query.data_ptr<float>(), *gk = grad_key.data_ptr<float>(), *gv = grad_value.data_ptr<float>();
+  const int64_t qs = query.stride(2), ks = key.stride(2), vs = value.stride(2), gos = grad_out.stride(2);
+  const int64_t os = out.stride(2), gs = H * d;  // gradients are [B, L, H, d]
+
+  // One task per (batch, head): key and value gradients of a head are summed over its query blocks.
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(p.q_block * p.kv_block), grad_scores(p.q_block * p.kv_block);
+    std::vector<float> qt(p.q_block * R), grad_terms(p.q_block * R), grad_bucket(p.q_block * R);
+    std::vector<float> acc(p.q_block * d), row_dot(p.q_block), row_lse_inf(p.q_block);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / H, h = task % H;
+      const float* qh = q + b * query.stride(0) + h * query.stride(1);
+      const float* kh = k + b * key.stride(0) + h * key.stride(1);
+      const float* vh = v + b * value.stride(0) + h * value.stride(1);
+      const float* goh = go + b * grad_out.stride(0) + h * grad_out.stride(1);
+      const float* oh = o + b * out.stride(0) + h * out.stride(1);
+      float* gqh = gq + b * L * gs + h * d;
+      float* gkh = gk + b * L * gs + h * d;
+      float* gvh = gv + b * L * gs + h * d;
+      for (int64_t m = 0; m < L; m += p.q_block) {
+        const int64_t qb = std::min(p.q_block, L - m);
+        const float* qm = qh + m * qs;
+        const float* gom = goh + m * gos;
+        matmul(false, true, qb, R, d, p.scale, qm, qs, t, d, 0.0f, qt.data(), R);
+        matmul(false, true, qb, R, d, 1.0f, gom, gos, t, d, 0.0f, grad_terms.data(), R);  // dO . T[p]
+        for (int64_t r = 0; r < qb; ++r) {
+          row_dot[r] = 0.0f;  // D_i = dO_i . O_i
+          for (int64_t x = 0; x < d; ++x) row_dot[r] += gom[r * gos + x] * oh[(m + r) * os + x];
+          const float value_lse = lse_data[(b * H + h) * L + m + r];
+          row_lse_inf[r] = value_lse == kNegInf ? -kNegInf : value_lse;  // empty rows: every probability 0
+        }
+        std::fill(grad_bucket.begin(), grad_bucket.end(), 0.0f);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        const int64_t keys = p.keys_for(b, m + qb);
+        for (int64_t n = 0; n < keys; n += p.kv_block) {
+          const int64_t kb = std::min(p.kv_block, keys - n);
+          matmul(false, true, qb, kb, d, p.scale, qm, qs, kh + n * ks, ks, 0.0f, probs.data(), kb);
+          matmul(false, true, qb, kb, d, 1.0f, gom, gos, vh + n * vs, vs, 0.0f, grad_scores.data(), kb);
+          for (int64_t r = 0; r < qb; ++r) {
+            const int64_t i = m + r;
+            float* prob = probs.data() + r * kb;
+            float* grad = grad_scores.data() + r * kb;
+            p.add_relative(prob, qt.data() + r * R, i, n, kb);
+            p.apply_mask(prob, b, i, n, kb);
+            p.add_relative(grad, grad_terms.data() + r * R, i, n, kb);  // dP_ij = dO_i . (v_j + T[r(i, j)])
+            const float lse_r = row_lse_inf[r], dot = row_dot[r];
+#pragma omp simd
+            for (int64_t c = 0; c < kb; ++c) {
+              prob[c] = fast_exp(prob[c] - lse_r);
+              grad[c] = prob[c] * (grad[c] - dot);  // dS_ij = P_ij (dP_ij - D_i)
+            }
+            p.add_to_buckets(grad_bucket.data() + r * R, grad, i, n, kb);
+          }
+          matmul(true, false, kb, d, qb, 1.0f, probs.data(), kb, gom, gos, 1.0f, gvh + n * gs, gs);
+          matmul(false, false, qb, d, kb, 1.0f, grad_scores.data(), kb, kh + n * ks, ks, 1.0f, acc.data(), d);
+          matmul(true, false, kb, d, qb, p.scale, grad_scores.data(), kb, qm, qs, 1.0f, gkh + n * gs, gs);
+        }
+        // dq_i = scale * (sum_j dS_ij k_j + sum_p bucket_ip T[p])
+        matmul(false, false, qb, d, R, 1.0f, grad_bucket.data(), R, t, d, 1.0f, acc.data(), d);
+        for (int64_t r = 0; r < qb; ++r)
+          for (int64_t x = 0; x < d; ++x) gqh[(m + r) * gs + x] = p.scale * acc[r * d + x];
+      }
+    }
+  });
+  return {grad_query, grad_key, grad_value};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("forward", &forward, "NEZHA relative attention forward: (out [B, L, H, d], lse [B, H, L])");
+  module.def("backward", &backward, "NEZHA relative attention backward: grads of query, key, value as [B, L, H, d]");
+}
