@@ -624,6 +624,8 @@ def three_region_attention(
 # ----------------------------------------------------------------------------------------------
 
 _KERNEL_SOURCE = Path(__file__).with_name("csrc") / "relative_attention.cpp"
+# Query rows and keys per block of the kernel; 0 lets it choose (as PyTorch's flash kernel does).
+KERNEL_BLOCK_SIZES = (0, 0)
 _compiled_kernel = {}  # "module": the loaded extension or None once a build was tried
 
 
@@ -657,8 +659,9 @@ def compiled_kernel():
     return _compiled_kernel["module"]
 
 
-def _kernel_flags(mask: RelativeAttentionMask) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    return mask.key_is_valid, mask.key_is_source if mask.causal else None
+def _kernel_mask(mask: RelativeAttentionMask) -> tuple:
+    """The kernel's trailing arguments: causal, key padding flags, source flags, block sizes."""
+    return mask.causal, mask.key_is_valid, mask.key_is_source if mask.causal else None, *KERNEL_BLOCK_SIZES
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -671,9 +674,8 @@ class _KernelFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, table, mask, max_relative_position, scaling):
         query, key, value = (_last_dim_contiguous(x) for x in (query, key, value))
-        kernel = compiled_kernel()
-        output, lse = kernel.forward(
-            query, key, value, table, max_relative_position, scaling, mask.causal, *_kernel_flags(mask)
+        output, lse = compiled_kernel().forward(
+            query, key, value, table, max_relative_position, scaling, *_kernel_mask(mask)
         )
         output = output.transpose(1, 2)  # [batch, heads, L, d] view of [batch, L, heads, d]
         ctx.save_for_backward(query, key, value, table, output, lse)
@@ -683,10 +685,9 @@ class _KernelFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         query, key, value, table, output, lse = ctx.saved_tensors
-        mask = ctx.mask
         grads = compiled_kernel().backward(
             _last_dim_contiguous(grad_output), query, key, value, output, lse, table,
-            ctx.max_relative_position, ctx.scaling, mask.causal, *_kernel_flags(mask),
+            ctx.max_relative_position, ctx.scaling, *_kernel_mask(ctx.mask),
         )
         return (*(grad.transpose(1, 2) for grad in grads), None, None, None, None)
 

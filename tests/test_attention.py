@@ -1,4 +1,4 @@
-"""The two attention paths against the independent O(L^2 d) reference, outputs and gradients."""
+"""The three attention paths against the independent O(L^2 d) reference, outputs and gradients."""
 
 import pytest
 import reference
@@ -7,6 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nezha_hf import relative_attention as ra
+
+
+PATHS = (ra.gather_relative_attention, ra.three_region_attention, ra.fused_relative_attention)
 
 
 class FakeModule(torch.nn.Module):
@@ -41,7 +44,7 @@ def check_against_reference(q, k, v, mask, allowed, K, atol):
     expected, _ = reference.attention(q, k, v, K, allowed)
     grad_out = torch.randn_like(expected)
     expected_grads = torch.autograd.grad((expected * grad_out).sum(), (q, k, v))
-    for path in (ra.gather_relative_attention, ra.three_region_attention):
+    for path in PATHS:
         got = run(path, q, k, v, mask, K)
         torch.testing.assert_close(got, expected, atol=atol, rtol=0, msg=f"{path.__name__} forward")
         grads = torch.autograd.grad((got * grad_out).sum(), (q, k, v))
@@ -81,6 +84,7 @@ def monkeypatch_module():
     mp = pytest.MonkeyPatch()
     mp.setattr(ra, "THREE_REGIONS_MIN_LENGTH", 1)
     mp.setattr(ra, "BAND_BLOCK_SIZE", 16)  # several blocks, and lengths that do not fill one
+    mp.setattr(ra, "KERNEL_BLOCK_SIZES", (8, 16))  # the kernel's online softmax over several key blocks
     yield mp
     mp.undo()
 
@@ -153,15 +157,63 @@ def test_fused_kernel_contract():
 def test_fully_masked_rows_no_nan(monkeypatch_module):
     q, k, v, mask, _ = make_case(2, 2, 30, 8, 4, "bidirectional", [30, 1], torch.float32, seed=3)
     mask.key_is_valid[1] = False  # the whole second sequence is padding
-    for path in (ra.gather_relative_attention, ra.three_region_attention):
-        assert not run(path, q, k, v, mask, 4).isnan().any()
+    for path in PATHS:
+        out = run(path, q, k, v, mask, 4)
+        assert not out.isnan().any()
+        if path is not ra.gather_relative_attention:  # gather averages uniformly, as transformers 4.x did
+            assert not out[1].any(), f"{path.__name__}: a row with no visible key must be zero"
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 3e-2)])
 def test_low_precision_close_to_float32(dtype, atol, monkeypatch_module):
     q, k, v, mask, _ = make_case(1, 2, 300, 16, 8, "bidirectional", [250], torch.float32, seed=4)
     full = run(ra.gather_relative_attention, q, k, v, mask, 8)
-    for path in (ra.gather_relative_attention, ra.three_region_attention):
+    for path in PATHS:  # the kernel is float32 only: bfloat16 goes to three regions
         low = run(path, q.to(dtype), k.to(dtype), v.to(dtype), mask, 8)
         assert not low.isnan().any()
         torch.testing.assert_close(low.float(), full, atol=atol, rtol=0)
+
+
+def test_kernel_builds():
+    # CI has a compiler and ninja: a kernel that fails to build must fail here, not fall back quietly.
+    assert ra.compiled_kernel() is not None, "the compiled attention kernel did not build (see the logged error)"
+
+
+def test_kernel_is_used(monkeypatch):
+    calls = []
+    original = ra._KernelFunction.apply
+    monkeypatch.setattr(ra._KernelFunction, "apply", lambda *a: calls.append(1) or original(*a))
+    q, k, v, mask, _ = make_case(1, 1, 40, 8, 4, "bidirectional", None, torch.float32, seed=0)
+    run(ra.fused_relative_attention, q, k, v, mask, 4)
+    assert calls, "the compiled kernel did not run"
+
+
+@pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
+def test_kernel_default_blocks_base_size(mode):
+    # The kernel's own block sizes (256 queries, 512 keys) over 1,100 tokens: three key blocks, a
+    # partial last block, K and head size of the base model; the batch mixes padded and full rows.
+    q, k, v, mask, allowed = make_case(2, 2, 1100, 64, 64, mode, [1100, 700], torch.float32, seed=6)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    expected, _ = reference.attention(q, k, v, 64, allowed)
+    grad_out = torch.randn_like(expected)
+    got = run(ra.fused_relative_attention, q, k, v, mask, 64)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    for name, g, e in zip(
+        "qkv",
+        torch.autograd.grad((got * grad_out).sum(), (q, k, v)),
+        torch.autograd.grad((expected * grad_out).sum(), (q, k, v)),
+    ):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=0, msg=f"d{name}")
+
+
+def test_kernel_unavailable_falls_back_to_three_regions(monkeypatch):
+    monkeypatch.setattr(ra, "_compiled_kernel", {})
+    monkeypatch.setenv("NEZHA_HF_KERNEL", "0")
+    assert ra.compiled_kernel() is None
+    calls = []
+    original = ra._ThreeRegionFunction.apply
+    monkeypatch.setattr(ra._ThreeRegionFunction, "apply", lambda *a: calls.append(1) or original(*a))
+    q, k, v, mask, allowed = make_case(1, 2, 600, 16, 8, "causal", [550], torch.float32, seed=7)
+    expected, _ = reference.attention(q, k, v, 8, allowed)
+    torch.testing.assert_close(run(ra.fused_relative_attention, q, k, v, mask, 8), expected, atol=1e-5, rtol=0)
+    assert calls, "the three-region path did not run"

@@ -37,7 +37,7 @@ def padded_batch(length, vocab=99):
 
 
 @pytest.mark.parametrize("length", [1, K - 1, K, K + 1, 300, 2048])
-@pytest.mark.parametrize("attn_implementation", ["eager", nezha_hf.FAST_ATTENTION])
+@pytest.mark.parametrize("attn_implementation", ["eager", nezha_hf.FAST_ATTENTION, nezha_hf.PYTORCH_ATTENTION])
 def test_model_matches_independent_reference(length, attn_implementation, seed):
     model = NezhaModel(tiny_config(max_relative_position=K)).eval()
     model.set_attn_implementation(attn_implementation)

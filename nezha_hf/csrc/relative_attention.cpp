@@ -134,7 +134,7 @@ struct Problem {
 };
 
 Problem make_problem(const at::Tensor& q, int64_t K, double scale, bool causal, const at::Tensor& key_valid,
-                     const at::Tensor& key_source) {
+                     const at::Tensor& key_source, int64_t q_block, int64_t kv_block) {
   Problem p;
   p.B = q.size(0), p.H = q.size(1), p.L = q.size(2), p.d = q.size(3), p.K = K, p.R = 2 * K + 1;
   p.scale = static_cast<float>(scale);
@@ -146,9 +146,9 @@ Problem make_problem(const at::Tensor& q, int64_t K, double scale, bool causal, 
     for (int64_t b = 0; b < p.B; ++b)
       for (int64_t j = 0; j < p.L; ++j)
         if (p.key_source[b * p.L + j]) p.key_end[b] = j + 1;
-  // PyTorch's own CPU flash kernel picks its query block by length the same way.
-  p.q_block = p.L >= 768 ? 256 : p.L >= 192 ? 64 : 32;
-  p.kv_block = 512;
+  // 0: PyTorch's own CPU flash kernel's choice (query blocks by length, 512 keys); tests pass small blocks.
+  p.q_block = q_block > 0 ? q_block : p.L >= 768 ? 256 : p.L >= 192 ? 64 : 32;
+  p.kv_block = kv_block > 0 ? kv_block : 512;
   return p;
 }
 
@@ -168,10 +168,11 @@ void check_inputs(std::initializer_list<const at::Tensor*> tensors) {
 // Returns (out [B, L, H, d] contiguous, lse [B, H, L]); a row with no visible key gets out 0, lse -inf.
 std::vector<at::Tensor> forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                 const at::Tensor& table, int64_t K, double scale, bool causal,
-                                const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source) {
+                                const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source,
+                                int64_t q_block, int64_t kv_block) {
   check_inputs({&query, &key, &value});
   const at::Tensor valid = optional_flags(key_valid), source = optional_flags(key_source), T = table.contiguous();
-  const Problem p = make_problem(query, K, scale, causal, valid, source);
+  const Problem p = make_problem(query, K, scale, causal, valid, source, q_block, kv_block);
   const int64_t B = p.B, H = p.H, L = p.L, d = p.d, R = p.R;
   auto out = at::empty({B, L, H, d}, query.options());
   auto lse = at::empty({B, H, L}, query.options());
@@ -246,11 +247,12 @@ std::vector<at::Tensor> forward(const at::Tensor& query, const at::Tensor& key, 
 std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
                                  const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
                                  const at::Tensor& table, int64_t K, double scale, bool causal,
-                                 const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source) {
+                                 const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source,
+                                 int64_t q_block, int64_t kv_block) {
   check_inputs({&grad_out, &query, &key, &value, &out});
   const at::Tensor valid = optional_flags(key_valid), source = optional_flags(key_source), T = table.contiguous();
   const at::Tensor row_lse = lse.contiguous();
-  const Problem p = make_problem(query, K, scale, causal, valid, source);
+  const Problem p = make_problem(query, K, scale, causal, valid, source, q_block, kv_block);
   const int64_t B = p.B, H = p.H, L = p.L, d = p.d, R = p.R;
   auto grad_query = at::empty({B, L, H, d}, query.options());
   auto grad_key = at::zeros({B, L, H, d}, query.options());
