@@ -1,11 +1,11 @@
-"""Where the time of one three-region attention call goes, against one SDPA call of the same size.
+"""Where the time of one attention call goes, against one SDPA call of the same size.
 
     python benchmarks/attention_parts.py --length 2048
 
 One attention layer's worth of heads (batch 1, 12 heads, head size 64, K = 64, float32, no mask).
-Each line is the median of `--repeats` runs of: PyTorch's SDPA (what BERT uses), the two tails'
-fused-kernel calls, the band (all its chunks), and the whole three-region function, forward and
-backward separately. The backward lines reuse the forward's saved state, as autograd does.
+Each line is the median of `--repeats` runs of: PyTorch's SDPA (what BERT uses), the compiled
+kernel (the default), and for the PyTorch-only three-region path its two tails' fused-kernel
+calls, the band (all its chunks) and the whole function, forward and backward separately. The backward lines reuse the forward's saved state, as autograd does.
 """
 
 import argparse
@@ -57,6 +57,16 @@ def main():
     def three_regions_forward_backward():
         ra._ThreeRegionFunction.apply(*leaves, table, ra.RelativeAttentionMask(), K, scale).backward(grad)
 
+    kernel = ra.compiled_kernel()
+    if kernel is None:
+        raise SystemExit("the compiled kernel is unavailable here (see the logged error)")
+
+    def kernel_forward():
+        return ra._KernelFunction.apply(query, key, value, table, mask, K, scale)
+
+    def kernel_forward_backward():
+        ra._KernelFunction.apply(*leaves, table, ra.RelativeAttentionMask(), K, scale).backward(grad)
+
     def sdpa_forward():
         return torch.nn.functional.scaled_dot_product_attention(query, key, value)
 
@@ -66,12 +76,14 @@ def main():
     no_grad = torch.no_grad()
     cases = {
         ("forward", "SDPA"): no_grad(sdpa_forward),
+        ("forward", "compiled kernel (default)"): no_grad(kernel_forward),
         ("forward", "tails (two causal kernel calls)"): no_grad(tails_forward),
         ("forward", "band (kernel on windows)"): no_grad(band_forward),
         ("forward", "three regions (all, with merging)"): no_grad(three_regions_forward),
         ("backward", "tails"): no_grad(tails_backward),
         ("backward", "band"): no_grad(band_backward),
         ("forward+backward", "SDPA"): sdpa_forward_backward,
+        ("forward+backward", "compiled kernel (default)"): kernel_forward_backward,
         ("forward+backward", "three regions"): three_regions_forward_backward,
     }
     samples = {case: [] for case in cases}

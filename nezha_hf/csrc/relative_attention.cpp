@@ -58,23 +58,16 @@ inline float fast_exp(float x) {
   return x < -87.0f ? 0.0f : p * power;
 }
 
-float maximum(const float* x, int64_t n) {
-  float lanes[16];
-  std::fill(lanes, lanes + 16, kNegInf);
-  int64_t c = 0;
-  for (; c + 16 <= n; c += 16)
-    for (int l = 0; l < 16; ++l) lanes[l] = x[c + l] > lanes[l] ? x[c + l] : lanes[l];
-  float m = kNegInf;
-  for (int l = 0; l < 16; ++l) m = lanes[l] > m ? lanes[l] : m;
-  for (; c < n; ++c) m = x[c] > m ? x[c] : m;
-  return m;
-}
-
-float total(const float* x, int64_t start, int64_t stop) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t c = start; c < stop; ++c) s += x[c];
-  return s;
+// bucket[first + c] += values[c] over a band range; a tail range (step 0) adds its total to one bucket.
+template <typename Step>
+inline void add_to_bucket(float* bucket, const float* values, int64_t start, int64_t stop, int64_t first, Step step,
+                          float range_total) {
+  if (step) {
+#pragma omp simd
+    for (int64_t c = start; c < stop; ++c) bucket[first + c] += values[c];
+  } else {
+    bucket[first] += range_total;
+  }
 }
 
 struct Problem {
@@ -89,25 +82,16 @@ struct Problem {
   // Keys a causal query block ending before `stop` may see: up to itself, or to the last source key.
   int64_t keys_for(int64_t b, int64_t stop) const { return causal ? std::max(stop, key_end[b]) : L; }
 
-  // Column ranges of query `i` in the key block starting at `n` with `kb` keys:
-  // [0, left) left tail, [left, right) band, [right, kb) right tail.
-  void ranges(int64_t i, int64_t n, int64_t kb, int64_t& left, int64_t& right) const {
-    left = std::min(std::max(i - K + 1 - n, int64_t(0)), kb);
-    right = std::min(std::max(i + K - n, int64_t(0)), kb);
-  }
-
-  // row[c] += table_terms[r(i, n + c)] for the whole key block (qt rows or dO T^T rows).
-  void add_relative(float* row, const float* terms, int64_t i, int64_t n, int64_t kb) const {
-    int64_t left, right;
-    ranges(i, n, kb, left, right);
-    const float first = terms[0], last = terms[2 * K];
-    const float* band = terms + (n - i + K);
-#pragma omp simd
-    for (int64_t c = 0; c < left; ++c) row[c] += first;
-#pragma omp simd
-    for (int64_t c = left; c < right; ++c) row[c] += band[c];
-#pragma omp simd
-    for (int64_t c = right; c < kb; ++c) row[c] += last;
+  // Calls body(start, stop, first, step) for the three column ranges of query `i` in the key block
+  // starting at `n` with `kb` keys: the left tail, the band and the right tail. Column `c` of a range
+  // uses table row `first + step * c`; step is a compile-time 0 in the tails and 1 in the band.
+  template <typename Body>
+  void for_each_range(int64_t i, int64_t n, int64_t kb, Body&& body) const {
+    const int64_t left = std::min(std::max(i - K + 1 - n, int64_t(0)), kb);
+    const int64_t right = std::min(std::max(i + K - n, int64_t(0)), kb);
+    body(int64_t(0), left, int64_t(0), std::integral_constant<int64_t, 0>());
+    body(left, right, n - i + K, std::integral_constant<int64_t, 1>());
+    body(right, kb, 2 * K, std::integral_constant<int64_t, 0>());
   }
 
   void apply_mask(float* row, int64_t b, int64_t i, int64_t n, int64_t kb) const {
@@ -121,16 +105,6 @@ struct Problem {
     }
   }
 
-  // bucket[r(i, n + c)] += values[c]: the tails sum into rows 0 and 2K.
-  void add_to_buckets(float* bucket, const float* values, int64_t i, int64_t n, int64_t kb) const {
-    int64_t left, right;
-    ranges(i, n, kb, left, right);
-    bucket[0] += total(values, 0, left);
-    bucket[2 * K] += total(values, right, kb);
-    float* band = bucket + (n - i + K);
-#pragma omp simd
-    for (int64_t c = left; c < right; ++c) band[c] += values[c];
-  }
 };
 
 Problem make_problem(const at::Tensor& q, int64_t K, double scale, bool causal, const at::Tensor& key_valid,
@@ -156,11 +130,20 @@ at::Tensor optional_flags(const c10::optional<at::Tensor>& flags) {
   return flags.has_value() ? flags->to(at::kBool).contiguous() : at::Tensor();
 }
 
-void check_inputs(std::initializer_list<const at::Tensor*> tensors) {
+void check_inputs(std::initializer_list<const at::Tensor*> tensors, const at::Tensor& table, int64_t K,
+                  const at::Tensor& key_valid, const at::Tensor& key_source) {
+  const at::Tensor& query = **tensors.begin();
   for (const at::Tensor* t : tensors) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1,
                 "NEZHA kernel: expected float32 CPU tensors [batch, heads, length, head_size] with a contiguous last dimension");
+    TORCH_CHECK(t->sizes() == query.sizes(), "NEZHA kernel: query, key and value must have the same shape");
   }
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.size(0) == 2 * K + 1 &&
+                  table.size(1) == query.size(3),
+              "NEZHA kernel: the table must be float32 [2K + 1, head_size]");
+  for (const at::Tensor* flags : {&key_valid, &key_source})
+    TORCH_CHECK(!flags->defined() || (flags->dim() == 2 && flags->size(0) == query.size(0) && flags->size(1) == query.size(2)),
+                "NEZHA kernel: key flags must be [batch, length]");
 }
 
 }  // namespace
@@ -170,8 +153,8 @@ std::vector<at::Tensor> forward(const at::Tensor& query, const at::Tensor& key, 
                                 const at::Tensor& table, int64_t K, double scale, bool causal,
                                 const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source,
                                 int64_t q_block, int64_t kv_block) {
-  check_inputs({&query, &key, &value});
   const at::Tensor valid = optional_flags(key_valid), source = optional_flags(key_source), T = table.contiguous();
+  check_inputs({&query, &key, &value}, T, K, valid, source);
   const Problem p = make_problem(query, K, scale, causal, valid, source, q_block, kv_block);
   const int64_t B = p.B, H = p.H, L = p.L, d = p.d, R = p.R;
   auto out = at::empty({B, L, H, d}, query.options());
@@ -204,27 +187,40 @@ std::vector<at::Tensor> forward(const at::Tensor& query, const at::Tensor& key, 
         for (int64_t r = 0; r < qb; ++r) {
           const int64_t i = m + r;
           float* row = scores.data() + r * kb;
-          p.add_relative(row, qt.data() + r * R, i, n, kb);
+          const float* terms = qt.data() + r * R;
           p.apply_mask(row, b, i, n, kb);
-          const float new_max = std::max(row_max[r], maximum(row, kb));
+          float new_max = row_max[r];
+          p.for_each_range(i, n, kb, [&](int64_t start, int64_t stop, int64_t first, auto step) {
+            float range_max = kNegInf;  // relative key term added, masked entries stay -inf
+#pragma omp simd reduction(max : range_max)
+            for (int64_t c = start; c < stop; ++c) {
+              row[c] += terms[first + step * c];
+              range_max = row[c] > range_max ? row[c] : range_max;
+            }
+            new_max = std::max(new_max, range_max);
+          });
           if (new_max == kNegInf) {  // nothing visible yet: this block adds nothing to the row
             std::fill(row, row + kb, 0.0f);
             continue;
           }
           const float correction = fast_exp(row_max[r] - new_max);  // 0 while the row was empty
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t c = 0; c < kb; ++c) {
-            row[c] = fast_exp(row[c] - new_max);
-            sum += row[c];
-          }
           float* row_bucket = bucket.data() + r * R;
           float* row_acc = acc.data() + r * d;
           if (correction != 1.0f) {
             for (int64_t x = 0; x < R; ++x) row_bucket[x] *= correction;
             for (int64_t x = 0; x < d; ++x) row_acc[x] *= correction;
           }
-          p.add_to_buckets(row_bucket, row, i, n, kb);
+          float sum = 0.0f;
+          p.for_each_range(i, n, kb, [&](int64_t start, int64_t stop, int64_t first, auto step) {
+            float range_sum = 0.0f;
+#pragma omp simd reduction(+ : range_sum)
+            for (int64_t c = start; c < stop; ++c) {
+              row[c] = fast_exp(row[c] - new_max);
+              range_sum += row[c];
+            }
+            add_to_bucket(row_bucket, row, start, stop, first, step, range_sum);  // value term mass
+            sum += range_sum;
+          });
           row_sum[r] = row_sum[r] * correction + sum;
           row_max[r] = new_max;
         }
@@ -249,8 +245,8 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
                                  const at::Tensor& table, int64_t K, double scale, bool causal,
                                  const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source,
                                  int64_t q_block, int64_t kv_block) {
-  check_inputs({&grad_out, &query, &key, &value, &out});
   const at::Tensor valid = optional_flags(key_valid), source = optional_flags(key_source), T = table.contiguous();
+  check_inputs({&query, &key, &value, &grad_out, &out}, T, K, valid, source);
   const at::Tensor row_lse = lse.contiguous();
   const Problem p = make_problem(query, K, scale, causal, valid, source, q_block, kv_block);
   const int64_t B = p.B, H = p.H, L = p.L, d = p.d, R = p.R;
@@ -302,16 +298,20 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
             const int64_t i = m + r;
             float* prob = probs.data() + r * kb;
             float* grad = grad_scores.data() + r * kb;
-            p.add_relative(prob, qt.data() + r * R, i, n, kb);
+            const float *terms = qt.data() + r * R, *value_terms = grad_terms.data() + r * R;
+            const float lse_i = row_lse_inf[r], dot = row_dot[r];
             p.apply_mask(prob, b, i, n, kb);
-            p.add_relative(grad, grad_terms.data() + r * R, i, n, kb);  // dP_ij = dO_i . (v_j + T[r(i, j)])
-            const float lse_r = row_lse_inf[r], dot = row_dot[r];
-#pragma omp simd
-            for (int64_t c = 0; c < kb; ++c) {
-              prob[c] = fast_exp(prob[c] - lse_r);
-              grad[c] = prob[c] * (grad[c] - dot);  // dS_ij = P_ij (dP_ij - D_i)
-            }
-            p.add_to_buckets(grad_bucket.data() + r * R, grad, i, n, kb);
+            p.for_each_range(i, n, kb, [&](int64_t start, int64_t stop, int64_t first, auto step) {
+              float range_sum = 0.0f;
+#pragma omp simd reduction(+ : range_sum)
+              for (int64_t c = start; c < stop; ++c) {
+                prob[c] = fast_exp(prob[c] + terms[first + step * c] - lse_i);
+                // dS_ij = P_ij (dP_ij - D_i), with dP_ij = dO_i . (v_j + T[r(i, j)])
+                grad[c] = prob[c] * (grad[c] + value_terms[first + step * c] - dot);
+                range_sum += grad[c];
+              }
+              add_to_bucket(grad_bucket.data() + r * R, grad, start, stop, first, step, range_sum);
+            });
           }
           matmul(true, false, kb, d, qb, 1.0f, probs.data(), kb, gom, gos, 1.0f, gvh + n * gs, gs);
           matmul(false, false, qb, d, kb, 1.0f, grad_scores.data(), kb, kh + n * ks, ks, 1.0f, acc.data(), d);
