@@ -43,8 +43,8 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-# Up to 512 tokens the gather formulation is faster on CPU (`benchmarks/results/attention-all-lengths.md`,
-# 512 tokens: gather 1.14x BERT, three regions 1.37x); longer inputs use three regions.
+# Without the compiled kernel, up to 512 tokens the gather formulation is faster on CPU (512 tokens: gather
+# 1.14x BERT, three regions 1.37x; `git show 8f60818:benchmarks/results/attention-all-lengths.md`).
 THREE_REGIONS_MIN_LENGTH = 513
 # Queries per block of the band; each block sees a window of keys a whole number of blocks wide.
 BAND_BLOCK_SIZE = 64
