@@ -126,13 +126,23 @@ def test_band_rotary_identity_far_from_the_start():
             torch.testing.assert_close(rotated[0] @ rotary, q[0] @ table[j - i + K], atol=1e-5, rtol=0)
 
 
-def test_three_regions_is_used(monkeypatch_module, monkeypatch):
+def count_calls(monkeypatch, function) -> list:
+    """Record every call of an autograd Function's `apply` (the list grows by one per call)."""
     calls = []
-    original = ra._ThreeRegionFunction.apply
-    monkeypatch.setattr(ra._ThreeRegionFunction, "apply", lambda *a: calls.append(1) or original(*a))
+    original = function.apply
+    monkeypatch.setattr(function, "apply", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "path,function",
+    [(ra.three_region_attention, ra._ThreeRegionFunction), (ra.fused_relative_attention, ra._KernelFunction)],
+)
+def test_linear_memory_paths_are_used(path, function, monkeypatch_module, monkeypatch):
+    calls = count_calls(monkeypatch, function)
     q, k, v, mask, _ = make_case(1, 1, 40, 8, 4, "bidirectional", None, torch.float32, seed=0)
-    run(ra.three_region_attention, q, k, v, mask, 4)
-    assert calls, "the three-region function did not run"
+    run(path, q, k, v, mask, 4)
+    assert calls, f"{function.__name__} did not run"
 
 
 def test_fused_kernel_contract():
@@ -179,15 +189,6 @@ def test_kernel_builds():
     assert ra.compiled_kernel() is not None, "the compiled attention kernel did not build (see the logged error)"
 
 
-def test_kernel_is_used(monkeypatch):
-    calls = []
-    original = ra._KernelFunction.apply
-    monkeypatch.setattr(ra._KernelFunction, "apply", lambda *a: calls.append(1) or original(*a))
-    q, k, v, mask, _ = make_case(1, 1, 40, 8, 4, "bidirectional", None, torch.float32, seed=0)
-    run(ra.fused_relative_attention, q, k, v, mask, 4)
-    assert calls, "the compiled kernel did not run"
-
-
 @pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
 def test_kernel_default_blocks_base_size(mode):
     # The kernel's own block sizes (256 queries, 512 keys) over 1,100 tokens: three key blocks, a
@@ -210,9 +211,7 @@ def test_kernel_unavailable_falls_back_to_three_regions(monkeypatch):
     monkeypatch.setattr(ra, "_compiled_kernel", {})
     monkeypatch.setenv("NEZHA_HF_KERNEL", "0")
     assert ra.compiled_kernel() is None
-    calls = []
-    original = ra._ThreeRegionFunction.apply
-    monkeypatch.setattr(ra._ThreeRegionFunction, "apply", lambda *a: calls.append(1) or original(*a))
+    calls = count_calls(monkeypatch, ra._ThreeRegionFunction)
     q, k, v, mask, allowed = make_case(1, 2, 600, 16, 8, "causal", [550], torch.float32, seed=7)
     expected, _ = reference.attention(q, k, v, 8, allowed)
     torch.testing.assert_close(run(ra.fused_relative_attention, q, k, v, mask, 8), expected, atol=1e-5, rtol=0)
