@@ -572,6 +572,17 @@ class _ThreeRegionFunction(torch.autograd.Function):
         return grad_query, grad_key, grad_value, None, None, None, None
 
 
+def _whole_sequence_on_cpu(module, query, key, mask: RelativeAttentionMask, dropout: float) -> bool:
+    """What both linear-memory paths need: CPU tensors, every query against every key (no KV cache),
+    and no attention dropout in training (they cannot apply it exactly)."""
+    return (
+        query.device.type == "cpu"
+        and query.shape[-2] == key.shape[-2]
+        and mask.query_offset == 0
+        and not (dropout > 0.0 and module.training)
+    )
+
+
 def three_region_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -600,14 +611,11 @@ def three_region_attention(
     float32 table the gather path uses by at most about 4e-6 per entry for `K = 64`.
     """
     mask = attention_mask if attention_mask is not None else RelativeAttentionMask()
-    query_length, key_length = query.shape[-2], key.shape[-2]
+    query_length = query.shape[-2]
     if (
         not FUSED_KERNEL_AVAILABLE
-        or query.device.type != "cpu"
+        or not _whole_sequence_on_cpu(module, query, key, mask, dropout)
         or query_length < THREE_REGIONS_MIN_LENGTH
-        or query_length != key_length
-        or mask.query_offset != 0
-        or (dropout > 0.0 and module.training)
         or query_length <= module.max_relative_position
     ):
         output, _ = gather_relative_attention(
@@ -716,10 +724,7 @@ def fused_relative_attention(
     mask = attention_mask if attention_mask is not None else RelativeAttentionMask()
     if (
         query.dtype != torch.float32
-        or query.device.type != "cpu"
-        or query.shape[-2] != key.shape[-2]
-        or mask.query_offset != 0
-        or (dropout > 0.0 and module.training)
+        or not _whole_sequence_on_cpu(module, query, key, mask, dropout)
         or compiled_kernel() is None
     ):
         return three_region_attention(

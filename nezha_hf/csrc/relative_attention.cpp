@@ -104,7 +104,6 @@ struct Problem {
       if (!visible) row[c] = kNegInf;
     }
   }
-
 };
 
 Problem make_problem(const at::Tensor& q, int64_t K, double scale, bool causal, const at::Tensor& key_valid,
