@@ -2,16 +2,25 @@
 
     python benchmarks/attention.py                     # full table (about 20 minutes on 2 cores)
     python benchmarks/attention.py --lengths 128 512   # a subset
+    python benchmarks/attention.py --lengths --memory-lengths 8192 --no-train --output attention-memory
 
 Base width (12 layers, hidden 768, 12 heads, K = 64), float32, batch 1, dropout off in both
 models. Times are medians of `--repeats` runs, NEZHA and BERT alternating in one process; the
 ratio is NEZHA / BERT. Peak memory is measured in a fresh process per configuration: the resident
-set high-water mark minus the mark right after the model was built. Writes
-`benchmarks/results/attention.md`, `.json` and `attention.png` (tokens vs time ratio).
+set high-water mark minus the resident set just before the pass, median of `--memory-runs`
+processes. Writes `benchmarks/results/<output>.md`, `.json` and `.png` (tokens vs time ratio);
+`--output` defaults to `attention`.
+
+Memory is the resident set the operating system sees, so it includes what glibc's malloc keeps
+after frees: which 24 MB activations land in its heap and how they fragment changes from one run
+to the next, by up to 40 % for the same model. Running the command with
+`MALLOC_MMAP_THRESHOLD_=1048576` (every block of 1 MB or more mapped and unmapped on its own)
+removes that and leaves the memory the pass actually holds.
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -65,9 +74,10 @@ def time_models(kinds, length, train, repeats):
 def peak_memory_mb(kind, length, train) -> float:
     """Extra resident memory of one pass, in a fresh process.
 
-    The peak (VmHWM) is reset after the model is built (`/proc/self/clear_refs`), so the model's
-    own construction does not hide the pass; the result is the pass's peak minus the resident set
-    before it.
+    The model is built and run once on 16 tokens, so that one-time work (loading the compiled
+    kernel, starting thread pools, first-call imports) is not counted as memory of the pass; then
+    the peak (VmHWM) is reset (`/proc/self/clear_refs`) and the result is the pass's peak minus the
+    resident set before it.
     """
     root = str(Path(__file__).resolve().parents[1])
     code = f"""
@@ -80,6 +90,7 @@ def status(field):
             return int(line.split()[1]) / 1024
 model = b.build({kind!r}).train({train!r})
 ids = torch.randint(1, 21128, (1, {length}))
+b.run_once(model, ids[:, :16], {train!r})
 open('/proc/self/clear_refs', 'w').write('5')
 before = status('VmRSS')
 b.run_once(model, ids, {train!r})
@@ -94,9 +105,12 @@ print(status('VmHWM') - before)
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[128, 512, 1024, 2048, 4096, 8192],
+                        help="lengths to time (none: memory only)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory-lengths", type=int, nargs="*", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--memory-runs", type=int, default=3, help="fresh processes per memory cell (median)")
+    parser.add_argument("--output", default="attention", help="file name stem in benchmarks/results/")
     parser.add_argument("--eager-up-to", type=int, default=1024, help="also time the gather path up to this length")
     parser.add_argument("--no-train", action="store_true", help="forward only")
     parser.add_argument("--train-up-to", type=int, default=1 << 30, help="time forward+backward up to this length")
@@ -126,8 +140,13 @@ def main():
         entry = {"tokens": length}
         for train in [False] if args.no_train or length > args.train_up_to else [False, True]:
             mode = "train" if train else "fwd"
-            for kind in ("bert", "nezha"):
-                entry[f"{kind}_{mode}_mb"] = peak_memory_mb(kind, length, train)
+            runs = {kind: [] for kind in ("bert", "nezha")}
+            for _ in range(args.memory_runs):
+                for kind, values in runs.items():
+                    values.append(peak_memory_mb(kind, length, train))
+            for kind, values in runs.items():
+                entry[f"{kind}_{mode}_mb"] = statistics.median(values)
+                entry[f"{kind}_{mode}_runs_mb"] = values
             entry[f"ratio_{mode}"] = entry[f"nezha_{mode}_mb"] / entry[f"bert_{mode}_mb"]
         print("memory", entry, flush=True)
         memory.append(entry)
@@ -137,13 +156,15 @@ def main():
 
 def write_results(rows, memory, args):
     RESULTS.mkdir(exist_ok=True)
-    command = "python benchmarks/attention.py " + " ".join(sys.argv[1:])
-    lines = [
-        f"Command: `{command.strip()}` (torch {torch.__version__}, {torch.get_num_threads()} threads)",
-        "",
-        "| tokens | BERT-SDPA fwd (s) | NEZHA fwd (s) | fwd ratio | BERT-SDPA fwd+bwd (s) | NEZHA fwd+bwd (s) | fwd+bwd ratio | gather-only fwd / fwd+bwd ratio |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    malloc = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    command = (f"MALLOC_MMAP_THRESHOLD_={malloc} " if malloc else "") + "python benchmarks/attention.py " + " ".join(sys.argv[1:])
+    lines = [f"Command: `{command.strip()}` (torch {torch.__version__}, {torch.get_num_threads()} threads)"]
+    if rows:
+        lines += [
+            "",
+            "| tokens | BERT-SDPA fwd (s) | NEZHA fwd (s) | fwd ratio | BERT-SDPA fwd+bwd (s) | NEZHA fwd+bwd (s) | fwd+bwd ratio | gather-only fwd / fwd+bwd ratio |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
     for r in rows:
         eager = f"{r['eager_ratio_fwd']:.2f} / {r.get('eager_ratio_train', float('nan')):.2f}" if "eager_ratio_fwd" in r else "-"
         lines.append(
@@ -151,8 +172,10 @@ def write_results(rows, memory, args):
             f"{r.get('bert_train_s', float('nan')):.3f} | {r.get('nezha_train_s', float('nan')):.3f} | "
             f"{r.get('ratio_train', float('nan')):.2f} | {eager} |"
         )
-    lines += ["", "Extra peak memory of one pass, fresh process per cell (MB):", "",
-              "| tokens | BERT-SDPA fwd | NEZHA fwd | ratio | BERT-SDPA fwd+bwd | NEZHA fwd+bwd | ratio |", "|---|---|---|---|---|---|---|"]
+    if memory:
+        lines += ["", f"Extra peak memory of one pass, median of {args.memory_runs} fresh processes per cell (MB)"
+                  + (f", with MALLOC_MMAP_THRESHOLD_={malloc}" if malloc else "") + ":", "",
+                  "| tokens | BERT-SDPA fwd | NEZHA fwd | ratio | BERT-SDPA fwd+bwd | NEZHA fwd+bwd | ratio |", "|---|---|---|---|---|---|---|"]
     for m in memory:
         lines.append(
             f"| {m['tokens']} | {m['bert_fwd_mb']:.0f} | {m['nezha_fwd_mb']:.0f} | {m['ratio_fwd']:.2f} | "
@@ -161,8 +184,8 @@ def write_results(rows, memory, args):
         )
     table = "\n".join(lines) + "\n"
     print(table)
-    (RESULTS / "attention.md").write_text(table)
-    (RESULTS / "attention.json").write_text(json.dumps({"command": command, "time": rows, "memory": memory}, indent=1))
+    (RESULTS / f"{args.output}.md").write_text(table)
+    (RESULTS / f"{args.output}.json").write_text(json.dumps({"command": command, "time": rows, "memory": memory}, indent=1))
     try:
         import matplotlib
 
@@ -170,6 +193,8 @@ def write_results(rows, memory, args):
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib not installed: no plot")
+        return
+    if not rows:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     tokens = [r["tokens"] for r in rows]
@@ -184,7 +209,7 @@ def write_results(rows, memory, args):
     ax.set_title("NEZHA (default attention) vs BERT-SDPA, base size, CPU")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "attention.png", dpi=120)
+    fig.savefig(RESULTS / f"{args.output}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_nezha import NezhaConfig
 from .relative_attention import (
     RelativeAttentionMask,
+    compiled_kernel,
     fused_relative_attention,
     gather_relative_attention,
     sinusoid_relative_table,
@@ -310,13 +311,16 @@ class NezhaPreTrainedModel(PreTrainedModel):
             )
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
-        if requested_attention is None:
-            return FAST_ATTENTION
+        requested_attention = requested_attention or FAST_ATTENTION
         if requested_attention not in ("eager", FAST_ATTENTION, PYTORCH_ATTENTION):
             raise ValueError(
                 f'NEZHA does not support attn_implementation="{requested_attention}": its relative value term needs '
                 f'the attention probabilities. Use "{FAST_ATTENTION}" (the default), "{PYTORCH_ATTENTION}" or "eager".'
             )
+        if requested_attention == FAST_ATTENTION:
+            # Build or load the kernel now, with the model, rather than inside the first forward pass:
+            # the first build takes about a minute, and loading imports the compiler tooling.
+            compiled_kernel()
         return requested_attention
 
     def save_pretrained(self, save_directory, *args, model_card: dict | bool = True, remote_code: bool = False, **kwargs):

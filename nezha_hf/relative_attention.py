@@ -644,7 +644,8 @@ def compiled_kernel():
     into `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), for the CPU it runs on. It is
     not used, and the pure PyTorch paths run instead, when the environment variable
     `NEZHA_HF_KERNEL=0` is set, the source file is absent (remote-code checkpoints copy only the
-    Python files) or the build fails (logged once).
+    Python files) or the build fails (logged once). A model that selects `"nezha_fused"` (the
+    default) calls this when it is created, so the build happens then, not in the first forward pass.
     """
     if "module" not in _compiled_kernel:
         _compiled_kernel["module"] = None
@@ -655,7 +656,7 @@ def compiled_kernel():
         # -march=native: the build is for this CPU, so the name says which CPU and which source.
         digest = hashlib.sha1(_KERNEL_SOURCE.read_bytes() + platform.processor().encode() + torch.__version__.encode())
         try:
-            logger.info("Building NEZHA's attention kernel (first use only, about a minute).")
+            logger.info("Loading NEZHA's attention kernel (building it takes about a minute the first time).")
             _compiled_kernel["module"] = load(
                 name=f"nezha_hf_relative_attention_{digest.hexdigest()[:12]}",
                 sources=[str(_KERNEL_SOURCE)],

@@ -89,6 +89,19 @@ def monkeypatch_module():
     mp.undo()
 
 
+@pytest.mark.parametrize("implementation, loads", [(None, True), ("nezha_fused", True), ("eager", False)])
+def test_kernel_is_loaded_with_the_model(implementation, loads, monkeypatch):
+    # A model on the kernel path loads it when it is created, not inside its first forward pass.
+    from nezha_hf import NezhaConfig, NezhaModel
+
+    monkeypatch.setattr(ra, "_compiled_kernel", {})
+    config = NezhaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    NezhaModel._from_config(config, attn_implementation=implementation)
+    assert ("module" in ra._compiled_kernel) == loads
+    if loads:
+        assert ra._compiled_kernel["module"] is not None
+
+
 @pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
 def test_three_regions_gradcheck_float64(mode, monkeypatch_module):
     q, k, v, mask, _ = make_case(2, 2, 23, 4, 3, mode, [23, 15], torch.float64, seed=1)
