@@ -1,6 +1,6 @@
 """NEZHA attention speed and memory against a BERT of the same size on SDPA, measured in one run.
 
-    python benchmarks/attention.py                     # full table (about 20 minutes on 2 cores)
+    python benchmarks/attention.py                     # full table (about an hour on 2 cores)
     python benchmarks/attention.py --lengths 128 512   # a subset
     python benchmarks/attention.py --lengths --memory-lengths 8192 --no-train --output attention-memory
 
@@ -74,8 +74,8 @@ def time_models(kinds, length, train, repeats):
 def peak_memory_mb(kind, length, train) -> float:
     """Extra resident memory of one pass, in a fresh process.
 
-    The model is built and run once on 16 tokens, so that one-time work (loading the compiled
-    kernel, starting thread pools, first-call imports) is not counted as memory of the pass; then
+    The model is built (which loads the compiled kernel) and run once on 16 tokens, so that
+    one-time work of the first call (thread pools, lazy imports) is not counted as memory of the pass; then
     the peak (VmHWM) is reset (`/proc/self/clear_refs`) and the result is the pass's peak minus the
     resident set before it.
     """
