@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m nezha_hf.demo
+	$(VENV)/bin/nezha-hf demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider

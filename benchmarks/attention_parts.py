@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nezha_hf import attention_kernel, three_regions  # noqa: E402
 from nezha_hf import relative_attention as ra  # noqa: E402
 
 
@@ -31,9 +32,8 @@ def main():
     query, key, value = (torch.randn(1, length, heads, size).transpose(1, 2) for _ in range(3))
     grad = torch.randn(1, heads, length, size)
     table = ra.sinusoid_relative_table(K, size)
-    mask = ra.RelativeAttentionMask()
-    band = ra._Band(length, K, mask, size, query.device)
-    tails = [ra._Tail(side, length, K, mask, query.dtype) for side in ("left", "right")]
+    regions = three_regions.ThreeRegions(length, K, ra.sinusoid_frequencies(size), None, False, None, query.dtype)
+    band, tails = regions.band, regions.tails
     lse = torch.zeros(1, heads, length)
 
     def tails_forward():
@@ -50,22 +50,21 @@ def main():
         return [band.backward(grad, query, key, value, grad, lse, scale, part) for part in band.chunks()]
 
     def three_regions_forward():
-        return ra._ThreeRegionFunction.apply(query, key, value, table, mask, K, scale)
+        return regions(query, key, value, table, scale)
 
     leaves = [t.detach().requires_grad_() for t in (query, key, value)]
 
     def three_regions_forward_backward():
-        ra._ThreeRegionFunction.apply(*leaves, table, ra.RelativeAttentionMask(), K, scale).backward(grad)
+        regions(*leaves, table, scale).backward(grad)
 
-    kernel = ra.compiled_kernel()
-    if kernel is None:
+    if attention_kernel.compiled_kernel() is None:
         raise SystemExit("the compiled kernel is unavailable here (see the logged error)")
 
     def kernel_forward():
-        return ra._KernelFunction.apply(query, key, value, table, mask, K, scale)
+        return attention_kernel.kernel_attention(query, key, value, table, scale, False, None, None)
 
     def kernel_forward_backward():
-        ra._KernelFunction.apply(*leaves, table, ra.RelativeAttentionMask(), K, scale).backward(grad)
+        attention_kernel.kernel_attention(*leaves, table, scale, False, None, None).backward(grad)
 
     def sdpa_forward():
         return torch.nn.functional.scaled_dot_product_attention(query, key, value)

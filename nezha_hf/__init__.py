@@ -1,76 +1,25 @@
 """NEZHA for transformers v5.
 
-`import nezha_hf` registers NEZHA with the transformers Auto classes, so
-`AutoModelForMaskedLM.from_pretrained(path)` loads a NEZHA checkpoint of any published layout.
+`import nezha_hf` registers NEZHA with the transformers Auto classes (every head in
+`NEZHA_HEADS` that has one), so `AutoModelForMaskedLM.from_pretrained(path)` loads a NEZHA
+checkpoint of any published layout.
 """
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    AutoModelForMultipleChoice,
-    AutoModelForNextSentencePrediction,
-    AutoModelForPreTraining,
-    AutoModelForQuestionAnswering,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-)
+import transformers
 
+from . import hub, modeling_nezha
 from .configuration_nezha import NezhaConfig
-from .modeling_nezha import (
-    FAST_ATTENTION,
-    PYTORCH_ATTENTION,
-    NezhaForMaskedLM,
-    NezhaForMultipleChoice,
-    NezhaForNextSentencePrediction,
-    NezhaForPreTraining,
-    NezhaForQuestionAnswering,
-    NezhaForSentenceExtraction,
-    NezhaForSequenceClassification,
-    NezhaForTokenClassification,
-    NezhaForUniLM,
-    NezhaModel,
-    NezhaPreTrainedModel,
-)
+from .modeling_nezha import *  # noqa: F403  (the classes and the heads table; see modeling_nezha.__all__)
 from .pipelines import register_pipelines
-from .relative_attention import RelativeAttentionMask
+from .relative_attention import FAST_ATTENTION, PYTORCH_ATTENTION, RelativeAttentionMask
 
 __version__ = "0.1.0"
 
-# Each Auto class and the NEZHA class it builds; also used to write a complete `auto_map`.
-AUTO_CLASSES = {
-    AutoModel: NezhaModel,
-    AutoModelForPreTraining: NezhaForPreTraining,
-    AutoModelForMaskedLM: NezhaForMaskedLM,
-    AutoModelForNextSentencePrediction: NezhaForNextSentencePrediction,
-    AutoModelForSequenceClassification: NezhaForSequenceClassification,
-    AutoModelForMultipleChoice: NezhaForMultipleChoice,
-    AutoModelForTokenClassification: NezhaForTokenClassification,
-    AutoModelForQuestionAnswering: NezhaForQuestionAnswering,
-    AutoModelForCausalLM: NezhaForUniLM,
-}
-
-AutoConfig.register("nezha", NezhaConfig, exist_ok=True)
-for _auto_class, _model_class in AUTO_CLASSES.items():
-    _auto_class.register(NezhaConfig, _model_class, exist_ok=True)
+transformers.AutoConfig.register("nezha", NezhaConfig, exist_ok=True)
+for _head in modeling_nezha.NEZHA_HEADS:
+    if _head.auto_class is not None:
+        getattr(transformers, _head.auto_class).register(NezhaConfig, _head.model_class, exist_ok=True)
 register_pipelines()  # "extractive-question-answering", which transformers v5 removed
+modeling_nezha.NezhaPreTrainedModel.hub_integration = hub  # model cards, remote code and uploads
 
-__all__ = [
-    "AUTO_CLASSES",
-    "FAST_ATTENTION",
-    "PYTORCH_ATTENTION",
-    "NezhaConfig",
-    "NezhaForMaskedLM",
-    "NezhaForMultipleChoice",
-    "NezhaForNextSentencePrediction",
-    "NezhaForPreTraining",
-    "NezhaForQuestionAnswering",
-    "NezhaForSentenceExtraction",
-    "NezhaForSequenceClassification",
-    "NezhaForTokenClassification",
-    "NezhaForUniLM",
-    "NezhaModel",
-    "NezhaPreTrainedModel",
-    "RelativeAttentionMask",
-]
+__all__ = ["FAST_ATTENTION", "PYTORCH_ATTENTION", "NezhaConfig", "RelativeAttentionMask", *modeling_nezha.__all__]

@@ -17,6 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from .documents import TXT_SPLITS
+
 
 def _add_conversion_options(parser):
     parser.add_argument("output", help="directory to write")
@@ -31,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nezha-hf", description="NEZHA for transformers v5")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("demo", help="the main job, end to end (see `nezha-hf demo --help`)", add_help=False)
+    demo = sub.add_parser("demo", help="the main jobs, end to end: convert a real BERT, long inputs, the summariser")
+    demo.add_argument("--workdir", type=Path, default=Path("demo-output"), help="where to write (default demo-output/)")
+    demo.add_argument("--tokens", type=int, default=4096, help="input length for step 2")
+    demo.add_argument("--quick", action="store_true", help="train the step-3 summariser for a few steps only")
+    demo.add_argument("--copy", action="store_true", help="step 3 with the SPACES copy mechanism")
 
     convert = sub.add_parser("convert", help="convert BERT or older NEZHA checkpoints").add_subparsers(
         dest="source_format", required=True
@@ -51,7 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
     legacy.add_argument("source")
     _add_conversion_options(legacy)
 
-    sub.add_parser("pretrain", help="continue masked-LM training (see `nezha-hf pretrain --help`)", add_help=False)
+    pretrain = sub.add_parser("pretrain", help="continue masked-LM training (after converting a BERT)")
+    pretrain.add_argument("model", help="NEZHA checkpoint directory (with tokenizer)")
+    pretrain.add_argument("files", nargs="+", help=".txt / .jsonl files or folders")
+    pretrain.add_argument("--output", required=True, help="output directory (checkpoints and the final model)")
+    pretrain.add_argument("--max-length", type=int, default=1024)
+    pretrain.add_argument("--mlm-probability", type=float, default=0.15)
+    pretrain.add_argument("--txt-split", choices=TXT_SPLITS, default="blank-lines")
+    pretrain.add_argument("--max-steps", type=int, default=-1)
+    pretrain.add_argument("--epochs", type=float, default=1.0)
+    pretrain.add_argument("--batch-size", type=int, default=8)
+    pretrain.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    pretrain.add_argument("--learning-rate", type=float, default=5e-5)
+    pretrain.add_argument("--save-steps", type=int, default=500)
+    pretrain.add_argument("--bf16", action="store_true")
+    pretrain.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
+    pretrain.add_argument("--seed", type=int, default=42)
 
     summarize = sub.add_parser("summarize", help="summarise judgments: extract with NEZHA, then generate")
     summarize.add_argument("model", help="a summariser folder (from train-summarizer)")
@@ -166,22 +187,33 @@ def _convert(args) -> None:
     print(report.summary())
 
 
+def _demo(args) -> None:
+    from .demo import run_demo
+
+    run_demo(args.workdir, args.tokens, args.quick, args.copy)
+
+
+def _pretrain(args) -> None:
+    from .pretraining import continue_pretraining
+
+    metrics = continue_pretraining(
+        args.model, args.files, args.output, max_length=args.max_length, mlm_probability=args.mlm_probability,
+        txt_split=args.txt_split, resume=not args.no_resume, max_steps=args.max_steps, num_train_epochs=args.epochs,
+        per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate, save_steps=args.save_steps, bf16=args.bf16, seed=args.seed,
+    )
+    print(f"saved {args.output}; " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
+
+
+COMMANDS = {"demo": _demo, "convert": _convert, "pretrain": _pretrain, "summarize": _summarize,
+            "train-summarizer": _train_summarizer, "evaluate": _evaluate}
+
+
 def main(argv=None) -> int:
     """Entry point of the `nezha-hf` console script."""
-    args, rest = build_parser().parse_known_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        if args.command == "demo":
-            from .demo import main as demo_main
-
-            return demo_main(rest) or 0
-        if args.command == "pretrain":
-            from .pretraining import main as pretrain_main
-
-            return pretrain_main(rest) or 0
-        if rest:
-            build_parser().error(f"unrecognised arguments: {' '.join(rest)}")
-        {"convert": _convert, "summarize": _summarize, "train-summarizer": _train_summarizer,
-         "evaluate": _evaluate}[args.command](args)
+        COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError) as error:
         print(f"nezha-hf {args.command}: error: {error}", file=sys.stderr)
         return 1

@@ -24,12 +24,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from . import modeling_nezha
 from .configuration_nezha import NezhaConfig
 from .hub import export_remote_code, write_model_card
+from .modeling_nezha import NEZHA_HEADS, NezhaForMaskedLM, nezha_head
 
 REPORT_NAME = "conversion_report.json"
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
@@ -60,21 +61,9 @@ BERT_ONLY_CONFIG = {
     "pooler_type": "Google BERT metadata",
     "use_relative_position": "always true in NEZHA",
 }
-BERT_TO_NEZHA_CLASS = {
-    "BertModel": "NezhaModel",
-    "BertForPreTraining": "NezhaForPreTraining",
-    "BertForMaskedLM": "NezhaForMaskedLM",
-    "BertLMHeadModel": "NezhaForUniLM",
-    "BertForNextSentencePrediction": "NezhaForNextSentencePrediction",
-    "BertForSequenceClassification": "NezhaForSequenceClassification",
-    "BertForMultipleChoice": "NezhaForMultipleChoice",
-    "BertForTokenClassification": "NezhaForTokenClassification",
-    "BertForQuestionAnswering": "NezhaForQuestionAnswering",
-}
-TIED_DECODER = {
-    "cls.predictions.decoder.weight": "nezha.embeddings.word_embeddings.weight",
-    "cls.predictions.decoder.bias": "cls.predictions.bias",
-}
+BERT_TO_NEZHA_CLASS = {bert: head.model_class.__name__ for head in NEZHA_HEADS for bert in head.bert_classes}
+# The masked-LM decoder and its source when tied (the same in every head that has one).
+TIED_DECODER = NezhaForMaskedLM._tied_weights_keys
 
 
 class ConversionError(ValueError):
@@ -220,15 +209,17 @@ def nezha_name(source_name: str) -> str:
 
 def _architecture(config_dict: dict, names: set[str], requested: str | None) -> str:
     if requested:
-        if not hasattr(modeling_nezha, requested) or not requested.startswith("Nezha"):
-            raise ConversionError(f"Unknown NEZHA architecture {requested!r}; choose from {sorted(set(BERT_TO_NEZHA_CLASS.values()))}.")
-        return requested
+        try:
+            return nezha_head(requested).model_class.__name__
+        except ValueError as error:
+            raise ConversionError(str(error)) from None
     for architecture in config_dict.get("architectures") or []:
-        architecture = architecture.replace("NeZha", "Nezha")
         if architecture in BERT_TO_NEZHA_CLASS:
             return BERT_TO_NEZHA_CLASS[architecture]
-        if architecture.startswith("Nezha") and hasattr(modeling_nezha, architecture):
-            return architecture
+        try:
+            return nezha_head(architecture).model_class.__name__
+        except ValueError:
+            continue
     has = {prefix: any(n.startswith(prefix) for n in names) for prefix in ("cls.predictions.", "cls.seq_relationship.", "qa_outputs.", "classifier.")}
     if has["cls.predictions."]:
         return "NezhaForPreTraining" if has["cls.seq_relationship."] else "NezhaForMaskedLM"
@@ -261,7 +252,7 @@ def nezha_config_from_bert(config_dict: dict, architecture: str, report: Convers
 def _target_shapes(config: NezhaConfig, architecture: str) -> dict[str, torch.Size]:
     """Names and shapes of the persistent tensors the NEZHA class expects (built on the meta device)."""
     with torch.device("meta"):
-        model = getattr(modeling_nezha, architecture)(config)
+        model = nezha_head(architecture).model_class(config)
     buffers = {name for name, _ in model.named_buffers()}
     return {name: tensor.shape for name, tensor in model.state_dict().items() if name not in buffers}
 
@@ -357,14 +348,13 @@ def _copy_tokenizer(source_directory: Path | None, output: Path, report: Convers
 
 def _write_and_verify(mapped, config: NezhaConfig, output: Path, report: ConversionReport) -> None:
     """Save weights, config and report, then load the result with its Auto class and insist on a clean load."""
-    import nezha_hf  # registers the Auto classes
-
     save_file(mapped, str(output / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(output)
     report.save(output)
     write_model_card(output, report.architecture, {"kind": "converted", **(config.nezha_card or {})})
-    auto_class = next(auto for auto, cls in nezha_hf.AUTO_CLASSES.items() if cls.__name__ == report.architecture)
-    _, info = auto_class.from_pretrained(output, output_loading_info=True)
+    head = nezha_head(report.architecture)
+    loader = getattr(transformers, head.auto_class) if head.auto_class else head.model_class
+    _, info = loader.from_pretrained(output, output_loading_info=True)
     allowed = set(report.missing_allowed)
     allowed |= {tied for tied, source in TIED_DECODER.items() if source in allowed}  # missing with their source
     missing = set(info["missing_keys"]) - allowed

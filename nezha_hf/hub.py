@@ -5,41 +5,25 @@
   from the templates in `model_cards/`, through `huggingface_hub.ModelCard`. Every NEZHA model's
   `save_pretrained` and `push_to_hub` call it.
 - `export_remote_code`: make a checkpoint folder loadable with `trust_remote_code=True` by people
-  who do not install nezha_hf: the three source files are copied beside the weights and
-  `config.json` gets an `auto_map` entry for every Auto class.
+  who do not install nezha_hf: the modeling file and every module it imports are copied beside the
+  weights and `config.json` gets an `auto_map` entry for every Auto class.
+- `push_model_to_hub`: what `NezhaPreTrainedModel.push_to_hub` does, with `huggingface_hub`'s public API.
 
-Nothing here touches the network; `push_to_hub` is the only call that does, and only when asked.
+Nothing here touches the network except `push_model_to_hub`, and only when asked.
 """
 
 import json
 import shutil
+import tempfile
 from importlib import resources
 from pathlib import Path
 
-from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
+from transformers.dynamic_module_utils import get_relative_import_files
+
+from .modeling_nezha import NEZHA_HEADS, nezha_head
 
 CARD_MARKER = "<!-- written by nezha_hf -->"
-# Files a remote-code checkpoint needs: the modeling file and its single-dot relative imports.
-REMOTE_CODE_FILES = ("configuration_nezha.py", "modeling_nezha.py", "relative_attention.py")
-
-PIPELINE_TAGS = {
-    "NezhaModel": "feature-extraction",
-    "NezhaForPreTraining": "fill-mask",
-    "NezhaForMaskedLM": "fill-mask",
-    "NezhaForNextSentencePrediction": "text-classification",
-    "NezhaForSequenceClassification": "text-classification",
-    "NezhaForMultipleChoice": "multiple-choice",
-    "NezhaForTokenClassification": "token-classification",
-    "NezhaForQuestionAnswering": "question-answering",
-    "NezhaForUniLM": "summarization",
-    "NezhaForSentenceExtraction": "summarization",
-}
-DEFAULT_TEMPLATE = {
-    "NezhaForPreTraining": "continued-pretraining",
-    "NezhaForMaskedLM": "continued-pretraining",
-    "NezhaForUniLM": "summarizer",
-    "NezhaForSentenceExtraction": "summarizer",
-}
 TASK_DESCRIPTIONS = {
     "text-classification": "text classification",
     "token-classification": "token classification (tagging, NER)",
@@ -68,8 +52,9 @@ def build_model_card(architecture: str, settings: dict | None = None) -> ModelCa
     `evaluation_summary`, `extra`.
     """
     settings = dict(settings or {})
-    kind = settings.pop("kind", None) or DEFAULT_TEMPLATE.get(architecture, "classifier")
-    pipeline_tag = settings.pop("pipeline_tag", None) or PIPELINE_TAGS.get(architecture)
+    head = nezha_head(architecture)
+    kind = settings.pop("kind", None) or head.card_template
+    pipeline_tag = settings.pop("pipeline_tag", None) or head.pipeline_tag
     eval_results = [r if isinstance(r, EvalResult) else EvalResult(**r) for r in settings.pop("eval_results", [])]
     model_name = settings.pop("model_name", None) or settings.get("repo_id") or f"nezha-{architecture}"
     card_data = ModelCardData(
@@ -109,20 +94,28 @@ def write_model_card(directory: str | Path, architecture: str, settings: dict | 
     return path
 
 
+def remote_code_files() -> list[Path]:
+    """The source files a remote-code checkpoint needs: `modeling_nezha.py` and what it imports, recursively.
+
+    Found the way transformers finds them when it loads the checkpoint (its relative imports).
+    """
+    modeling_file = Path(__file__).with_name("modeling_nezha.py")
+    return [modeling_file, *map(Path, get_relative_import_files(modeling_file))]
+
+
 def export_remote_code(directory: str | Path) -> dict[str, str]:
     """Make the checkpoint in `directory` loadable with `trust_remote_code=True`, without nezha_hf.
 
-    Copies the modeling files next to the weights and writes a complete `auto_map` (every Auto
+    Copies `remote_code_files()` next to the weights and writes a complete `auto_map` (every Auto
     class NEZHA registers) into `config.json`. Returns the `auto_map`.
     """
-    import nezha_hf
-
     directory = Path(directory)
-    package = Path(nezha_hf.__file__).parent
-    for name in REMOTE_CODE_FILES:
-        shutil.copy(package / name, directory / name)
+    for path in remote_code_files():
+        shutil.copy(path, directory / path.name)
     auto_map = {"AutoConfig": "configuration_nezha.NezhaConfig"}
-    auto_map.update({auto.__name__: f"modeling_nezha.{cls.__name__}" for auto, cls in nezha_hf.AUTO_CLASSES.items()})
+    auto_map.update(
+        {head.auto_class: f"modeling_nezha.{head.model_class.__name__}" for head in NEZHA_HEADS if head.auto_class}
+    )
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["auto_map"] = auto_map
@@ -130,4 +123,41 @@ def export_remote_code(directory: str | Path) -> dict[str, str]:
     return auto_map
 
 
-__all__ = ["build_model_card", "export_remote_code", "template_path", "write_model_card"]
+def save_extras(model, directory: str | Path, model_card: dict | bool = True, remote_code: bool = False) -> None:
+    """What `NezhaPreTrainedModel.save_pretrained` adds to transformers': the model card and, if asked, remote code."""
+    if model_card is not False:
+        settings = {**(getattr(model.config, "nezha_card", None) or {}), **(model_card if isinstance(model_card, dict) else {})}
+        write_model_card(directory, type(model).__name__, settings)
+    if remote_code:
+        export_remote_code(directory)
+
+
+def push_model_to_hub(
+    model, repo_id: str, *, model_card: dict | bool = True, remote_code: bool = False, commit_message=None,
+    commit_description=None, private=None, token=None, revision=None, create_pr=False, max_shard_size="50GB", tags=None,
+):
+    """Save `model` with its NEZHA model card into a temporary folder and upload it as one commit.
+
+    Arguments as `NezhaPreTrainedModel.push_to_hub`. Returns `huggingface_hub`'s commit info.
+    """
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    settings = {"repo_id": repo_id, "tags": list(tags or []), **(model_card if isinstance(model_card, dict) else {})}
+    with tempfile.TemporaryDirectory() as work_dir:
+        model.save_pretrained(work_dir, max_shard_size=max_shard_size, model_card=settings if model_card else False,
+                              remote_code=remote_code)
+        return api.upload_folder(
+            repo_id=repo_id, folder_path=work_dir, commit_message=commit_message or "Upload model",
+            commit_description=commit_description, revision=revision, create_pr=create_pr,
+        )
+
+
+__all__ = [
+    "build_model_card",
+    "export_remote_code",
+    "push_model_to_hub",
+    "remote_code_files",
+    "save_extras",
+    "template_path",
+    "write_model_card",
+]

@@ -16,7 +16,11 @@ from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin, LogitsProcessor, LogitsProcessorList
+from transformers.generation import (
+    GenerationMixin,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
@@ -29,7 +33,11 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface, PreTrainedModel
+from transformers.modeling_utils import (
+    ALL_ATTENTION_FUNCTIONS,
+    AttentionInterface,
+    PreTrainedModel,
+)
 from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, logging
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
@@ -37,23 +45,18 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_nezha import NezhaConfig
 from .relative_attention import (
+    ATTENTION_IMPLEMENTATIONS,
     RelativeAttentionMask,
-    compiled_kernel,
-    fused_relative_attention,
     gather_relative_attention,
+    prepare_attention,
     sinusoid_relative_table,
-    three_region_attention,
 )
-
 
 logger = logging.get_logger(__name__)
 
-# The default attention: the compiled kernel, or the PyTorch paths where it does not run.
-FAST_ATTENTION = "nezha_fused"
-# The same maths in PyTorch ops only: three regions for long inputs, the gather maths for short ones.
-PYTORCH_ATTENTION = "nezha_three_regions"
-AttentionInterface.register(FAST_ATTENTION, fused_relative_attention)
-AttentionInterface.register(PYTORCH_ATTENTION, three_region_attention)
+for _name, _function in ATTENTION_IMPLEMENTATIONS.items():
+    if _name != "eager":  # transformers' "eager" is each model's own default function
+        AttentionInterface.register(_name, _function)
 
 
 class NezhaEmbeddings(nn.Module):
@@ -83,7 +86,6 @@ class NezhaSelfAttention(nn.Module):
         self.attention_head_size = config.hidden_size // config.num_attention_heads
         self.all_head_size = self.num_attention_heads * self.attention_head_size
         self.scaling = self.attention_head_size**-0.5
-        self.max_relative_position = config.max_relative_position
 
         self.query = nn.Linear(config.hidden_size, self.all_head_size)
         self.key = nn.Linear(config.hidden_size, self.all_head_size)
@@ -95,10 +97,15 @@ class NezhaSelfAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
+        relative_table: torch.Tensor,
         attention_mask: RelativeAttentionMask | None = None,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Self-attention of `hidden_states` (`[batch, length, hidden]`) with NEZHA's relative terms.
+
+        `relative_table` is the model's `(2K + 1) x head_size` sinusoid table (`NezhaModel.relative_table`).
+        """
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.attention_head_size)
         query_layer = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -125,6 +132,7 @@ class NezhaSelfAttention(nn.Module):
             attention_mask,
             dropout=0.0 if not self.training else self.dropout.p,
             scaling=self.scaling,
+            relative_table=relative_table,
             **kwargs,
         )
         return attn_output.reshape(*input_shape, -1).contiguous(), attn_weights
@@ -148,8 +156,10 @@ class NezhaAttention(nn.Module):
         self.self = NezhaSelfAttention(config, layer_idx=layer_idx)
         self.output = NezhaSelfOutput(config)
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
-        attention_output, attn_weights = self.self(hidden_states, attention_mask, past_key_values, **kwargs)
+    def forward(self, hidden_states, relative_table: torch.Tensor, attention_mask=None, past_key_values=None, **kwargs):
+        attention_output, attn_weights = self.self(
+            hidden_states, relative_table, attention_mask, past_key_values, **kwargs
+        )
         return self.output(attention_output, hidden_states), attn_weights
 
 
@@ -183,8 +193,12 @@ class NezhaLayer(GradientCheckpointingLayer):
         self.intermediate = NezhaIntermediate(config)
         self.output = NezhaOutput(config)
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs) -> torch.Tensor:
-        attention_output, _ = self.attention(hidden_states, attention_mask, past_key_values=past_key_values, **kwargs)
+    def forward(
+        self, hidden_states, relative_table: torch.Tensor, attention_mask=None, past_key_values=None, **kwargs
+    ) -> torch.Tensor:
+        attention_output, _ = self.attention(
+            hidden_states, relative_table, attention_mask, past_key_values=past_key_values, **kwargs
+        )
         return self.output(self.intermediate(attention_output), attention_output)
 
 
@@ -194,9 +208,14 @@ class NezhaEncoder(nn.Module):
         self.config = config
         self.layer = nn.ModuleList([NezhaLayer(config, layer_idx=i) for i in range(config.num_hidden_layers)])
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=None, **kwargs):
+    def forward(
+        self, hidden_states, relative_table: torch.Tensor, attention_mask=None, past_key_values=None, use_cache=None,
+        **kwargs,
+    ):
         for layer_module in self.layer:
-            hidden_states = layer_module(hidden_states, attention_mask, past_key_values=past_key_values, **kwargs)
+            hidden_states = layer_module(
+                hidden_states, relative_table, attention_mask, past_key_values=past_key_values, **kwargs
+            )
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
         )
@@ -268,11 +287,9 @@ class NezhaPreTrainingHeads(nn.Module):
 class NezhaPreTrainedModel(PreTrainedModel):
     """Weight initialisation, checkpoint-loading rules and attention selection shared by every NEZHA class.
 
-    Attention implementations, all exact: `"nezha_fused"` (default; a compiled CPU kernel, linear
-    memory, falling back to the next one where it does not run), `"nezha_three_regions"` (PyTorch ops
-    only, linear memory for long inputs, the gather maths for short ones) and `"eager"` (the gather
-    maths; the only one returning attention probabilities). `"sdpa"`, flash and flex attention cannot express NEZHA's
-    relative value term and are refused.
+    `attn_implementation` is one of `relative_attention.ATTENTION_IMPLEMENTATIONS` (default
+    `"nezha_fused"`); the README's table "Attention implementations" says what each is and where it
+    runs. `"sdpa"`, flash and flex attention cannot express NEZHA's relative value term and are refused.
     """
 
     config: NezhaConfig
@@ -290,6 +307,9 @@ class NezhaPreTrainedModel(PreTrainedModel):
         r"embeddings\.token_type_ids",
         r"embeddings\.position_ids",
     ]
+    # `import nezha_hf` sets this to the `nezha_hf.hub` module (model cards, remote code, uploads);
+    # loaded as remote code without nezha_hf, it stays None and saving is transformers' own.
+    hub_integration = None
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -311,17 +331,7 @@ class NezhaPreTrainedModel(PreTrainedModel):
             )
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
-        requested_attention = requested_attention or FAST_ATTENTION
-        if requested_attention not in ("eager", FAST_ATTENTION, PYTORCH_ATTENTION):
-            raise ValueError(
-                f'NEZHA does not support attn_implementation="{requested_attention}": its relative value term needs '
-                f'the attention probabilities. Use "{FAST_ATTENTION}" (the default), "{PYTORCH_ATTENTION}" or "eager".'
-            )
-        if requested_attention == FAST_ATTENTION:
-            # Build or load the kernel now, with the model, rather than inside the first forward pass:
-            # the first build takes about a minute, and loading imports the compiler tooling.
-            compiled_kernel()
-        return requested_attention
+        return prepare_attention(requested_attention)
 
     def save_pretrained(self, save_directory, *args, model_card: dict | bool = True, remote_code: bool = False, **kwargs):
         """`PreTrainedModel.save_pretrained`, plus a model card and, if asked, remote code.
@@ -333,41 +343,26 @@ class NezhaPreTrainedModel(PreTrainedModel):
                 written by nezha_hf is never overwritten.
             remote_code: also copy the modeling files and write a complete `auto_map`, so that the folder
                 loads with `trust_remote_code=True` where nezha_hf is not installed.
+
+        Cards and remote code need nezha_hf installed; loaded as remote code, this is transformers' own.
         """
         super().save_pretrained(save_directory, *args, **kwargs)
-        if not kwargs.get("is_main_process", True):
-            return
-        try:
-            from nezha_hf.hub import export_remote_code, write_model_card
-        except ImportError:  # loaded as remote code, without nezha_hf installed: no card, no export
-            return
-        if model_card is not False:
-            settings = {**(getattr(self.config, "nezha_card", None) or {}), **(model_card if isinstance(model_card, dict) else {})}
-            write_model_card(save_directory, type(self).__name__, settings)
-        if remote_code:
-            export_remote_code(save_directory)
+        if kwargs.get("is_main_process", True) and self.hub_integration is not None:
+            self.hub_integration.save_extras(self, save_directory, model_card=model_card, remote_code=remote_code)
 
-    def push_to_hub(self, repo_id: str, *, model_card: dict | bool = True, remote_code: bool = False, commit_message=None,
-                    commit_description=None, private=None, token=None, revision=None, create_pr=False,
-                    max_shard_size="50GB", tags=None):
+    def push_to_hub(self, repo_id: str, *, model_card: dict | bool = True, remote_code: bool = False, **kwargs):
         """Upload to the Hub with a NEZHA model card (see `save_pretrained`); the only method that uses the network.
 
-        Same arguments as transformers' `push_to_hub`, plus `model_card` and `remote_code`. `tags` are
-        added to the card's tags (which always include `nezha`).
+        Same arguments as transformers' `push_to_hub` (`commit_message`, `commit_description`,
+        `private`, `token`, `revision`, `create_pr`, `max_shard_size`, `tags`), plus `model_card` and
+        `remote_code`. `tags` are added to the card's tags (which always include `nezha`). Loaded as
+        remote code without nezha_hf, this is transformers' own `push_to_hub`.
         """
-        import tempfile
-
-        from transformers.utils.hub import hf_api
-
-        repo_id = hf_api().create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
-        settings = {"repo_id": repo_id, "tags": list(tags or []), **(model_card if isinstance(model_card, dict) else {})}
-        with tempfile.TemporaryDirectory() as work_dir:
-            self.save_pretrained(work_dir, max_shard_size=max_shard_size, model_card=settings if model_card else False,
-                                 remote_code=remote_code)
-            return self._upload_modified_files(
-                work_dir, repo_id, files_timestamps={}, commit_message=commit_message, token=token,
-                create_pr=create_pr, revision=revision, commit_description=commit_description,
-            )
+        if self.hub_integration is None:
+            return super().push_to_hub(repo_id, **kwargs)
+        return self.hub_integration.push_model_to_hub(
+            self, repo_id, model_card=model_card, remote_code=remote_code, **kwargs
+        )
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -492,10 +487,10 @@ class NezhaModel(NezhaPreTrainedModel):
 
         encoder_outputs = self.encoder(
             embedding_output,
+            self.relative_table,
             attention_mask=mask,
             past_key_values=past_key_values,
             use_cache=use_cache,
-            relative_table=self.relative_table,
             **kwargs,
         )
         sequence_output = encoder_outputs.last_hidden_state
@@ -1246,7 +1241,58 @@ class NezhaForSentenceExtraction(NezhaPreTrainedModel):
         )
 
 
+@dataclass(frozen=True)
+class NezhaHead:
+    """One NEZHA class and what the rest of the package needs to know about it.
+
+    Attributes:
+        model_class: the class.
+        auto_class: the transformers Auto class that builds it (its name), or None.
+        bert_classes: BERT classes whose checkpoints `nezha-hf convert` turns into this class.
+        pipeline_tag: the Hub task its model card declares.
+        card_template: the file in `model_cards/` (without `.md`) its model card is written from.
+    """
+
+    model_class: type
+    auto_class: str | None
+    bert_classes: tuple[str, ...]
+    pipeline_tag: str
+    card_template: str
+
+
+# Every NEZHA class a checkpoint can be: registration, conversion, model cards and remote code read this table.
+NEZHA_HEADS = (
+    NezhaHead(NezhaModel, "AutoModel", ("BertModel",), "feature-extraction", "classifier"),
+    NezhaHead(NezhaForPreTraining, "AutoModelForPreTraining", ("BertForPreTraining",), "fill-mask", "continued-pretraining"),
+    NezhaHead(NezhaForMaskedLM, "AutoModelForMaskedLM", ("BertForMaskedLM",), "fill-mask", "continued-pretraining"),
+    NezhaHead(NezhaForNextSentencePrediction, "AutoModelForNextSentencePrediction", ("BertForNextSentencePrediction",),
+              "text-classification", "classifier"),
+    NezhaHead(NezhaForSequenceClassification, "AutoModelForSequenceClassification", ("BertForSequenceClassification",),
+              "text-classification", "classifier"),
+    NezhaHead(NezhaForMultipleChoice, "AutoModelForMultipleChoice", ("BertForMultipleChoice",), "multiple-choice",
+              "classifier"),
+    NezhaHead(NezhaForTokenClassification, "AutoModelForTokenClassification", ("BertForTokenClassification",),
+              "token-classification", "classifier"),
+    NezhaHead(NezhaForQuestionAnswering, "AutoModelForQuestionAnswering", ("BertForQuestionAnswering",),
+              "question-answering", "classifier"),
+    NezhaHead(NezhaForUniLM, "AutoModelForCausalLM", ("BertLMHeadModel",), "summarization", "summarizer"),
+    NezhaHead(NezhaForSentenceExtraction, None, (), "summarization", "summarizer"),
+)
+
+
+def nezha_head(name: str) -> NezhaHead:
+    """The row of `NEZHA_HEADS` for a class name (old `NeZha` casing accepted); a `ValueError` lists the valid ones."""
+    name = name.replace("NeZha", "Nezha")
+    for head in NEZHA_HEADS:
+        if head.model_class.__name__ == name:
+            return head
+    raise ValueError(
+        f"{name!r} is not a NEZHA model class; choose from {[head.model_class.__name__ for head in NEZHA_HEADS]}."
+    )
+
+
 __all__ = [
+    "NEZHA_HEADS",
     "CopySpanLogitsProcessor",
     "NezhaForMaskedLM",
     "NezhaForMultipleChoice",
@@ -1257,6 +1303,8 @@ __all__ = [
     "NezhaForSequenceClassification",
     "NezhaForTokenClassification",
     "NezhaForUniLM",
+    "NezhaHead",
     "NezhaModel",
     "NezhaPreTrainedModel",
+    "nezha_head",
 ]

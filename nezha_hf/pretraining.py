@@ -16,7 +16,6 @@ text gives it back. This module does that with Trainer:
 or, in Python, `continue_pretraining("converted-bert/", ["corpus/"], "nezha-adapted/", max_steps=20000)`.
 """
 
-import argparse
 import bisect
 import logging as std_logging
 from pathlib import Path
@@ -27,8 +26,9 @@ from transformers import AutoTokenizer, Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
-from .documents import TXT_SPLITS, read_documents
+from .documents import read_documents
 from .modeling_nezha import NezhaForMaskedLM
+from .padding import attention_mask_for, pad_rows
 
 logger = logging.get_logger(__name__)
 NOT_A_WORD = -1
@@ -109,13 +109,10 @@ class WholeWordMaskCollator:
         return is_word & torch.isin(word_ids, chosen)
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        length = max(len(f["input_ids"]) for f in features)
-        if self.pad_to_multiple_of:
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        pad_id = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([f["input_ids"] + [pad_id] * (length - len(f["input_ids"])) for f in features])
-        word_ids = torch.tensor([f["word_ids"] + [NOT_A_WORD] * (length - len(f["word_ids"])) for f in features])
-        attention_mask = torch.tensor([[1] * len(f["input_ids"]) + [0] * (length - len(f["input_ids"])) for f in features])
+        ids, multiple = [f["input_ids"] for f in features], self.pad_to_multiple_of
+        input_ids = pad_rows(ids, self.tokenizer.pad_token_id, multiple)
+        word_ids = pad_rows([f["word_ids"] for f in features], NOT_A_WORD, multiple)
+        attention_mask = attention_mask_for(ids, multiple)
         masked = torch.stack([self.mask_row(row) for row in word_ids])
         labels = torch.where(masked, input_ids, torch.full_like(input_ids, -100))
         roll = torch.rand(input_ids.shape)
@@ -177,31 +174,3 @@ def continue_pretraining(
     tokenizer.save_pretrained(str(output_dir))
     return result.metrics
 
-
-def main(argv=None) -> int:
-    """`nezha-hf pretrain`: command-line front end of `continue_pretraining`."""
-    parser = argparse.ArgumentParser(prog="nezha-hf pretrain", description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="NEZHA checkpoint directory (with tokenizer)")
-    parser.add_argument("files", nargs="+", help=".txt / .jsonl files or folders")
-    parser.add_argument("--output", required=True, help="output directory (checkpoints and the final model)")
-    parser.add_argument("--max-length", type=int, default=1024)
-    parser.add_argument("--mlm-probability", type=float, default=0.15)
-    parser.add_argument("--txt-split", choices=TXT_SPLITS, default="blank-lines")
-    parser.add_argument("--max-steps", type=int, default=-1)
-    parser.add_argument("--epochs", type=float, default=1.0)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
-    parser.add_argument("--learning-rate", type=float, default=5e-5)
-    parser.add_argument("--save-steps", type=int, default=500)
-    parser.add_argument("--bf16", action="store_true")
-    parser.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
-    parser.add_argument("--seed", type=int, default=42)
-    args = parser.parse_args(argv)
-    metrics = continue_pretraining(
-        args.model, args.files, args.output, max_length=args.max_length, mlm_probability=args.mlm_probability,
-        txt_split=args.txt_split, resume=not args.no_resume, max_steps=args.max_steps, num_train_epochs=args.epochs,
-        per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.learning_rate, save_steps=args.save_steps, bf16=args.bf16, seed=args.seed,
-    )
-    print(f"saved {args.output}; " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
-    return 0

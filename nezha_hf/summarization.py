@@ -23,7 +23,8 @@ from transformers.utils import logging
 
 from .cail import Judgment, lead, oracle_labels, rouge_scores
 from .modeling_nezha import NezhaForSentenceExtraction, NezhaForUniLM
-from .unilm import UniLMDataCollator, decode_new_tokens, encode_sources
+from .padding import attention_mask_for, pad_rows
+from .unilm import UniLMDataCollator, generate_text
 
 logger = logging.get_logger(__name__)
 EXTRACTOR_DIR, GENERATOR_DIR = "extractor", "generator"
@@ -58,16 +59,15 @@ class ExtractionCollator:
         self.pad_id = tokenizer.pad_token_id
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        length = max(len(f["input_ids"]) for f in features)
+        ids = [f["input_ids"] for f in features]
         batch = {
-            "input_ids": [f["input_ids"] + [self.pad_id] * (length - len(f["input_ids"])) for f in features],
-            "attention_mask": [[1] * len(f["input_ids"]) + [0] * (length - len(f["input_ids"])) for f in features],
-            "sentence_ids": [f["sentence_ids"] + [-1] * (length - len(f["sentence_ids"])) for f in features],
+            "input_ids": pad_rows(ids, self.pad_id),
+            "attention_mask": attention_mask_for(ids),
+            "sentence_ids": pad_rows([f["sentence_ids"] for f in features], -1),
         }
         if "labels" in features[0]:
-            sentences = max(len(f["labels"]) for f in features)
-            batch["labels"] = [list(f["labels"]) + [-100] * (sentences - len(f["labels"])) for f in features]
-        return {key: torch.tensor(value) for key, value in batch.items()}
+            batch["labels"] = pad_rows([f["labels"] for f in features], -100)
+        return batch
 
 
 def extraction_labels(judgment: Judgment) -> list[int]:
@@ -165,16 +165,9 @@ class Summarizer:
         if extract_only:
             summaries = sources
         else:
-            settings = {"num_beams": 3, "max_new_tokens": 512, "no_repeat_ngram_size": 3,
-                        "eos_token_id": self.tokenizer.sep_token_id, "pad_token_id": self.tokenizer.pad_token_id,
-                        **generate_kwargs}
-            summaries = []
-            for start in tqdm(range(0, len(sources), batch_size), desc="generating", disable=not show_progress):
-                inputs = encode_sources(self.tokenizer, sources[start : start + batch_size], self.token_budget)
-                with torch.no_grad():
-                    sequences = self.generator.generate(**{k: v.to(self.generator.device) for k, v in inputs.items()},
-                                                        **settings)
-                summaries += decode_new_tokens(self.tokenizer, sequences, inputs["input_ids"].shape[1])
+            settings = {"num_beams": 3, "max_new_tokens": 512, "no_repeat_ngram_size": 3, **generate_kwargs}
+            summaries = generate_text(self.generator, self.tokenizer, sources, max_source_length=self.token_budget,
+                                      batch_size=batch_size, show_progress=show_progress, **settings)
         return [{"id": j.id, "extracted": chosen, "summary": summary}
                 for j, chosen, summary in zip(judgments, selections, summaries)]
 

@@ -16,6 +16,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
+
+from .padding import attention_mask_for, pad_rows
 
 TRUNCATION_MODES = ("end", "middle")
 # Special tokens in a pair: [CLS] source [SEP] target [SEP].
@@ -178,18 +181,12 @@ class UniLMDataCollator:
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         encoded = [self.encode(feature) for feature in features]
-        length = max(len(example["input_ids"]) for example in encoded)
-        if self.pad_to_multiple_of:
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        pad_values = {"input_ids": self.tokenizer.pad_token_id, "token_type_ids": 1, "labels": -100, "attention_mask": 0}
+        pad_values = {"input_ids": self.tokenizer.pad_token_id, "token_type_ids": 1, "labels": -100}
         if self.copy_labels:
             pad_values["copy_labels"] = -100
-        batch = {key: [] for key in pad_values}
-        for example in encoded:
-            example = {**example, "attention_mask": [1] * len(example["input_ids"])}
-            for key, pad in pad_values.items():
-                batch[key].append(example[key] + [pad] * (length - len(example[key])))
-        return {key: torch.tensor(values, dtype=torch.long) for key, values in batch.items()}
+        batch = {key: pad_rows([e[key] for e in encoded], pad, self.pad_to_multiple_of) for key, pad in pad_values.items()}
+        batch["attention_mask"] = attention_mask_for([e["input_ids"] for e in encoded], self.pad_to_multiple_of)
+        return batch
 
 
 def encode_sources(
@@ -205,9 +202,8 @@ def encode_sources(
         if max_source_length is not None:
             ids = cut_source(ids, max_source_length, truncation)
         rows.append([tokenizer.cls_token_id, *ids, tokenizer.sep_token_id])
-    length = max(len(row) for row in rows)
-    input_ids = torch.tensor([[tokenizer.pad_token_id] * (length - len(row)) + row for row in rows])
-    attention_mask = torch.tensor([[0] * (length - len(row)) + [1] * len(row) for row in rows])
+    input_ids = pad_rows(rows, tokenizer.pad_token_id, side="left")
+    attention_mask = attention_mask_for(rows, side="left")
     return {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": torch.zeros_like(input_ids)}
 
 
@@ -227,10 +223,12 @@ def generate_text(
     max_source_length: int | None = None,
     truncation: str = "end",
     batch_size: int = 8,
+    show_progress: bool = False,
     **generate_kwargs,
 ) -> list[str]:
     """Generate a target for each source with a `NezhaForUniLM`; returns only the new text.
 
+    Sources go `batch_size` at a time (`show_progress`: a progress bar over the batches).
     `generate_kwargs` go to `model.generate` (e.g. `max_new_tokens=256, num_beams=4,
     no_repeat_ngram_size=3`). `eos_token_id` defaults to `tokenizer.sep_token_id` and
     `pad_token_id` to `tokenizer.pad_token_id`.
@@ -240,7 +238,7 @@ def generate_text(
     generate_kwargs.setdefault("eos_token_id", tokenizer.sep_token_id)
     generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
     texts = []
-    for start in range(0, len(sources), batch_size):
+    for start in tqdm(range(0, len(sources), batch_size), desc="generating", disable=not show_progress):
         inputs = encode_sources(tokenizer, sources[start : start + batch_size], max_source_length, truncation)
         inputs = {key: value.to(model.device) for key, value in inputs.items()}
         with torch.no_grad():

@@ -8,54 +8,35 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, make_tokenizer
-from safetensors.torch import load_file, save_file
-from test_reference_fixtures import run_case
+from helpers import (
+    FIXTURES,
+    SMALL_BERT,
+    make_tokenizer,
+    run_case,
+    save_layout,
+    small_bert,
+)
+from safetensors.torch import load_file
 from transformers import (
     AutoModel,
     AutoModelForMaskedLM,
     AutoModelForPreTraining,
     AutoModelForSequenceClassification,
-    AutoTokenizer,
-    BertConfig,
-    BertForPreTraining,
     BertForSequenceClassification,
     BertModel,
 )
 
-from nezha_hf.conversion import REPORT_NAME, ConversionError, convert_bert, convert_legacy_nezha, convert_tf
+import nezha_hf
+from nezha_hf.conversion import (
+    REPORT_NAME,
+    TIED_DECODER,
+    ConversionError,
+    convert_bert,
+    convert_legacy_nezha,
+    convert_tf,
+)
 
-SMALL_BERT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-                  max_position_embeddings=64)
 POSITION_TENSORS = {"embeddings.position_embeddings.weight", "embeddings.position_ids"}
-
-
-def small_bert(cls=BertForPreTraining, **overrides):
-    torch.manual_seed(0)
-    model = cls(BertConfig(**{**SMALL_BERT, **overrides}))
-    with torch.no_grad():  # non-default values everywhere, so a mix-up cannot pass unnoticed
-        for parameter in model.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.01)
-    return model
-
-
-def save_layout(model, directory, layout):
-    """Write `model` as Hugging Face would in `layout`: safetensors, a v4-style .bin, or without the prefix."""
-    directory.mkdir(parents=True)
-    model.config.save_pretrained(directory)
-    make_tokenizer(directory)
-    if layout == "safetensors":
-        model.save_pretrained(directory)
-        return
-    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    if layout == "bin-with-buffers":  # older transformers also saved the position_ids buffer and tied copies
-        state["bert.embeddings.position_ids"] = torch.arange(64)[None]
-        torch.save(state, directory / "pytorch_model.bin")
-    elif layout == "no-prefix":
-        base = {name.removeprefix("bert."): tensor for name, tensor in state.items() if name.startswith("bert.")}
-        model.config.architectures = ["BertModel"]
-        model.config.save_pretrained(directory)
-        save_file(base, directory / "model.safetensors")
 
 
 def source_value(model, source_name):
@@ -173,9 +154,6 @@ def test_cli_convert_prints_the_report(tmp_path):
     assert failed.returncode == 1 and "nowhere" in failed.stderr
 
 
-# --- TensorFlow checkpoints, written by TensorFlow -----------------------------------------------
-
-
 def tf_variables(bert, naming):
     """The BERT weights under Google's TF names (kernels `[in, out]`), written out here independently of the
     converter. NEZHA naming has no position table and carries Adam slots and a global step, as Huawei's release."""
@@ -258,83 +236,20 @@ def test_corrupt_tensorflow_checkpoint_names_the_file(tmp_path):
         convert_tf(tmp_path / "tf" / "model.ckpt-1", tmp_path / "nezha", config_file=tmp_path / "bert_config.json")
 
 
-# --- continued pretraining -------------------------------------------------------------------
+@pytest.mark.parametrize("head", nezha_hf.NEZHA_HEADS, ids=lambda head: head.model_class.__name__)
+def test_every_head_can_be_the_target_architecture(tmp_path, head):
+    save_layout(small_bert(), tmp_path / "bert", "safetensors")
+    name = head.model_class.__name__
+    # A BertForPreTraining has no classifier or QA outputs: those heads need them named as new.
+    report = convert_bert(tmp_path / "bert", tmp_path / "nezha", architecture=name,
+                          allow_missing=["classifier.*", "qa_outputs.*"])
+    assert report.architecture == name
+    model, info = head.model_class.from_pretrained(tmp_path / "nezha", output_loading_info=True)
+    assert type(model) is head.model_class and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert set(info["missing_keys"]) <= {n for n in report.missing_allowed} | set(TIED_DECODER)
 
 
-def chinese_corpus(directory, documents=40):
-    """Generated Chinese text with structure to learn: each document repeats a few phrases."""
-    import random
-
-    from conftest import CHARACTERS
-
-    rng = random.Random(0)
-    phrases = ["".join(rng.choice(CHARACTERS) for _ in range(rng.randint(2, 4))) for _ in range(12)]
-    directory.mkdir(parents=True)
-    blocks = ["".join(rng.choice(phrases) for _ in range(rng.randint(20, 60))) for _ in range(documents)]
-    (directory / "corpus.txt").write_text("\n\n".join(blocks), encoding="utf-8")
-    (directory / "more.jsonl").write_text(
-        json.dumps({"text": blocks[0]}, ensure_ascii=False) + "\n{broken json\n" + json.dumps({"id": 3}) + "\n",
-        encoding="utf-8",
-    )
-    return directory
-
-
-def test_whole_word_masking_masks_every_token_of_a_word(tokenizer):
-    from nezha_hf.pretraining import WholeWordMaskCollator, pack_documents
-
-    examples = pack_documents(tokenizer, ["原告被告法院判决了" * 30], max_length=64, show_progress=False)
-    assert all(len(e["input_ids"]) <= 64 for e in examples) and len(examples) == 5
-    assert examples[0]["input_ids"][0] == tokenizer.cls_token_id and examples[0]["input_ids"][-1] == tokenizer.sep_token_id
-    torch.manual_seed(0)
-    batch = WholeWordMaskCollator(tokenizer)(examples)
-    masked = batch["labels"] != -100
-    word_ids = torch.tensor([e["word_ids"] + [-1] * (64 - len(e["word_ids"])) for e in examples])
-    for row in range(len(examples)):
-        for word in word_ids[row][masked[row]].unique():
-            assert masked[row][word_ids[row] == word].all()  # whole words only
-        fraction = masked[row].sum() / (word_ids[row] >= 0).sum()
-        assert 0.1 <= fraction <= 0.3
-    assert not masked[:, 0].any()  # never [CLS]
-
-
-def test_pretrain_lowers_the_loss_and_resumes(tmp_path, tokenizer):
-    from nezha_hf import NezhaConfig
-    from nezha_hf.pretraining import WholeWordMaskCollator, pack_documents
-
-    from nezha_hf import NezhaForMaskedLM
-
-    corpus = chinese_corpus(tmp_path / "corpus")
-    torch.manual_seed(0)
-    start = tmp_path / "start"
-    NezhaForMaskedLM(NezhaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                 intermediate_size=64, max_relative_position=16)).save_pretrained(start)
-    tokenizer.save_pretrained(start)
-    texts = (corpus / "corpus.txt").read_text(encoding="utf-8").split("\n\n")
-    held_out = pack_documents(tokenizer, texts[:4], max_length=128, show_progress=False)
-
-    def loss_of(path):
-        model = NezhaForMaskedLM.from_pretrained(path).eval()
-        torch.manual_seed(1)
-        with torch.no_grad():
-            return model(**WholeWordMaskCollator(tokenizer)(held_out)).loss.item()
-
-    done = subprocess.run(
-        [sys.executable, "-m", "nezha_hf.cli", "pretrain", str(start), str(corpus), "--output", str(tmp_path / "out"),
-         "--max-length", "128", "--max-steps", "60", "--batch-size", "8", "--learning-rate", "2e-3",
-         "--save-steps", "30"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "more.jsonl:2" in done.stderr and "more.jsonl:3" in done.stderr  # bad lines named, run went on
-    assert loss_of(tmp_path / "out") < 0.9 * loss_of(start)
-    assert (tmp_path / "out" / "checkpoint-60").is_dir()
-    assert len(AutoTokenizer.from_pretrained(tmp_path / "out")) == len(tokenizer)
-    # Rerun with more steps: continues from checkpoint-60 instead of starting over.
-    again = subprocess.run(
-        [sys.executable, "-m", "nezha_hf.cli", "pretrain", str(start), str(corpus), "--output", str(tmp_path / "out"),
-         "--max-length", "128", "--max-steps", "70", "--batch-size", "8", "--save-steps", "30"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert again.returncode == 0, again.stderr[-3000:]
-    state = json.loads((tmp_path / "out" / "checkpoint-70" / "trainer_state.json").read_text())
-    assert state["global_step"] == 70 and len(state["log_history"]) >= 1
+def test_an_unknown_architecture_lists_the_valid_ones(tmp_path):
+    save_layout(small_bert(), tmp_path / "bert", "safetensors")
+    with pytest.raises(ConversionError, match=r"'NezhaEmbeddings' is not a NEZHA model class; choose from .*NezhaForSentenceExtraction"):
+        convert_bert(tmp_path / "bert", tmp_path / "nezha", architecture="NezhaEmbeddings")

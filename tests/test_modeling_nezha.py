@@ -1,4 +1,4 @@
-"""NezhaModel and heads: the independent reference, cache, round trip, bad input, training features."""
+"""NezhaModel and heads: the v4 reference fixtures, the independent reference, cache, round trip, bad input."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import pytest
 import reference
 import torch
 import transformers
-from conftest import FIXTURES, tiny_config
+from helpers import FIXTURE_CASES, FIXTURES, run_case, tiny_config
 from safetensors.torch import load_file
 
 import nezha_hf
@@ -22,7 +22,27 @@ from nezha_hf import (
     NezhaForSequenceClassification,
     NezhaForTokenClassification,
     NezhaModel,
+    relative_attention,
 )
+
+
+def test_all_fixture_cases_present():
+    assert len(FIXTURE_CASES) == 10, FIXTURE_CASES
+
+
+@pytest.mark.parametrize("name", FIXTURE_CASES)
+@pytest.mark.parametrize("attn_implementation", [None, "eager"])
+def test_fixture(name, attn_implementation):
+    run_case(name, attn_implementation)
+
+
+@pytest.mark.parametrize("name", FIXTURE_CASES)
+def test_fixture_through_three_regions(name, monkeypatch):
+    # The fixtures are shorter than the length where the default switches to three regions:
+    # force the switch so the fast path runs on real v4 checkpoints too.
+    monkeypatch.setattr(relative_attention, "THREE_REGIONS_MIN_LENGTH", 1)
+    run_case(name, nezha_hf.PYTORCH_ATTENTION)
+
 
 K = 8
 
@@ -119,18 +139,6 @@ def test_bad_input_raises_value_error(kwargs, message):
     model = NezhaModel(tiny_config()).eval()
     with pytest.raises(ValueError, match=message):
         model(**kwargs)
-
-
-@pytest.mark.parametrize("overrides,message", [
-    (dict(hidden_act="relu9"), "hidden_act"),
-    (dict(max_relative_position=0), "max_relative_position"),
-    (dict(hidden_size=30, num_attention_heads=4), "multiple"),
-    (dict(hidden_size=12, num_attention_heads=4), "even"),
-    (dict(add_cross_attention=True), "cross"),
-])
-def test_bad_config_values_are_rejected(overrides, message):
-    with pytest.raises(Exception, match=message):
-        tiny_config(**overrides)
 
 
 def test_attention_backends_that_would_drop_relative_terms_are_refused():
@@ -245,8 +253,9 @@ def test_multiple_choice_shapes():
 
 def test_auto_classes_registered():
     config = tiny_config()
-    for auto_class, model_class in nezha_hf.AUTO_CLASSES.items():
-        assert type(auto_class.from_config(config)) is model_class
+    for head in nezha_hf.NEZHA_HEADS:
+        if head.auto_class is not None:
+            assert type(getattr(transformers, head.auto_class).from_config(config)) is head.model_class
 
 
 def test_no_length_buffers_in_model():
@@ -275,3 +284,27 @@ def test_legacy_buffers_are_dropped_with_a_log_line(caplog):
     finally:
         hf_logging.disable_propagation()
     assert "Dropped 3 persisted buffer(s)" in caplog.text, caplog.text
+
+
+def test_heads_table_lists_every_model_class():
+    from nezha_hf import modeling_nezha
+
+    classes = {
+        obj for obj in vars(modeling_nezha).values()
+        if isinstance(obj, type) and issubclass(obj, nezha_hf.NezhaPreTrainedModel) and obj is not nezha_hf.NezhaPreTrainedModel
+    }
+    assert classes == {head.model_class for head in nezha_hf.NEZHA_HEADS}
+    assert nezha_hf.nezha_head("NeZhaForMaskedLM").model_class is NezhaForMaskedLM  # old casing
+    with pytest.raises(ValueError, match=r"not a NEZHA model class; choose from \[.*'NezhaForUniLM'"):
+        nezha_hf.nezha_head("NezhaEmbeddings")
+
+
+def test_attention_functions_take_the_relative_table_by_name():
+    from helpers import FakeModule
+
+    from nezha_hf.relative_attention import ATTENTION_IMPLEMENTATIONS
+
+    q = torch.randn(1, 2, 5, 8)
+    for function in ATTENTION_IMPLEMENTATIONS.values():
+        with pytest.raises(TypeError, match="relative_table"):
+            function(FakeModule().eval(), q, q, q, None, 0.5)

@@ -1,0 +1,164 @@
+"""Model cards, uploads (through a local stand-in for the Hub client) and remote code."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from helpers import VOCAB, save_layout, small_bert, tiny_config
+
+import nezha_hf
+from nezha_hf import (
+    NezhaForMaskedLM,
+    NezhaForQuestionAnswering,
+    NezhaForSequenceClassification,
+    NezhaForTokenClassification,
+    NezhaForUniLM,
+    NezhaModel,
+    hub,
+)
+from nezha_hf.conversion import convert_bert
+from nezha_hf.hub import CARD_MARKER, build_model_card
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def card_metadata(path):
+    text = Path(path).read_text(encoding="utf-8")
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("---\n")[1]), text
+
+
+def test_save_pretrained_writes_a_model_card(tmp_path):
+    model = NezhaForMaskedLM(tiny_config(vocab_size=VOCAB))
+    model.save_pretrained(tmp_path / "a", model_card={"license": "mit", "datasets": ["cail2020"]})
+    metadata, text = card_metadata(tmp_path / "a" / "README.md")
+    assert metadata["library_name"] == "transformers" and "nezha" in metadata["tags"]
+    assert metadata["pipeline_tag"] == "fill-mask" and metadata["language"] == "zh"
+    assert metadata["license"] == "mit" and metadata["datasets"] == ["cail2020"]
+    assert "import nezha_hf" in text
+    # A README the user wrote is kept.
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "README.md").write_text("my own card")
+    model.save_pretrained(tmp_path / "b")
+    assert (tmp_path / "b" / "README.md").read_text() == "my own card"
+    model.save_pretrained(tmp_path / "c", model_card=False)
+    assert not (tmp_path / "c" / "README.md").exists()
+
+
+@pytest.mark.parametrize("cls, tag", [(NezhaForSequenceClassification, "text-classification"),
+                                      (NezhaForQuestionAnswering, "question-answering"),
+                                      (NezhaForUniLM, "summarization"), (NezhaModel, "feature-extraction")])
+def test_card_template_and_pipeline_tag_follow_the_head(cls, tag):
+    card = build_model_card(cls.__name__, {"eval_results": [
+        {"task_type": tag, "dataset_type": "cail2020", "dataset_name": "CAIL2020", "metric_type": "rouge",
+         "metric_value": 0.5}]})
+    assert card.data.pipeline_tag == tag and card.data.library_name == "transformers"
+    assert "model-index" in str(card.data.to_dict()) or card.data.eval_results
+    assert CARD_MARKER in card.text
+    with pytest.raises(ValueError, match="Unknown model-card settings"):
+        build_model_card(cls.__name__, {"licence": "typo"})
+
+
+def test_converted_model_card_names_its_base_model(tmp_path):
+    bert = small_bert()
+    bert.config._name_or_path = "google-bert/bert-base-chinese"
+    save_layout(bert, tmp_path / "bert", "safetensors")
+    config = json.loads((tmp_path / "bert" / "config.json").read_text())
+    config["_name_or_path"] = "google-bert/bert-base-chinese"
+    (tmp_path / "bert" / "config.json").write_text(json.dumps(config))
+    convert_bert(tmp_path / "bert", tmp_path / "nezha")
+    metadata, text = card_metadata(tmp_path / "nezha" / "README.md")
+    assert metadata["base_model"] == "google-bert/bert-base-chinese" and "Not ready for use as is" in text
+    # A model fine-tuned from it keeps naming the base model.
+    model = NezhaForSequenceClassification.from_pretrained(tmp_path / "nezha", num_labels=2)
+    model.save_pretrained(tmp_path / "tuned")
+    metadata, _ = card_metadata(tmp_path / "tuned" / "README.md")
+    assert metadata["base_model"] == "google-bert/bert-base-chinese" and metadata["pipeline_tag"] == "text-classification"
+
+
+class LocalHub:
+    """Stands in for `huggingface_hub.HfApi`: records what would be uploaded, touches no network."""
+
+    instances = []
+
+    def __init__(self, token=None):
+        self.token, self.repos, self.uploads = token, [], []
+        LocalHub.instances.append(self)
+
+    def create_repo(self, repo_id, private=None, exist_ok=False, **kwargs):
+        self.repos.append(repo_id)
+        return SimpleNamespace(repo_id=f"someone/{repo_id}")
+
+    def upload_folder(self, repo_id, folder_path, **kwargs):
+        files = {path.name: path.read_bytes() for path in Path(folder_path).iterdir()}
+        self.uploads.append({"repo_id": repo_id, "files": files, **kwargs})
+        return SimpleNamespace(commit_url=f"local://{repo_id}")
+
+
+def test_push_to_hub_uploads_weights_config_and_card(monkeypatch):
+    monkeypatch.setattr(hub, "HfApi", LocalHub)
+    LocalHub.instances.clear()
+    model = NezhaForTokenClassification(tiny_config(vocab_size=VOCAB, num_labels=3))
+    model.push_to_hub("nezha-ner", tags=["legal"], commit_message="first", remote_code=True, token="secret")
+    [api] = LocalHub.instances
+    assert api.token == "secret" and api.repos == ["nezha-ner"] and len(api.uploads) == 1
+    upload = api.uploads[0]
+    assert upload["repo_id"] == "someone/nezha-ner" and upload["commit_message"] == "first"
+    files = upload["files"]
+    assert {"config.json", "model.safetensors", "README.md", "modeling_nezha.py", "relative_attention.py",
+            "configuration_nezha.py", "attention_kernel.py", "three_regions.py"} <= set(files)
+    text = files["README.md"].decode()
+    metadata = yaml.safe_load(text.split("---\n")[1])
+    assert metadata["tags"] == ["nezha", "legal"] and metadata["pipeline_tag"] == "token-classification"
+    assert "someone/nezha-ner" in text
+    assert json.loads(files["config.json"])["auto_map"]["AutoModelForTokenClassification"] == (
+        "modeling_nezha.NezhaForTokenClassification"
+    )
+
+
+def test_remote_code_loads_without_nezha_hf(tmp_path):
+    torch.manual_seed(0)
+    model = NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)).eval()
+    model.save_pretrained(tmp_path / "remote", remote_code=True)
+    config = json.loads((tmp_path / "remote" / "config.json").read_text())
+    expected_keys = {"AutoConfig"} | {head.auto_class for head in nezha_hf.NEZHA_HEADS if head.auto_class}
+    assert set(config["auto_map"]) == expected_keys
+    input_ids = torch.randint(5, VOCAB, (2, 40))
+    with torch.no_grad():
+        torch.save({"input_ids": input_ids, "logits": model(input_ids).logits}, tmp_path / "expected.pt")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["nezha_hf"] = None  # make `import nezha_hf` fail, as where it is not installed
+        sys.path = [p for p in sys.path if p not in ("", {str(REPO)!r})]
+        import torch, transformers
+        try:
+            import nezha_hf
+            raise SystemExit("nezha_hf is importable")
+        except ImportError:
+            pass
+        path = {str(tmp_path / "remote")!r}
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
+        model = transformers.AutoModelForMaskedLM.from_pretrained(path, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        with torch.no_grad():
+            got = model(expected["input_ids"]).logits
+        print("max difference", (got - expected["logits"]).abs().max().item())
+        for auto in ("AutoModel", "AutoModelForSequenceClassification", "AutoModelForQuestionAnswering",
+                     "AutoModelForCausalLM"):
+            getattr(transformers, auto).from_pretrained(path, trust_remote_code=True)
+        generator = transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+        print("generates", generator.generate(expected["input_ids"][:1, :5], max_new_tokens=3,
+                                               eos_token_id=3, pad_token_id=0).shape[1])
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split("max difference ")[1].split()[0]) < 1e-6
+    assert "generates 8" in done.stdout
