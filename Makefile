@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU build of torch; any other version pulls several GB of CUDA packages.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev,tf,demo]"
+	$(PY) -m pip install --quiet -e ".[dev,tf,demo,onnx]"
 	touch $(STAMP)
 
 demo: $(STAMP)

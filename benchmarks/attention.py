@@ -3,13 +3,19 @@
     python benchmarks/attention.py                     # full table (about an hour on 2 cores)
     python benchmarks/attention.py --lengths 128 512   # a subset
     python benchmarks/attention.py --lengths --memory-lengths 8192 --no-train --output attention-memory
+    python benchmarks/attention.py --dropout 0.1 --layers 4 --lengths 2048 4096 --memory-lengths 4096 --output attention-dropout
+    python benchmarks/attention.py --attention nezha_chunked --output attention-chunked
+    python benchmarks/attention.py --device cuda --output attention-cuda   # where a GPU exists
 
-Base width (12 layers, hidden 768, 12 heads, K = 64), float32, batch 1, dropout off in both
-models. Times are medians of `--repeats` runs, NEZHA and BERT alternating in one process; the
-ratio is NEZHA / BERT. Peak memory is measured in a fresh process per configuration: the resident
-set high-water mark minus the resident set just before the pass, median of `--memory-runs`
-processes. Writes `benchmarks/results/<output>.md`, `.json` and `.png` (tokens vs time ratio);
-`--output` defaults to `attention`.
+Base width (hidden 768, 12 heads, K = 64; 12 layers unless `--layers`), float32, batch 1.
+`--dropout P` sets attention and hidden dropout to P in both models (BERT-SDPA then leaves its
+flash kernel for the math path); NEZHA runs the implementation `--attention` (default: the
+default). Times are medians of `--repeats` runs, NEZHA and BERT alternating in one process; the
+ratio is NEZHA / BERT. Peak memory is measured in a fresh process per configuration, median of
+`--memory-runs` processes: on the CPU the resident set high-water mark minus the resident set just
+before the pass; on a GPU the allocator's peak minus what was allocated before the pass. Writes
+`benchmarks/results/<output>.md`, `.json` and `.png` (tokens vs time ratio); `--output` defaults
+to `attention`.
 
 Memory is the resident set the operating system sees, so it includes what glibc's malloc keeps
 after frees: which 24 MB activations land in its heap and how they fragment changes from one run
@@ -40,12 +46,21 @@ BASE = dict(
 )
 
 
-def build(kind: str):
+def build(kind: str, dropout: float = 0.0, layers: int = 12, attention: str | None = None, device: str = "cpu"):
+    """BERT-SDPA ("bert"), NEZHA with `attention` ("nezha") or NEZHA eager ("nezha-eager"), on `device`."""
     torch.manual_seed(0)
+    sizes = {**BASE, "num_hidden_layers": layers, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
     if kind == "bert":
-        return BertModel._from_config(BertConfig(**BASE, max_position_embeddings=16384), attn_implementation="sdpa")
-    implementation = "eager" if kind == "nezha-eager" else None
-    return NezhaModel._from_config(NezhaConfig(**BASE, max_relative_position=64), attn_implementation=implementation)
+        model = BertModel._from_config(BertConfig(**sizes, max_position_embeddings=16384), attn_implementation="sdpa")
+    else:
+        implementation = "eager" if kind == "nezha-eager" else attention
+        model = NezhaModel._from_config(NezhaConfig(**sizes, max_relative_position=64), attn_implementation=implementation)
+    return model.to(device)
+
+
+def synchronize(device: str) -> None:
+    if device != "cpu":
+        getattr(torch, torch.device(device).type).synchronize()
 
 
 def run_once(model, input_ids, train: bool) -> float:
@@ -56,12 +71,13 @@ def run_once(model, input_ids, train: bool) -> float:
     else:
         with torch.no_grad():
             model(input_ids)
+    synchronize(str(input_ids.device))
     return time.perf_counter() - start
 
 
-def time_models(kinds, length, train, repeats):
-    models = {kind: build(kind).train(train) for kind in kinds}
-    input_ids = torch.randint(1, 21128, (1, length))
+def time_models(kinds, length, train, repeats, args):
+    models = {kind: build(kind, args.dropout, args.layers, args.attention, args.device).train(train) for kind in kinds}
+    input_ids = torch.randint(1, 21128, (1, length), device=args.device)
     for model in models.values():  # warm-up
         run_once(model, input_ids, train)
     samples = {kind: [] for kind in kinds}
@@ -71,13 +87,14 @@ def time_models(kinds, length, train, repeats):
     return {kind: statistics.median(values) for kind, values in samples.items()}
 
 
-def peak_memory_mb(kind, length, train) -> float:
-    """Extra resident memory of one pass, in a fresh process.
+def peak_memory_mb(kind, length, train, args) -> float:
+    """Extra memory of one pass, in a fresh process.
 
     The model is built (which loads the compiled kernel) and run once on 16 tokens, so that
-    one-time work of the first call (thread pools, lazy imports) is not counted as memory of the pass; then
-    the peak (VmHWM) is reset (`/proc/self/clear_refs`) and the result is the pass's peak minus the
-    resident set before it.
+    one-time work of the first call (thread pools, lazy imports) is not counted as memory of the
+    pass. On the CPU the peak (VmHWM) is then reset (`/proc/self/clear_refs`) and the result is the
+    pass's peak minus the resident set before it; on a GPU, the allocator's peak minus what was
+    allocated before the pass.
     """
     root = str(Path(__file__).resolve().parents[1])
     code = f"""
@@ -88,13 +105,21 @@ def status(field):
     for line in open('/proc/self/status'):
         if line.startswith(field):
             return int(line.split()[1]) / 1024
-model = b.build({kind!r}).train({train!r})
-ids = torch.randint(1, 21128, (1, {length}))
+device = {args.device!r}
+model = b.build({kind!r}, {args.dropout!r}, {args.layers!r}, {args.attention!r}, device).train({train!r})
+ids = torch.randint(1, 21128, (1, {length}), device=device)
 b.run_once(model, ids[:, :16], {train!r})
-open('/proc/self/clear_refs', 'w').write('5')
-before = status('VmRSS')
-b.run_once(model, ids, {train!r})
-print(status('VmHWM') - before)
+if device == 'cpu':
+    open('/proc/self/clear_refs', 'w').write('5')
+    before = status('VmRSS')
+    b.run_once(model, ids, {train!r})
+    print(status('VmHWM') - before)
+else:
+    accelerator = getattr(torch, torch.device(device).type)
+    accelerator.reset_peak_memory_stats()
+    before = accelerator.memory_allocated()
+    b.run_once(model, ids, {train!r})
+    print((accelerator.max_memory_allocated() - before) / 2**20)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if result.returncode != 0:
@@ -114,9 +139,14 @@ def main():
     parser.add_argument("--eager-up-to", type=int, default=1024, help="also time the gather path up to this length")
     parser.add_argument("--no-train", action="store_true", help="forward only")
     parser.add_argument("--train-up-to", type=int, default=1 << 30, help="time forward+backward up to this length")
+    parser.add_argument("--dropout", type=float, default=0.0, help="attention and hidden dropout in both models")
+    parser.add_argument("--layers", type=int, default=12, help="layers of both models")
+    parser.add_argument("--attention", default=None, help="NEZHA's attn_implementation (default: the default)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, ... (both models)")
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    if args.dropout and args.no_train:
+        print("note: dropout only acts in training; with --no-train it changes nothing", flush=True)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}", flush=True)
 
     rows = []
     for length in args.lengths:
@@ -124,7 +154,7 @@ def main():
         for train in [False] if args.no_train or length > args.train_up_to else [False, True]:
             mode = "train" if train else "fwd"
             kinds = ["nezha", "bert"] + (["nezha-eager"] if length <= args.eager_up_to else [])
-            times = time_models(kinds, length, train, args.repeats)
+            times = time_models(kinds, length, train, args.repeats, args)
             row[f"bert_{mode}_s"] = times["bert"]
             row[f"nezha_{mode}_s"] = times["nezha"]
             row[f"ratio_{mode}"] = times["nezha"] / times["bert"]
@@ -143,7 +173,7 @@ def main():
             runs = {kind: [] for kind in ("bert", "nezha")}
             for _ in range(args.memory_runs):
                 for kind, values in runs.items():
-                    values.append(peak_memory_mb(kind, length, train))
+                    values.append(peak_memory_mb(kind, length, train, args))
             for kind, values in runs.items():
                 entry[f"{kind}_{mode}_mb"] = statistics.median(values)
                 entry[f"{kind}_{mode}_runs_mb"] = values
@@ -158,7 +188,9 @@ def write_results(rows, memory, args):
     RESULTS.mkdir(exist_ok=True)
     malloc = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     command = (f"MALLOC_MMAP_THRESHOLD_={malloc} " if malloc else "") + "python benchmarks/attention.py " + " ".join(sys.argv[1:])
-    lines = [f"Command: `{command.strip()}` (torch {torch.__version__}, {torch.get_num_threads()} threads)"]
+    setting = (f"NEZHA attention {args.attention or 'default'}, {args.layers} layers, dropout {args.dropout}, "
+               f"device {args.device}")
+    lines = [f"Command: `{command.strip()}` (torch {torch.__version__}, {torch.get_num_threads()} threads; {setting})"]
     if rows:
         lines += [
             "",
@@ -206,7 +238,7 @@ def write_results(rows, memory, args):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens")
     ax.set_ylabel("time / BERT-SDPA time")
-    ax.set_title("NEZHA (default attention) vs BERT-SDPA, base size, CPU")
+    ax.set_title(f"NEZHA ({args.attention or 'default attention'}) vs BERT-SDPA, {args.device}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(RESULTS / f"{args.output}.png", dpi=120)

@@ -11,7 +11,12 @@ from . import hub, modeling_nezha
 from .configuration_nezha import NezhaConfig
 from .modeling_nezha import *  # noqa: F403  (the classes and the heads table; see modeling_nezha.__all__)
 from .pipelines import register_pipelines
-from .relative_attention import FAST_ATTENTION, PYTORCH_ATTENTION, RelativeAttentionMask
+from .relative_attention import (
+    CHUNKED_ATTENTION,
+    FAST_ATTENTION,
+    THREE_REGION_ATTENTION,
+    RelativeAttentionMask,
+)
 
 __version__ = "0.1.0"
 
@@ -22,4 +27,11 @@ for _head in modeling_nezha.NEZHA_HEADS:
 register_pipelines()  # "extractive-question-answering", which transformers v5 removed
 modeling_nezha.NezhaPreTrainedModel.hub_integration = hub  # model cards, remote code and uploads
 
-__all__ = ["FAST_ATTENTION", "PYTORCH_ATTENTION", "NezhaConfig", "RelativeAttentionMask", *modeling_nezha.__all__]
+__all__ = [
+    "CHUNKED_ATTENTION",
+    "FAST_ATTENTION",
+    "THREE_REGION_ATTENTION",
+    "NezhaConfig",
+    "RelativeAttentionMask",
+    *modeling_nezha.__all__,
+]

@@ -1,15 +1,21 @@
-"""The compiled NEZHA attention kernel (`csrc/relative_attention.cpp`): loading it, and calling it.
+"""The compiled NEZHA attention kernel (`csrc/relative_attention.cpp`): building it, and calling it as an op.
 
 The kernel computes the whole relative attention in one flash-style pass, forward and backward,
-for float32 tensors on CPU. It is built with `torch.utils.cpp_extension` the first time it is
-needed and cached on disk. This module is an engine: it takes tensors and key flags and knows
-nothing of models; `relative_attention.py` decides when it runs.
+for float32 tensors on CPU, with any padding, causal or UniLM prefix mask, a KV cache (queries
+offset against longer keys) and attention dropout (a counter-based hash of a seed, so the backward
+regenerates the forward's mask). It is built with `torch.utils.cpp_extension` the first time it is
+needed and cached on disk, and registered as the `torch.library` ops `nezha_hf::kernel_forward`
+and `nezha_hf::kernel_backward`: `torch.compile` and `torch.export` see one opaque node with known
+output shapes, and autograd uses the backward op.
+
+This module is an engine: it takes tensors and key flags and knows nothing of models;
+`relative_attention.py` decides when it runs.
 """
 
-import functools
+import contextlib
 import hashlib
 import os
-import platform
+import time
 from pathlib import Path
 
 import torch
@@ -18,72 +24,210 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 KERNEL_SOURCE = Path(__file__).with_name("csrc") / "relative_attention.cpp"
+KERNEL_FLAGS = ["-O3", "-march=native", "-fopenmp"]
 # Query rows and keys per block of the kernel; 0 lets it choose (as PyTorch's flash kernel does).
 KERNEL_BLOCK_SIZES = (0, 0)
+# How long to wait for another process's build (its lock file) before giving up; seconds.
+LOCK_TIMEOUT_VARIABLE = "NEZHA_HF_KERNEL_LOCK_TIMEOUT"
+DEFAULT_LOCK_TIMEOUT = 300.0
 
 
-@functools.cache
+def _cpu_signature() -> str:
+    """What `-march=native` compiles for: PyTorch's CPU capability and the CPU's feature flags."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):  # x86, ARM
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
+    return f"{torch.backends.cpu.get_cpu_capability()} {flags}"
+
+
+def kernel_name() -> str:
+    """The extension's name: it changes with the source, PyTorch, the compiler flags and the CPU's instruction set,
+    so a build cache shared between machines is never reused on another instruction set."""
+    digest = hashlib.sha1()
+    for part in (KERNEL_SOURCE.read_bytes(), torch.__version__.encode(), " ".join(KERNEL_FLAGS).encode(),
+                 _cpu_signature().encode()):
+        digest.update(part)
+    return f"nezha_hf_relative_attention_{digest.hexdigest()[:12]}"
+
+
+def build_directory() -> Path:
+    """Where the kernel is built and cached (under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root()) / kernel_name()
+
+
+@contextlib.contextmanager
+def _bounded_lock_wait(timeout: float):
+    """Make torch's build lock give up after `timeout` seconds instead of waiting forever."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    original = cpp_extension.FileBaton
+
+    class BoundedBaton(original):
+        def wait(self):
+            deadline = time.monotonic() + timeout
+            while os.path.exists(self.lock_file_path):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"waited {timeout:.0f} s for the build lock {self.lock_file_path}: another process is "
+                        "building the kernel, or a build was killed half-way (then delete that file)"
+                    )
+                time.sleep(self.wait_seconds)
+
+    cpp_extension.FileBaton = BoundedBaton
+    try:
+        yield
+    finally:
+        cpp_extension.FileBaton = original
+
+
+_loaded = {}  # "kernel": the extension, or None, once loading it was tried
+
+
 def compiled_kernel():
     """The compiled NEZHA attention kernel, built on first use and then cached; None if unavailable.
 
     It is built with PyTorch's `torch.utils.cpp_extension.load` (needs a C++ compiler and `ninja`)
-    into `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), for the CPU it runs on. It is
-    not used when the environment variable `NEZHA_HF_KERNEL=0` is set, the source file is absent
-    (remote-code checkpoints copy only the Python files) or the build fails (logged once).
-    `compiled_kernel.cache_clear()` forgets the result, so the next call tries again.
+    into `build_directory()`, for the CPU it runs on. It is not used, and the PyTorch paths run
+    instead, when the environment variable `NEZHA_HF_KERNEL=0` is set, the source file is absent
+    (remote-code checkpoints copy only the Python files), the build fails, or another build's lock
+    file is still there after `NEZHA_HF_KERNEL_LOCK_TIMEOUT` seconds (default 300); each of these
+    is logged once. `forget_kernel()` forgets the result, so the next call tries again.
     """
+    if "kernel" not in _loaded:
+        _loaded["kernel"] = _load_kernel()
+    return _loaded["kernel"]
+
+
+def forget_kernel() -> None:
+    """Forget whether the kernel loaded, so that `compiled_kernel()` tries again (e.g. after changing `NEZHA_HF_KERNEL`)."""
+    _loaded.clear()
+
+
+def kernel_loaded() -> bool:
+    """Whether the kernel is loaded, without trying to load it (what compiled code may ask)."""
+    return _loaded.get("kernel") is not None
+
+
+def _load_kernel():
     if os.environ.get("NEZHA_HF_KERNEL", "1") == "0" or not KERNEL_SOURCE.is_file():
         return None
     from torch.utils.cpp_extension import load
 
-    # -march=native: the build is for this CPU, so the name says which CPU and which source.
-    digest = hashlib.sha1(KERNEL_SOURCE.read_bytes() + platform.processor().encode() + torch.__version__.encode())
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    timeout = float(os.environ.get(LOCK_TIMEOUT_VARIABLE, DEFAULT_LOCK_TIMEOUT))
     try:
         logger.info("Loading NEZHA's attention kernel (it is compiled the first time, which takes a while).")
-        return load(
-            name=f"nezha_hf_relative_attention_{digest.hexdigest()[:12]}",
-            sources=[str(KERNEL_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+        with _bounded_lock_wait(timeout):
+            return load(name=directory.name, sources=[str(KERNEL_SOURCE)], build_directory=str(directory),
+                        extra_cflags=KERNEL_FLAGS, extra_ldflags=["-fopenmp"])
+    except Exception as error:  # no compiler, no ninja, no BLAS symbol, a stale lock: the PyTorch paths still work
+        logger.warning(
+            f"NEZHA's attention kernel is unavailable ({type(error).__name__}: {error}); using PyTorch ops. "
+            "Set NEZHA_HF_KERNEL=0 to skip the kernel altogether."
         )
-    except Exception as error:  # no compiler, no ninja, no BLAS symbol: the PyTorch paths still work
-        logger.warning(f"NEZHA's attention kernel is unavailable ({type(error).__name__}: {error}); using PyTorch ops.")
         return None
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+# --- the kernel as torch.library ops ------------------------------------------------------------
 
 
-class KernelFunction(torch.autograd.Function):
-    """Exact NEZHA attention by the compiled kernel, forward and backward (float32 on CPU)."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, table, scaling, causal, key_is_valid, key_is_source):
-        query, key, value = (_last_dim_contiguous(x) for x in (query, key, value))
-        K = (table.shape[0] - 1) // 2
-        flags = (causal, key_is_valid, key_is_source, *KERNEL_BLOCK_SIZES)
-        output, lse = compiled_kernel().forward(query, key, value, table, K, scaling, *flags)
-        output = output.transpose(1, 2)  # [batch, heads, L, d] view of [batch, L, heads, d]
-        ctx.save_for_backward(query, key, value, table, output, lse)
-        ctx.scaling, ctx.flags = scaling, flags
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        query, key, value, table, output, lse = ctx.saved_tensors
-        K = (table.shape[0] - 1) // 2
-        grads = compiled_kernel().backward(
-            _last_dim_contiguous(grad_output), query, key, value, output, lse, table, K, ctx.scaling, *ctx.flags
-        )
-        return (*(grad.transpose(1, 2) for grad in grads), None, None, None, None, None)
+@torch.library.custom_op("nezha_hf::kernel_forward", mutates_args=(), device_types="cpu")
+def kernel_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: torch.Tensor, scaling: float, causal: bool,
+    key_is_valid: torch.Tensor | None, key_is_source: torch.Tensor | None, query_offset: torch.Tensor,
+    dropout: float, seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NEZHA attention forward: `(out [batch, queries, heads, head_size], lse [batch, heads, queries])`."""
+    kernel = compiled_kernel()
+    if kernel is None:
+        raise RuntimeError("NEZHA's attention kernel is unavailable here (see the logged warning).")
+    K = (table.shape[0] - 1) // 2
+    return tuple(kernel.forward(query, key, value, table, K, scaling, causal, key_is_valid, key_is_source,
+                                int(query_offset), dropout, int(seed), *KERNEL_BLOCK_SIZES))
 
 
-def kernel_attention(query, key, value, table, scaling: float, causal: bool, key_is_valid, key_is_source) -> torch.Tensor:
-    """NEZHA attention by the compiled kernel: `[batch, heads, length, head_size]` in, the same shape out.
+@kernel_forward.register_fake
+def _(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed):
+    batch, heads, length, size = query.shape
+    return query.new_empty(batch, length, heads, size), query.new_empty(batch, heads, length)
 
-    `table` is the `(2K + 1) x head_size` float32 table; `key_is_valid` (`[batch, length]`, False on
-    padding) and `key_is_source` (keys every query sees under a `causal` mask) may be None.
+
+@torch.library.custom_op("nezha_hf::kernel_backward", mutates_args=(), device_types="cpu")
+def kernel_backward(
+    grad_output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
+    lse: torch.Tensor, table: torch.Tensor, scaling: float, causal: bool, key_is_valid: torch.Tensor | None,
+    key_is_source: torch.Tensor | None, query_offset: torch.Tensor, dropout: float, seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of query, key and value, each laid out `[batch, length, heads, head_size]`.
+
+    `grad_output` and `output` are `[batch, heads, queries, head_size]` (any strides)."""
+    K = (table.shape[0] - 1) // 2
+    return tuple(compiled_kernel().backward(
+        grad_output, query, key, value, output, lse, table, K, scaling, causal, key_is_valid, key_is_source,
+        int(query_offset), dropout, int(seed), *KERNEL_BLOCK_SIZES,
+    ))
+
+
+@kernel_backward.register_fake
+def _(grad_output, query, key, value, output, lse, table, scaling, causal, key_is_valid, key_is_source, query_offset,
+      dropout, seed):
+    def like(x):
+        return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3])
+
+    return like(query), like(key), like(value)
+
+
+def _save_for_backward(ctx, inputs, output):
+    query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed = inputs
+    ctx.save_for_backward(query, key, value, table, output[0], output[1], key_is_valid, key_is_source, query_offset, seed)
+    ctx.scaling, ctx.causal, ctx.dropout = scaling, causal, dropout
+
+
+def _backward(ctx, grad_output, grad_lse):
+    query, key, value, table, output, lse, key_is_valid, key_is_source, query_offset, seed = ctx.saved_tensors
+    grads = kernel_backward(grad_output.transpose(1, 2), query, key, value, output.transpose(1, 2), lse, table,
+                            ctx.scaling, ctx.causal, key_is_valid, key_is_source, query_offset, ctx.dropout, seed)
+    return (*(grad.transpose(1, 2) for grad in grads), None, None, None, None, None, None, None, None)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "NEZHA's attention kernel has no second derivative (e.g. a gradient penalty with create_graph=True): "
+        'use attn_implementation="eager" for that.'
+    )
+
+
+kernel_forward.register_autograd(_backward, setup_context=_save_for_backward)
+kernel_backward.register_autograd(_no_double_backward)
+
+
+def kernel_attention(query, key, value, table, scaling: float, causal: bool, key_is_valid=None, key_is_source=None,
+                     query_offset=0, dropout: float = 0.0, seed=None) -> torch.Tensor:
+    """NEZHA attention by the compiled kernel, `[batch, queries, heads, head_size]`.
+
+    Args:
+        query: `[batch, heads, queries, head_size]` float32 on CPU; key, value: `[batch, heads, keys, head_size]`.
+        table: the `(2K + 1) x head_size` float32 table.
+        scaling: score scale.
+        causal: queries see only keys at or before their position (with `key_is_source`: the UniLM prefix mask).
+        key_is_valid: `[batch, keys]` bool, False on padding, or None.
+        key_is_source: `[batch, keys]` bool, keys every query sees under a causal mask, or None.
+        query_offset: position of the first query (the KV-cache length); an int or a 0-dim tensor.
+        dropout: attention-probability dropout rate, applied with the mask drawn from `seed`.
+        seed: 0-dim int64 tensor naming the dropout mask (ignored without dropout).
+
     Call only when `compiled_kernel()` is not None.
     """
-    return KernelFunction.apply(query, key, value, table, scaling, causal, key_is_valid, key_is_source)
+    if not isinstance(query_offset, torch.Tensor):
+        query_offset = torch.tensor(query_offset, dtype=torch.int64)
+    if seed is None:
+        seed = torch.zeros((), dtype=torch.int64)
+    output, _ = kernel_forward(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
+                               float(dropout), seed)
+    return output

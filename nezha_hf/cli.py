@@ -8,6 +8,7 @@
     nezha-hf summarize MODEL_DIR INPUT... [--output F] summarise judgments (.txt, folders, JSONL)
     nezha-hf train-summarizer DATA.jsonl --base MODEL_DIR --output DIR
     nezha-hf evaluate DATA.jsonl [--predictions P.jsonl] ROUGE / CAIL scores with lead-N and oracle
+    nezha-hf export onnx MODEL_DIR OUT.onnx          ONNX for serving, checked with onnxruntime
 
 `nezha-hf COMMAND --help` lists each command's options. Errors are printed as one line naming
 the file at fault, with exit status 1.
@@ -99,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--save-steps", type=int, default=500)
     train.add_argument("--copy", action="store_true",
                        help="SPACES copy mechanism: copy tags trained jointly, copied spans follow source n-grams")
+
+    export = sub.add_parser("export", help="export a model for serving").add_subparsers(dest="format", required=True)
+    onnx = export.add_parser("onnx", help="an ONNX file (dynamic batch and length), checked with onnxruntime")
+    onnx.add_argument("model", help="a NEZHA model folder (an encoder head)")
+    onnx.add_argument("output", help="the .onnx file to write")
+    onnx.add_argument("--atol", type=float, default=1e-4, help="largest allowed |onnxruntime - PyTorch|")
+    onnx.add_argument("--overwrite", action="store_true", help="replace an existing file")
 
     evaluate = sub.add_parser("evaluate", help="ROUGE-1/2/L and CAIL score, over characters and jieba words")
     evaluate.add_argument("data", nargs="+", help="judgments with reference summaries (CAIL2020 JSONL)")
@@ -205,7 +213,13 @@ def _pretrain(args) -> None:
     print(f"saved {args.output}; " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
 
 
-COMMANDS = {"demo": _demo, "convert": _convert, "pretrain": _pretrain, "summarize": _summarize,
+def _export(args) -> None:
+    from .export import export_onnx
+
+    print(export_onnx(args.model, args.output, atol=args.atol, overwrite=args.overwrite).summary())
+
+
+COMMANDS = {"export": _export, "demo": _demo, "convert": _convert, "pretrain": _pretrain, "summarize": _summarize,
             "train-summarizer": _train_summarizer, "evaluate": _evaluate}
 
 

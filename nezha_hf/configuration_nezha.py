@@ -1,6 +1,9 @@
 """NEZHA model configuration."""
 
+import functools
+
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 
@@ -79,6 +82,18 @@ class NezhaConfig(PreTrainedConfig):
     def validate_architecture(self):
         """Reject values the model cannot honour, with the field name in the message."""
         super().validate_architecture()
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                     "type_vocab_size", "max_relative_position"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 1:
+                raise ValueError(f"{name} must be a probability in [0, 1), got {value}.")
+        if not self.layer_norm_eps > 0:
+            raise ValueError(f"layer_norm_eps must be positive (0 divides by zero on constant inputs), got {self.layer_norm_eps}.")
+        if self.initializer_range < 0:
+            raise ValueError(f"initializer_range must be non-negative, got {self.initializer_range}.")
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
@@ -89,12 +104,8 @@ class NezhaConfig(PreTrainedConfig):
                 f"The head size hidden_size / num_attention_heads = {self.hidden_size // self.num_attention_heads} "
                 "must be even: the sinusoidal relative-position table interleaves sin and cos."
             )
-        if self.max_relative_position < 1:
-            raise ValueError(f"max_relative_position must be at least 1, got {self.max_relative_position}.")
         if self.copy_loss_weight < 0:
             raise ValueError(f"copy_loss_weight must be non-negative, got {self.copy_loss_weight}.")
-        if self.type_vocab_size < 1 or self.vocab_size < 1:
-            raise ValueError("vocab_size and type_vocab_size must be positive.")
         if isinstance(self.hidden_act, str) and self.hidden_act not in ACT2FN:
             raise ValueError(f"Unknown hidden_act {self.hidden_act!r}; known: {sorted(ACT2FN)}.")
         if self.add_cross_attention:
@@ -109,4 +120,25 @@ class NezhaConfig(PreTrainedConfig):
         return
 
 
-__all__ = ["NezhaConfig"]
+class NezhaConfigError(ValueError):
+    """A `NezhaConfig` value the model cannot honour (the message names the field)."""
+
+
+def _value_errors(init):
+    """`huggingface_hub`'s strict dataclasses wrap validation errors in their own (non-`ValueError`) type:
+    unwrap them, so that a bad value is a `ValueError` as everywhere else in transformers."""
+
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except StrictDataclassError as error:
+            raise NezhaConfigError(f"Invalid NezhaConfig: {error.__cause__ or error}") from error
+
+    return checked_init
+
+
+NezhaConfig.__init__ = _value_errors(NezhaConfig.__init__)
+
+
+__all__ = ["NezhaConfig", "NezhaConfigError"]

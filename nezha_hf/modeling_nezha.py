@@ -46,10 +46,12 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_nezha import NezhaConfig
 from .relative_attention import (
     ATTENTION_IMPLEMENTATIONS,
+    KERNEL_WANTED,
     RelativeAttentionMask,
     gather_relative_attention,
     prepare_attention,
     sinusoid_relative_table,
+    values_known,
 )
 
 logger = logging.get_logger(__name__)
@@ -57,6 +59,13 @@ logger = logging.get_logger(__name__)
 for _name, _function in ATTENTION_IMPLEMENTATIONS.items():
     if _name != "eager":  # transformers' "eager" is each model's own default function
         AttentionInterface.register(_name, _function)
+
+
+def cache_length(past_key_values: Cache | None) -> int | torch.Tensor:
+    """Tokens already in the cache (0 without one). A static cache reports a tensor: eager code gets an int,
+    traced code keeps the tensor (its value changes from one decoding step to the next)."""
+    length = past_key_values.get_seq_length() if past_key_values is not None else 0
+    return int(length) if isinstance(length, torch.Tensor) and values_known(length) else length
 
 
 class NezhaEmbeddings(nn.Module):
@@ -299,6 +308,9 @@ class NezhaPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = False
     _supports_attention_backend = False
+    # Every implementation is compile-friendly (the kernels are opaque torch.library ops): generate() may
+    # compile the forward with a static cache.
+    _can_compile_fullgraph = True
     _no_split_modules = ["NezhaEmbeddings", "NezhaLayer"]
     _can_record_outputs = {"hidden_states": NezhaLayer, "attentions": NezhaSelfAttention}
     # Buffers older releases persisted; they carry no information.
@@ -376,6 +388,10 @@ class NezhaPreTrainedModel(PreTrainedModel):
         kwargs.setdefault("key_mapping", {r"^bert\.": "nezha."})
         strict_shapes = not kwargs.get("ignore_mismatched_sizes", False)
         wants_info = kwargs.pop("output_loading_info", False)
+        # A model loaded onto another device never runs the CPU kernel: do not build it.
+        device_map = kwargs.get("device_map")
+        devices = set(device_map.values()) if isinstance(device_map, dict) else {device_map}
+        kernel_wanted = KERNEL_WANTED.set(all(d is None or str(d) in ("cpu", "meta", "disk") for d in devices))
         try:
             model, info = super().from_pretrained(
                 pretrained_model_name_or_path,
@@ -387,6 +403,8 @@ class NezhaPreTrainedModel(PreTrainedModel):
                 f"Could not read the checkpoint at {pretrained_model_name_or_path} (corrupt, truncated, or a pickle "
                 f"that is not plain tensors): {error}"
             ) from error
+        finally:
+            KERNEL_WANTED.reset(kernel_wanted)
         if strict_shapes and info["mismatched_keys"]:
             details = "; ".join(
                 f"{key}: checkpoint {tuple(ckpt)} vs model {tuple(model_shape)}"
@@ -501,7 +519,12 @@ class NezhaModel(NezhaPreTrainedModel):
         )
 
     def _check_inputs(self, input_ids, inputs_embeds, token_type_ids, kwargs):
-        """Bad input gets a ValueError here instead of an index error (or a silent wrong answer) later."""
+        """Bad input gets a ValueError here instead of an index error (or a silent wrong answer) later.
+
+        Checks of the values (ids in range) need the data, so they run in eager mode only; under
+        `torch.compile`, `torch.export` and `torch.jit.trace`, and on the meta device, the shapes are
+        still checked.
+        """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         if kwargs.get("position_ids") is not None:
@@ -509,23 +532,22 @@ class NezhaModel(NezhaPreTrainedModel):
         shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
         if len(shape) != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {tuple(shape)}.")
+        if token_type_ids is not None and token_type_ids.shape != shape:
+            raise ValueError(f"token_type_ids has shape {tuple(token_type_ids.shape)} but input_ids has {tuple(shape)}.")
+        if not values_known(input_ids if input_ids is not None else inputs_embeds):
+            return
         if input_ids is not None and input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size):
             raise ValueError(
                 f"input_ids must lie in [0, vocab_size={self.config.vocab_size}); got values from "
                 f"{int(input_ids.min())} to {int(input_ids.max())}. Is the tokenizer the model's own?"
             )
-        if token_type_ids is not None:
-            if token_type_ids.shape != shape:
-                raise ValueError(
-                    f"token_type_ids has shape {tuple(token_type_ids.shape)} but input_ids has {tuple(shape)}."
-                )
-            if token_type_ids.numel() and (
-                token_type_ids.min() < 0 or token_type_ids.max() >= self.config.type_vocab_size
-            ):
-                raise ValueError(
-                    f"token_type_ids must lie in [0, type_vocab_size={self.config.type_vocab_size}); got values "
-                    f"from {int(token_type_ids.min())} to {int(token_type_ids.max())}."
-                )
+        if token_type_ids is not None and token_type_ids.numel() and (
+            token_type_ids.min() < 0 or token_type_ids.max() >= self.config.type_vocab_size
+        ):
+            raise ValueError(
+                f"token_type_ids must lie in [0, type_vocab_size={self.config.type_vocab_size}); got values "
+                f"from {int(token_type_ids.min())} to {int(token_type_ids.max())}."
+            )
 
     def build_attention_mask(
         self,
@@ -538,42 +560,45 @@ class NezhaModel(NezhaPreTrainedModel):
         """Turn a 0/1 padding mask into the `RelativeAttentionMask` the attention functions take.
 
         Args:
-            attention_mask: `[batch, past + length]` 0/1 (or None: nothing is padded).
+            attention_mask: `[batch, past + length]` 0/1 (a static cache: `[batch, past + length]` or
+                `[batch, cache size]`), or None: nothing is padded.
             batch_size, length: shape of the new tokens.
             past_key_values: the cache the new tokens extend, if any.
             source_mask: `[batch, length]` bool, True on UniLM source tokens: gives the prefix mask
                 (source tokens see the whole source, others see the source and what precedes them).
                 None gives a causal mask if `config.is_decoder`, else a bidirectional one.
-        """
-        # int(): a static cache returns a tensor that its update() then increments in place.
-        past_length = int(past_key_values.get_seq_length()) if past_key_values is not None else 0
-        filled_length = past_length + length
-        # A pre-allocated (static) cache returns more key slots than are filled.
-        key_length = past_key_values.get_mask_sizes(length, 0)[0] if past_key_values is not None else filled_length
-        device = self.relative_table.device
 
-        def to_key_length(per_key: torch.Tensor) -> torch.Tensor:
-            return nn.functional.pad(per_key, (0, key_length - per_key.shape[1]), value=False)
+        In eager mode a mask of all ones is dropped (the faster unmasked kernels run); while tracing
+        (compile, export, jit) the mask is always kept, so a trace made with an unpadded example
+        still honours padding later.
+        """
+        past_length = cache_length(past_key_values)
+        # A pre-allocated (static) cache has more key slots than are filled.
+        key_length = past_key_values.get_mask_sizes(length, 0)[0] if past_key_values is not None else length
+        device = self.relative_table.device
+        key_position = torch.arange(key_length, device=device)
+        partly_filled = not isinstance(past_length, int) or past_length + length != key_length
 
         key_is_valid = None
         if attention_mask is not None:
-            if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] not in (
-                filled_length, key_length
-            ):
+            widths = (key_length,) if not isinstance(past_length, int) else (key_length, past_length + length)
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] not in widths:
                 raise ValueError(
-                    f"attention_mask must be [batch, past + length] = [{batch_size}, {filled_length}] of 0/1, got "
-                    f"shape {tuple(attention_mask.shape)}."
+                    f"attention_mask must be [batch, past + length] = [{batch_size}, {past_length} + {length}] of "
+                    f"0/1, got shape {tuple(attention_mask.shape)}."
                 )
-            if not attention_mask.bool().all():
-                key_is_valid = attention_mask.bool()
-        if key_length != filled_length:
-            filled = torch.ones(batch_size, filled_length, dtype=torch.bool, device=device)
-            key_is_valid = to_key_length(filled if key_is_valid is None else key_is_valid[:, :filled_length])
+            key_is_valid = nn.functional.pad(attention_mask.bool(), (0, key_length - attention_mask.shape[1]), value=False)
+            if values_known(key_is_valid) and not partly_filled and bool(key_is_valid.all()):
+                key_is_valid = None
+        if partly_filled:
+            filled = (key_position < past_length + length).expand(batch_size, key_length)
+            key_is_valid = filled if key_is_valid is None else key_is_valid & filled
         key_is_source = None
         if source_mask is not None:
             # Cached keys are all visible to the new queries anyway, so marking them non-source is exact.
-            past = torch.zeros(batch_size, past_length, dtype=torch.bool, device=device)
-            key_is_source = to_key_length(torch.cat([past, source_mask.bool()], dim=1))
+            new_key = (key_position >= past_length) & (key_position < past_length + length)
+            index = (key_position - past_length).clamp(0, max(length - 1, 0)).expand(batch_size, key_length)
+            key_is_source = source_mask.bool().gather(1, index) & new_key
         return RelativeAttentionMask(
             key_is_valid=key_is_valid,
             causal=self.config.is_decoder or source_mask is not None,
@@ -851,13 +876,13 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
         if copy_labels is not None and self.copy_head is None:
             raise ValueError("copy_labels given, but this model has no copy head: set config.unilm_copy_tags=True.")
         batch_size, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
-        past_length = int(past_key_values.get_seq_length()) if past_key_values is not None else 0
+        past_length = cache_length(past_key_values)
         device = self.nezha.relative_table.device
         if token_type_ids is None:
             if labels is not None:
                 raise ValueError("Training NezhaForUniLM needs token_type_ids: 0 on [CLS] source [SEP], 1 on the target.")
-            token_type_ids = torch.full((batch_size, length), int(past_length > 0), dtype=torch.long, device=device)
-        elif past_length and (token_type_ids == 0).any():
+            token_type_ids = torch.zeros((batch_size, length), dtype=torch.long, device=device) + (past_length > 0)
+        elif values_known(token_type_ids) and past_length and (token_type_ids == 0).any():
             raise ValueError(
                 "Source tokens (token type 0) must all be in the first call: source tokens already in the cache "
                 "could not see them. Pass the whole source at once, then continue with token type 1."
@@ -952,8 +977,12 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
         return model_kwargs
 
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, **kwargs):
-        """Keep the 2D padding mask for static caches too: `forward` builds the prefix mask from it."""
-        return attention_mask
+        """For static caches: the 2D padding mask (`forward` builds the prefix mask from it), padded to the
+        cache's size, so that its shape is the same at every step and a compiled forward compiles once."""
+        if attention_mask is None or past_key_values is None:
+            return attention_mask
+        cache_size = past_key_values.get_mask_sizes(inputs_embeds.shape[1], 0)[0]
+        return nn.functional.pad(attention_mask, (0, cache_size - attention_mask.shape[1]))
 
 
 class NezhaForNextSentencePrediction(NezhaPreTrainedModel):

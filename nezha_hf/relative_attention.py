@@ -17,6 +17,7 @@ The mask is a `RelativeAttentionMask` (key padding, causal or UniLM prefix) rath
 `L x L` tensor, so the linear-memory paths never build one.
 """
 
+import contextvars
 import math
 from dataclasses import dataclass, field
 
@@ -24,19 +25,30 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from .attention_kernel import compiled_kernel, kernel_attention
+from .attention_kernel import compiled_kernel, kernel_attention, kernel_loaded
+from .chunked_attention import chunked_attention
 from .three_regions import AVAILABLE as THREE_REGIONS_AVAILABLE
 from .three_regions import ThreeRegions
 
 logger = logging.get_logger(__name__)
 
 FAST_ATTENTION = "nezha_fused"
-PYTORCH_ATTENTION = "nezha_three_regions"
-# Below this length the gather formulation is faster than three regions on CPU (benchmarks/attention.py).
+CHUNKED_ATTENTION = "nezha_chunked"
+THREE_REGION_ATTENTION = "nezha_three_regions"
+# Below this length three regions are slower than the chunked path on CPU (benchmarks/attention.py).
 THREE_REGIONS_MIN_LENGTH = 513
+# False while a model is being built for a device other than the CPU: its kernel would never run.
+KERNEL_WANTED = contextvars.ContextVar("nezha_kernel_wanted", default=True)
 
-if not THREE_REGIONS_AVAILABLE:
-    logger.info("PyTorch has no fused CPU attention kernel returning log-sum-exp: three regions fall back to gather.")
+
+def tracing() -> bool:
+    """True under `torch.compile`, `torch.export` or `torch.jit.trace`: code must not branch on tensor values."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def values_known(tensor: torch.Tensor) -> bool:
+    """Whether code may read `tensor`'s values: not while tracing, and never on the meta device (shapes only)."""
+    return not tracing() and tensor.device.type != "meta"
 
 
 def sinusoid_frequencies(head_size: int) -> torch.Tensor:
@@ -64,14 +76,16 @@ def max_relative_position(table: torch.Tensor) -> int:
 
 
 def relative_position_index(
-    query_length: int, key_length: int, max_relative_position: int, query_offset: int = 0, device=None
+    query_length: int, key_length: int, max_relative_position: int, query_offset: int | torch.Tensor = 0, device=None
 ) -> torch.Tensor:
     """`r(i, j) = clip(j - i, -K, K) + K` for query positions `query_offset + arange(query_length)`.
+
+    `query_offset` is an int or a 0-dim tensor (a static cache's length).
 
     Returns a `[query_length, key_length]` long tensor. With a KV cache the query positions start
     at the cache length, so the matrix is rectangular.
     """
-    query_position = torch.arange(query_offset, query_offset + query_length, device=device)
+    query_position = torch.arange(query_length, device=device) + query_offset
     key_position = torch.arange(key_length, device=device)
     distance = key_position[None, :] - query_position[:, None]
     return distance.clamp(-max_relative_position, max_relative_position) + max_relative_position
@@ -87,17 +101,23 @@ class RelativeAttentionMask:
         key_is_source: `[batch, key_length]` bool for the UniLM prefix mask: with `causal`, a source
             key is visible to every query (source tokens see the whole source, target tokens see
             the source and the targets before them). None for a plain causal or bidirectional mask.
-        query_offset: position of the first query (the cache length while decoding).
+        query_offset: position of the first query (the cache length while decoding): an int, or a
+            0-dim tensor when a static cache reports it as one.
     """
 
     key_is_valid: torch.Tensor | None = None
     causal: bool = False
     key_is_source: torch.Tensor | None = None
-    query_offset: int = 0
+    query_offset: int | torch.Tensor = 0
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def cached(self, key: tuple, build):
-        """`build()`, computed once per mask (so once per model call, not once per layer) for each `key`."""
+        """`build()`, computed once per mask (so once per model call, not once per layer) for each `key`.
+
+        While tracing (compile, export, jit) nothing is cached: the key may hold symbolic sizes.
+        """
+        if tracing():
+            return build()
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
@@ -106,7 +126,7 @@ class RelativeAttentionMask:
         """Dense `[batch or 1, 1, query_length, key_length]` bool mask, or None if everything is visible."""
         allowed = None
         if self.causal:
-            query_position = torch.arange(self.query_offset, self.query_offset + query_length, device=device)
+            query_position = torch.arange(query_length, device=device) + self.query_offset
             allowed = torch.arange(key_length, device=device)[None, :] <= query_position[:, None]
             allowed = allowed[None, None]
             if self.key_is_source is not None:
@@ -126,6 +146,21 @@ class RelativeAttentionMask:
             return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
         return self.cached(("additive", query_length, key_length, dtype, str(device)), build)
+
+
+_reported = set()
+
+
+def _report(requested: str, ran: str, query: torch.Tensor, dropout: float, mask: "RelativeAttentionMask") -> None:
+    """Log once, at INFO, which implementation ran for a kind of call (device, dtype, dropout, cache)."""
+    cached = not (isinstance(mask.query_offset, int) and mask.query_offset == 0)
+    situation = (requested, ran, query.device.type, query.dtype, dropout > 0, cached)
+    if situation not in _reported and not tracing():
+        _reported.add(situation)
+        logger.info(
+            f"NEZHA attention {requested!r} runs {ran} ({query.device.type}, {query.dtype}, "
+            f"attention dropout {'on' if dropout > 0 else 'off'}, {'with' if cached else 'no'} KV cache)."
+        )
 
 
 def gather_relative_attention(
@@ -154,6 +189,7 @@ def gather_relative_attention(
         `(output [batch, query_length, heads, head_size], probabilities [batch, heads, query_length, key_length])`.
     """
     query_length, key_length = query.shape[-2], key.shape[-2]
+    _report("eager", "the gather path", query, dropout if module.training else 0.0, attention_mask or RelativeAttentionMask())
     table = relative_table.to(query.dtype)
     offset = attention_mask.query_offset if attention_mask is not None else 0
     index = relative_position_index(query_length, key_length, max_relative_position(table), offset, query.device)
@@ -174,15 +210,41 @@ def gather_relative_attention(
     return output.transpose(1, 2).contiguous(), probs
 
 
-def _whole_sequence_on_cpu(module, query, key, mask: RelativeAttentionMask, dropout: float) -> bool:
-    """What both linear-memory paths need: CPU tensors, every query against every key (no KV cache),
-    and no attention dropout in training (they cannot apply it exactly)."""
-    return (
-        query.device.type == "cpu"
-        and query.shape[-2] == key.shape[-2]
-        and mask.query_offset == 0
-        and not (dropout > 0.0 and module.training)
+def _dropout_seed(dropout: float) -> torch.Tensor:
+    """The seed of one call's dropout mask, drawn from torch's generator (so `torch.manual_seed` reproduces it)."""
+    if dropout == 0:
+        return torch.zeros((), dtype=torch.int64)
+    return torch.randint(0, 1 << 62, (), dtype=torch.int64)
+
+
+def _linear_memory(engine, module, query, key, value, mask, scaling, dropout, relative_table):
+    """Run `kernel_attention` or `chunked_attention` with the mask's flags: `[batch, queries, heads, head_size]`."""
+    dropout = dropout if module.training else 0.0
+    return engine(
+        query, key, value, relative_table.to(query.dtype), scaling, mask.causal, mask.key_is_valid,
+        mask.key_is_source if mask.causal else None, mask.query_offset, dropout, _dropout_seed(dropout),
     )
+
+
+def chunked_relative_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: RelativeAttentionMask | None,
+    scaling: float,
+    dropout: float = 0.0,
+    *,
+    relative_table: torch.Tensor,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Exact NEZHA attention in linear memory from PyTorch ops (`attn_implementation="nezha_chunked"`).
+
+    `chunked_attention.chunked_attention` on any device and dtype, with attention dropout and KV caches.
+    """
+    mask = attention_mask if attention_mask is not None else RelativeAttentionMask()
+    _report(CHUNKED_ATTENTION, "the chunked path", query, dropout if module.training else 0.0, mask)
+    return _linear_memory(chunked_attention, module, query, key, value, mask, scaling, dropout, relative_table), None
 
 
 def three_region_attention(
@@ -197,24 +259,28 @@ def three_region_attention(
     relative_table: torch.Tensor,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Exact NEZHA attention in linear memory from PyTorch ops (`attn_implementation="nezha_three_regions"`).
+    """Exact NEZHA attention in linear memory from PyTorch's CPU flash kernel (`attn_implementation="nezha_three_regions"`).
 
-    Runs `three_regions.ThreeRegions` for inputs of `THREE_REGIONS_MIN_LENGTH` tokens or more and the
-    gather path elsewhere (see the README's table of implementations). Never returns attention
-    probabilities. A row whose keys are all masked gets a zero output.
+    Runs `three_regions.ThreeRegions` where it applies (see the README's table of implementations) and
+    `chunked_relative_attention` elsewhere. A row whose keys are all masked gets a zero output.
     """
     mask = attention_mask if attention_mask is not None else RelativeAttentionMask()
     length, K = query.shape[-2], max_relative_position(relative_table)
-    if (
-        not THREE_REGIONS_AVAILABLE
-        or not _whole_sequence_on_cpu(module, query, key, mask, dropout)
-        or length < THREE_REGIONS_MIN_LENGTH
-        or length <= K
-    ):
-        output, _ = gather_relative_attention(
-            module, query, key, value, attention_mask, scaling, dropout, relative_table=relative_table
-        )
-        return output, None
+    applies = (
+        THREE_REGIONS_AVAILABLE
+        and query.device.type == "cpu"
+        and not (dropout > 0 and module.training)
+        and length == key.shape[-2]
+        and isinstance(mask.query_offset, int)
+        and mask.query_offset == 0
+        and THREE_REGIONS_MIN_LENGTH <= length
+        and K < length
+        and not tracing()  # inductor cannot compile its fused-kernel calls
+    )
+    if not applies:
+        _report(THREE_REGION_ATTENTION, "the chunked path", query, dropout if module.training else 0.0, mask)
+        return _linear_memory(chunked_attention, module, query, key, value, mask, scaling, dropout, relative_table), None
+    _report(THREE_REGION_ATTENTION, "three regions", query, 0.0, mask)
     regions = mask.cached(
         ("three_regions", length, K, query.shape[-1], query.dtype, str(query.device)),
         lambda: ThreeRegions(
@@ -238,31 +304,28 @@ def fused_relative_attention(
     relative_table: torch.Tensor,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Exact NEZHA attention by one compiled kernel (`attn_implementation="nezha_fused"`, the default).
+    """Exact NEZHA attention in linear memory, by the compiled kernel where it runs (`attn_implementation="nezha_fused"`, the default).
 
-    Runs `attention_kernel.kernel_attention` where it can (see the README's table of
-    implementations) and `three_region_attention` elsewhere, with the same result.
+    `attention_kernel.kernel_attention` for float32 on CPU, `chunked_attention.chunked_attention`
+    elsewhere (see the README's table of implementations); the same result either way.
     """
     mask = attention_mask if attention_mask is not None else RelativeAttentionMask()
-    if (
-        query.dtype != torch.float32
-        or not _whole_sequence_on_cpu(module, query, key, mask, dropout)
-        or compiled_kernel() is None
-    ):
-        return three_region_attention(
-            module, query, key, value, attention_mask, scaling, dropout, relative_table=relative_table
-        )
-    output = kernel_attention(
-        query, key, value, relative_table.to(query.dtype), scaling, mask.causal, mask.key_is_valid,
-        mask.key_is_source if mask.causal else None,
+    on_kernel = (
+        query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and (kernel_loaded() if tracing() else compiled_kernel() is not None)
     )
-    return output.transpose(1, 2), None
+    _report(FAST_ATTENTION, "the compiled kernel" if on_kernel else "the chunked path", query,
+            dropout if module.training else 0.0, mask)
+    engine = kernel_attention if on_kernel else chunked_attention
+    return _linear_memory(engine, module, query, key, value, mask, scaling, dropout, relative_table), None
 
 
 # Every implementation NEZHA accepts as `attn_implementation`, and its function.
 ATTENTION_IMPLEMENTATIONS = {
     FAST_ATTENTION: fused_relative_attention,
-    PYTORCH_ATTENTION: three_region_attention,
+    CHUNKED_ATTENTION: chunked_relative_attention,
+    THREE_REGION_ATTENTION: three_region_attention,
     "eager": gather_relative_attention,
 }
 
@@ -270,8 +333,11 @@ ATTENTION_IMPLEMENTATIONS = {
 def prepare_attention(implementation: str | None) -> str:
     """Check an `attn_implementation` name (None: the default) and get it ready; returns the name.
 
-    Loads the compiled kernel now for `"nezha_fused"`, so that its first build happens when the
-    model is created, not inside the first forward pass. Any other name is a `ValueError`.
+    For `"nezha_fused"` this loads (the first time: builds) the compiled kernel now, so that it
+    happens when the model is created rather than inside its first forward pass; not when the
+    model is being built for another device (`torch.set_default_device`, a `torch.device` context,
+    or `from_pretrained(device_map=...)` away from the CPU), where the kernel would never run. Any
+    other name is a `ValueError`.
     """
     implementation = implementation or FAST_ATTENTION
     if implementation not in ATTENTION_IMPLEMENTATIONS:
@@ -280,16 +346,18 @@ def prepare_attention(implementation: str | None) -> str:
             f"the attention probabilities, which sdpa, flash and flex attention do not expose. Use one of "
             f"{sorted(ATTENTION_IMPLEMENTATIONS)} (default {FAST_ATTENTION!r})."
         )
-    if implementation == FAST_ATTENTION:
+    if implementation == FAST_ATTENTION and KERNEL_WANTED.get() and torch.get_default_device().type in ("cpu", "meta"):
         compiled_kernel()
     return implementation
 
 
 __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
+    "CHUNKED_ATTENTION",
     "FAST_ATTENTION",
-    "PYTORCH_ATTENTION",
+    "THREE_REGION_ATTENTION",
     "RelativeAttentionMask",
+    "chunked_relative_attention",
     "fused_relative_attention",
     "gather_relative_attention",
     "max_relative_position",
@@ -298,4 +366,6 @@ __all__ = [
     "sinusoid_frequencies",
     "sinusoid_relative_table",
     "three_region_attention",
+    "tracing",
+    "values_known",
 ]

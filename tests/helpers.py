@@ -48,6 +48,19 @@ def make_tokenizer(directory: Path):
     return tokenizer
 
 
+def record_paths(monkeypatch) -> list:
+    """Record `(requested implementation, path that ran)` for every attention call from now on."""
+    calls = []
+    original = ra._report
+
+    def report(requested, ran, *args):
+        calls.append((requested, ran))
+        original(requested, ran, *args)
+
+    monkeypatch.setattr(ra, "_report", report)
+    return calls
+
+
 def count_calls(monkeypatch, function) -> list:
     """Record every call of an autograd Function's `apply` (the list grows by one per call)."""
     calls = []

@@ -21,19 +21,21 @@ def relative_table(max_relative_position: int, head_size: int, dtype=torch.float
 
 
 def allowed_mask(length, key_valid=None, causal=False, key_is_source=None, query_offset=0, key_length=None):
-    """[batch or 1, 1, Lq, Lk] bool, written out pair by pair from the rules."""
+    """[batch or 1, 1, Lq, Lk] bool, the rules written out directly on query positions i and key positions j:
+
+    with `causal`, key j is visible from query i when j <= i or j is a source key; and a padded key never is.
+    """
     key_length = key_length or length
-    batch = key_valid.shape[0] if key_valid is not None else (key_is_source.shape[0] if key_is_source is not None else 1)
-    allowed = torch.ones(batch, 1, length, key_length, dtype=torch.bool)
-    for b in range(batch):
-        for i in range(length):
-            for j in range(key_length):
-                ok = True
-                if causal:
-                    ok = j <= i + query_offset or (key_is_source is not None and bool(key_is_source[b, j]))
-                if key_valid is not None and not key_valid[b, j]:
-                    ok = False
-                allowed[b, 0, i, j] = ok
+    i = torch.arange(length)[:, None] + query_offset  # [Lq, 1]
+    j = torch.arange(key_length)[None, :]  # [1, Lk]
+    allowed = torch.ones(1, 1, length, key_length, dtype=torch.bool)
+    if causal:
+        visible = j <= i
+        if key_is_source is not None:
+            visible = visible | key_is_source[:, None, None, :]
+        allowed = allowed & visible
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, None, :]
     return allowed
 
 

@@ -1,62 +1,264 @@
-"""The compiled kernel: it builds, loads with the model, runs at its own block sizes, and falls back cleanly."""
+"""The compiled kernel: it builds and loads with the model, and is exact at its own block sizes, with a cache,
+with dropout (against a mask re-derived here from the seed), from other threads, on odd strides; it refuses a
+second derivative and survives a stale build lock."""
 
+import math
+import threading
+import time
+
+import numpy as np
 import pytest
 import reference
 import torch
-from helpers import count_calls, make_case, run_attention
+from helpers import make_case, run_attention
 
-from nezha_hf import attention_kernel, three_regions
+from nezha_hf import NezhaConfig, NezhaModel, attention_kernel
 from nezha_hf import relative_attention as ra
+
+
+def kernel(q, k, v, mask, K, offset=0, dropout=0.0, seed=0):
+    table = ra.sinusoid_relative_table(K, q.shape[-1])
+    return attention_kernel.kernel_attention(
+        q, k, v, table, q.shape[-1] ** -0.5, mask.causal, mask.key_is_valid, mask.key_is_source if mask.causal else None,
+        offset, dropout, torch.tensor(seed),
+    ).transpose(1, 2)
+
+
+def assert_matches(got, expected, leaves, expected_leaves, atol=1e-5):
+    torch.testing.assert_close(got, expected, atol=atol, rtol=0)
+    grad = torch.randn_like(got)
+    for name, a, b in zip("qkv", torch.autograd.grad((got * grad).sum(), leaves),
+                          torch.autograd.grad((expected * grad).sum(), expected_leaves)):
+        torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=f"d{name}")
 
 
 def test_kernel_builds():
     # CI has a compiler and ninja: a kernel that fails to build must fail here, not fall back quietly.
-    assert attention_kernel.compiled_kernel() is not None, "the compiled attention kernel did not build (see the logged error)"
+    assert attention_kernel.compiled_kernel() is not None, "the compiled attention kernel did not build (see the log)"
 
 
-@pytest.mark.parametrize("implementation, loads", [(None, True), ("nezha_fused", True), ("eager", False)])
-def test_kernel_is_loaded_with_the_model(implementation, loads, monkeypatch):
-    # A model on the kernel path loads it when it is created, not inside its first forward pass.
-    from nezha_hf import NezhaConfig, NezhaModel
-
-    attention_kernel.compiled_kernel.cache_clear()
-    loads_before = attention_kernel.compiled_kernel.cache_info().misses
+@pytest.mark.parametrize("implementation, loads", [(None, True), ("nezha_fused", True), ("eager", False),
+                                                   ("nezha_chunked", False)])
+def test_kernel_is_loaded_with_the_model_that_uses_it(implementation, loads):
+    attention_kernel.forget_kernel()
     config = NezhaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     NezhaModel._from_config(config, attn_implementation=implementation)
-    assert (attention_kernel.compiled_kernel.cache_info().misses > loads_before) == loads
-    if loads:
-        assert attention_kernel.compiled_kernel() is not None
+    assert attention_kernel.kernel_loaded() == loads
+
+
+def test_kernel_is_not_built_for_a_model_made_for_another_device(monkeypatch):
+    attention_kernel.forget_kernel()
+    monkeypatch.setattr(torch, "get_default_device", lambda: torch.device("cuda"))
+    ra.prepare_attention(None)
+    assert not attention_kernel.kernel_loaded()
+    token = ra.KERNEL_WANTED.set(False)  # what from_pretrained(device_map="cuda") sets
+    monkeypatch.undo()
+    try:
+        ra.prepare_attention(None)
+        assert not attention_kernel.kernel_loaded()
+    finally:
+        ra.KERNEL_WANTED.reset(token)
+    ra.prepare_attention(None)
+    assert attention_kernel.kernel_loaded()
 
 
 @pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
 def test_kernel_default_blocks_base_size(mode):
-    # The kernel's own block sizes (256 queries, 512 keys) over 1,100 tokens: three key blocks, a
-    # partial last block, K and head size of the base model; the batch mixes padded and full rows.
+    # The kernel's own blocks (256 queries, 512 keys) over 1,100 tokens: three key blocks, a partial last block,
+    # K and head size of the base model; the batch mixes padded and full rows. Forward and backward.
+    assert attention_kernel.KERNEL_BLOCK_SIZES == (0, 0)
     q, k, v, mask, allowed = make_case(2, 2, 1100, 64, 64, mode, [1100, 700], torch.float32, seed=6)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    expected, _ = reference.attention(q, k, v, 64, allowed)
-    grad_out = torch.randn_like(expected)
-    got = run_attention(ra.fused_relative_attention, q, k, v, mask, 64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    references = [t.clone().requires_grad_() for t in (q, k, v)]
+    assert_matches(kernel(*leaves, mask, 64), reference.attention(*references, 64, allowed)[0], leaves, references)
+
+
+@pytest.mark.parametrize("mode", ["causal", "prefix"])
+def test_kernel_with_a_kv_cache(mode):
+    """The last 5 queries against all 700 keys, as a decoding step with a cache sees them."""
+    q, k, v, mask, allowed = make_case(2, 2, 700, 16, 8, mode, [700, 650], torch.float32, seed=8)
+    new = 5
+    leaves = [q[..., -new:, :].clone().requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_()]
+    references = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = reference.attention(*references, 8, allowed)[0][..., -new:, :]
+    got = kernel(*leaves, mask, 8, offset=700 - new)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-    for name, g, e in zip(
-        "qkv",
-        torch.autograd.grad((got * grad_out).sum(), (q, k, v)),
-        torch.autograd.grad((expected * grad_out).sum(), (q, k, v)),
-    ):
-        torch.testing.assert_close(g, e, atol=1e-5, rtol=0, msg=f"d{name}")
+    grad = torch.randn_like(got)
+    got_grads = torch.autograd.grad((got * grad).sum(), leaves)
+    expected_grads = torch.autograd.grad((expected * grad).sum(), references)
+    torch.testing.assert_close(got_grads[0], expected_grads[0][..., -new:, :], atol=1e-5, rtol=0)
+    for a, b in zip(got_grads[1:], expected_grads[1:]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-def test_kernel_unavailable_falls_back_to_three_regions(monkeypatch):
-    monkeypatch.setenv("NEZHA_HF_KERNEL", "0")
-    attention_kernel.compiled_kernel.cache_clear()
+# --- dropout ---------------------------------------------------------------------------------------------
+
+
+def mix32(x):
+    """lowbias32, written out here from its definition (uint32 arithmetic wraps in numpy)."""
+    x = np.asarray(x, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint32(16))
+        x = x * np.uint32(0x7FEB352D)
+        x = x ^ (x >> np.uint32(15))
+        x = x * np.uint32(0x846CA68B)
+        return x ^ (x >> np.uint32(16))
+
+
+def kernel_keep_mask(seed, batch, heads, queries, keys, p, offset=0):
+    """The kernel's keep mask: hash(seed, batch * heads + head, query position i, key j) >= p * 2^32."""
+    lo, hi = np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)
+    rows = mix32(mix32(mix32(lo ^ mix32(hi)) ^ np.arange(batch * heads, dtype=np.uint32))[:, None]
+                 ^ np.arange(offset, offset + queries, dtype=np.uint32)[None, :])
+    with np.errstate(over="ignore"):
+        columns = np.arange(keys, dtype=np.uint32) * np.uint32(0x9E3779B9)
+    bits = mix32(rows[..., None] ^ columns[None, None, :])
+    return torch.from_numpy(bits >= np.uint32(min(math.ldexp(p, 32), 2**32 - 1))).view(batch, heads, queries, keys)
+
+
+def reference_with_keep(q, k, v, K, allowed, keep, p):
+    """The plain formula with dropout: softmax, times keep / (1 - p), into both value terms (transformers 4.x)."""
+    d = q.shape[-1]
+    table = reference.relative_table(K, d, q.dtype)
+    i, j = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+    a = table[(j - i).clamp(-K, K) + K]
+    scores = (q @ k.transpose(-1, -2) + torch.einsum("bhid,ijd->bhij", q, a)) / math.sqrt(d)
+    probs = torch.nan_to_num(torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)) * keep / (1 - p)
+    return probs @ v + torch.einsum("bhij,ijd->bhid", probs, a)
+
+
+@pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
+def test_dropout_matches_the_reference_given_the_same_mask(mode, monkeypatch):
+    monkeypatch.setattr(attention_kernel, "KERNEL_BLOCK_SIZES", (16, 32))  # several blocks each way
+    p, seed = 0.3, 123456789123
+    q, k, v, mask, allowed = make_case(2, 3, 150, 8, 6, mode, [150, 130], torch.float32, seed=1)
+    keep = kernel_keep_mask(seed, 2, 3, 150, 150, p)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    references = [t.clone().requires_grad_() for t in (q, k, v)]
+    assert_matches(kernel(*leaves, mask, 6, dropout=p, seed=seed),
+                   reference_with_keep(*references, 6, allowed, keep, p), leaves, references)
+
+
+def test_dropout_rate_and_mean_are_preserved():
+    """Over many rows: the drop rate is p, and the dropped probabilities still sum to 1 on average."""
+    p, rows = 0.1, 4096
+    # One key per row per head makes out = keep_ij / (1 - p) * (v + T[K]) with v = -T[K] + 1: out = keep / (1 - p).
+    K, size = 2, 4
+    table = ra.sinusoid_relative_table(K, size)
+    q = torch.zeros(8, 4, rows, size)
+    k = torch.zeros(8, 4, rows, size)
+    v = (1 - table[K]).expand(8, 4, rows, size).contiguous()
+    valid = torch.zeros(8, rows, dtype=torch.bool)
+    valid[:, 0] = True  # every query sees only key 0, at distance clip(0 - i) -> row 0 for i >= K
+    v[:, :, 0] = 1 - table[0]
+    out = attention_kernel.kernel_attention(q, k, v, table, 0.5, False, valid, None, 0, p, torch.tensor(99))
+    out = out[:, K:, :, 0]  # queries from K on see key 0 at table row 0
+    kept = out * (1 - p)
+    assert set(kept.unique().round(decimals=4).tolist()) <= {0.0, 1.0}
+    assert abs(1 - kept.mean().item() - p) < 0.01  # 131,000 draws: 3 standard deviations of the rate is 0.0025
+    assert abs(out.mean().item() - 1) < 0.015  # the mean is preserved
+
+
+def test_dropout_is_reproducible_under_manual_seed_and_differs_between_calls():
+    config = NezhaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                         attention_probs_dropout_prob=0.2, hidden_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = NezhaModel(config).train()
+    ids = torch.randint(0, 50, (2, 60))
+    torch.manual_seed(5)
+    first, second = model(ids).last_hidden_state, model(ids).last_hidden_state
+    torch.manual_seed(5)
+    again = model(ids).last_hidden_state
+    assert torch.equal(first, again) and not torch.equal(first, second)
+
+
+def test_dropout_backward_agrees_with_finite_differences():
+    """With the seed fixed the output is a function of q, k, v: its gradient matches central differences."""
+    q, k, v, mask, _ = make_case(1, 2, 40, 8, 4, "prefix", [33], torch.float32, seed=3)
+    q, k, v = (t.double().float().requires_grad_() for t in (q, k, v))
+    direction = [torch.randn_like(t) for t in (q, k, v)]
+    weight = torch.randn(1, 2, 40, 8)
+
+    def loss(*tensors):
+        return (kernel(*tensors, mask, 4, dropout=0.25, seed=77) * weight).sum()
+
+    analytic = sum((g * d).sum() for g, d in zip(torch.autograd.grad(loss(q, k, v), (q, k, v)), direction))
+    eps = 1e-2
+    with torch.no_grad():
+        plus = loss(*(t + eps * d for t, d in zip((q, k, v), direction)))
+        minus = loss(*(t - eps * d for t, d in zip((q, k, v), direction)))
+    assert torch.allclose(analytic, (plus - minus) / (2 * eps), rtol=2e-3, atol=2e-3), (analytic, (plus - minus) / (2 * eps))
+
+
+# --- robustness ------------------------------------------------------------------------------------------
+
+
+def test_second_derivatives_are_refused_clearly():
+    q, k, v, mask, _ = make_case(1, 2, 20, 8, 4, "bidirectional", None, torch.float32, seed=0)
+    q.requires_grad_()
+    (grad,) = torch.autograd.grad(kernel(q, k, v, mask, 4).pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        grad.pow(2).sum().backward()
+
+
+def test_kernel_releases_the_gil():
+    """While one thread runs the kernel, another keeps running Python (with the GIL held it would stall throughout)."""
+    q, k, v, mask, _ = make_case(1, 4, 3000, 64, 64, "bidirectional", None, torch.float32, seed=0)
+    kernel(q, k, v, mask, 64)  # warm up
+    done, ticks = threading.Event(), []
+    worker = threading.Thread(target=lambda: (kernel(q, k, v, mask, 64), kernel(q, k, v, mask, 64), done.set()))
+    start = time.perf_counter()
+    worker.start()
+    while not done.is_set():
+        ticks.append(time.perf_counter())
+        sum(range(200))
+    worker.join()
+    duration = time.perf_counter() - start
+    longest_stall = max(b - a for a, b in zip([start, *ticks], [*ticks, time.perf_counter()]))
+    assert len(ticks) > 100 and longest_stall < duration / 3, (len(ticks), longest_stall, duration)
+
+
+def test_expanded_inputs_are_read_correctly():
+    """Stride-0 (expanded) length and batch dimensions give the same result as the same data laid out normally."""
+    q, k, v, mask, _ = make_case(1, 2, 1, 8, 4, "bidirectional", None, torch.float32, seed=0)
+    q, k, v = (t.expand(3, 2, 50, 8) for t in (q, k, v))
+    assert q.stride(2) == 0 and q.stride(0) == 0
+    torch.testing.assert_close(kernel(q, k, v, ra.RelativeAttentionMask(), 4),
+                               kernel(*(t.contiguous() for t in (q, k, v)), ra.RelativeAttentionMask(), 4))
+
+
+def test_a_stale_build_lock_gives_up_with_a_message(monkeypatch, caplog):
+    from transformers.utils import logging as hf_logging
+
+    lock = attention_kernel.build_directory() / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.write_text("")
+    monkeypatch.setenv(attention_kernel.LOCK_TIMEOUT_VARIABLE, "1")
+    attention_kernel.forget_kernel()
+    hf_logging.enable_propagation()
     try:
-        assert attention_kernel.compiled_kernel() is None
-        calls = count_calls(monkeypatch, three_regions.ThreeRegionFunction)
-        q, k, v, mask, allowed = make_case(1, 2, 600, 16, 8, "causal", [550], torch.float32, seed=7)
-        expected, _ = reference.attention(q, k, v, 8, allowed)
-        got = run_attention(ra.fused_relative_attention, q, k, v, mask, 8)
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-        assert calls, "the three-region path did not run"
+        start = time.perf_counter()
+        with caplog.at_level("WARNING"):
+            assert attention_kernel.compiled_kernel() is None
+        assert time.perf_counter() - start < 30
     finally:
-        monkeypatch.delenv("NEZHA_HF_KERNEL")
-        attention_kernel.compiled_kernel.cache_clear()
+        hf_logging.disable_propagation()
+        lock.unlink(missing_ok=True)
+        attention_kernel.forget_kernel()
+    assert str(lock) in caplog.text and "NEZHA_HF_KERNEL=0" in caplog.text
+    assert attention_kernel.compiled_kernel() is not None  # once the lock is gone, it loads again
+
+
+def test_the_build_is_named_after_the_cpu_it_is_built_for(monkeypatch):
+    name = attention_kernel.kernel_name()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert attention_kernel.kernel_name() != name or torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+    monkeypatch.setattr(attention_kernel, "_cpu_signature", lambda: "another instruction set")
+    assert attention_kernel.kernel_name() != name
+
+
+def test_the_fused_path_uses_the_kernel_at_every_length(monkeypatch):
+    for length in (3, 700):
+        q, k, v, mask, allowed = make_case(1, 2, length, 16, 8, "causal", [length - 1], torch.float32, seed=7)
+        torch.testing.assert_close(run_attention(ra.fused_relative_attention, q, k, v, mask, 8),
+                                   reference.attention(q, k, v, 8, allowed)[0], atol=1e-5, rtol=0)

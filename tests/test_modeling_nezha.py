@@ -41,7 +41,7 @@ def test_fixture_through_three_regions(name, monkeypatch):
     # The fixtures are shorter than the length where the default switches to three regions:
     # force the switch so the fast path runs on real v4 checkpoints too.
     monkeypatch.setattr(relative_attention, "THREE_REGIONS_MIN_LENGTH", 1)
-    run_case(name, nezha_hf.PYTORCH_ATTENTION)
+    run_case(name, nezha_hf.THREE_REGION_ATTENTION)
 
 
 K = 8
@@ -57,7 +57,7 @@ def padded_batch(length, vocab=99):
 
 
 @pytest.mark.parametrize("length", [1, K - 1, K, K + 1, 300, 2048])
-@pytest.mark.parametrize("attn_implementation", ["eager", nezha_hf.FAST_ATTENTION, nezha_hf.PYTORCH_ATTENTION])
+@pytest.mark.parametrize("attn_implementation", ["eager", nezha_hf.FAST_ATTENTION, nezha_hf.THREE_REGION_ATTENTION])
 def test_model_matches_independent_reference(length, attn_implementation, seed):
     model = NezhaModel(tiny_config(max_relative_position=K)).eval()
     model.set_attn_implementation(attn_implementation)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import VOCAB, ListDataset, head_batch, tiny_config
+from helpers import VOCAB, ListDataset, head_batch, record_paths, tiny_config
 from transformers import Trainer, TrainingArguments
 
 from nezha_hf import (
@@ -25,9 +25,10 @@ HEADS = [NezhaForMaskedLM, NezhaForPreTraining, NezhaForNextSentencePrediction, 
          NezhaForMultipleChoice, NezhaForTokenClassification, NezhaForQuestionAnswering, NezhaForUniLM]
 
 
-def train(cls, tmp_path, batch, **arguments):
+def train(cls, tmp_path, batch, dropout=0.0, **arguments):
     torch.manual_seed(0)
-    model = cls(tiny_config(vocab_size=VOCAB, num_labels=2 if cls is NezhaForQuestionAnswering else 3))
+    model = cls(tiny_config(vocab_size=VOCAB, num_labels=2 if cls is NezhaForQuestionAnswering else 3,
+                            hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout))
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], save_strategy="no", logging_steps=1,
                              use_cpu=True, disable_tqdm=True, **arguments)
     trainer = Trainer(model=model, args=args, train_dataset=ListDataset(batch))
@@ -57,6 +58,24 @@ def test_gradient_accumulation_matches_the_larger_batch(cls, tmp_path):
                      max_steps=1, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant")
     for (name, a), (_, b) in zip(big.named_parameters(), small.named_parameters()):
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("cls", [NezhaForMaskedLM, NezhaForUniLM], ids=lambda c: c.__name__)
+def test_gradient_accumulation_with_dropout_keeps_the_loss_scale(cls, tmp_path, monkeypatch):
+    """With the dropout every released config has (0.1), training runs the kernel with dropout, and accumulating
+    2 micro-batches logs the loss of one batch of 4, not twice it (the bug of a loss not normalised by
+    `num_items_in_batch`). Not exact: the micro-batches draw other dropout masks than the one batch does."""
+    paths = record_paths(monkeypatch)
+    batch = head_batch(cls, rows=4)
+    batch["labels"][0, :8] = -100  # uneven label counts per micro-batch
+    losses = []
+    for name, arguments in (("big", dict(per_device_train_batch_size=4)),
+                            ("small", dict(per_device_train_batch_size=2, gradient_accumulation_steps=2))):
+        _, trainer = train(cls, tmp_path / name, batch, dropout=0.1, max_steps=1, optim="sgd", learning_rate=0.5,
+                           lr_scheduler_type="constant", **arguments)
+        losses.append(next(entry["loss"] for entry in trainer.state.log_history if "loss" in entry))
+    assert abs(losses[1] / losses[0] - 1) < 0.2, losses
+    assert ("nezha_fused", "the compiled kernel") in paths
 
 
 def test_trainer_gradient_checkpointing_and_bf16(tmp_path):

@@ -1,35 +1,39 @@
-"""Every attention path against the independent O(L^2 d) reference (`tests/reference.py`), outputs and gradients."""
+"""Every attention path against the independent O(L^2 d) reference (`tests/reference.py`), and which path runs where."""
+
+import logging
 
 import pytest
 import reference
 import torch
-from helpers import count_calls, make_case, run_attention
+from helpers import make_case, record_paths, run_attention
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nezha_hf import attention_kernel, three_regions
+from nezha_hf import attention_kernel, chunked_attention, three_regions
 from nezha_hf import relative_attention as ra
 
-PATHS = (ra.gather_relative_attention, ra.three_region_attention, ra.fused_relative_attention)
+PATHS = (ra.gather_relative_attention, ra.fused_relative_attention, ra.chunked_relative_attention,
+         ra.three_region_attention)
 
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """Three regions at every length, in small blocks; the kernel in small blocks: several blocks even for short inputs."""
+    """Every engine in small pieces, so that short inputs span several of them: three regions at every
+    length with 16-query band blocks, the kernel with 8-query / 16-key blocks, the chunked path in chunks of
+    a few queries."""
     monkeypatch.setattr(ra, "THREE_REGIONS_MIN_LENGTH", 1)
-    monkeypatch.setattr(three_regions, "BAND_BLOCK_SIZE", 16)  # several blocks, and lengths that do not fill one
-    monkeypatch.setattr(attention_kernel, "KERNEL_BLOCK_SIZES", (8, 16))  # online softmax over several key blocks
+    monkeypatch.setattr(three_regions, "BAND_BLOCK_SIZE", 16)
+    monkeypatch.setattr(attention_kernel, "KERNEL_BLOCK_SIZES", (8, 16))
+    monkeypatch.setattr(chunked_attention, "CHUNK_SCORES", 1)
+    monkeypatch.setattr(chunked_attention, "MIN_CHUNK_ROWS", 5)
 
 
-PATHS = (ra.gather_relative_attention, ra.three_region_attention, ra.fused_relative_attention)
-
-
-def check_against_reference(q, k, v, mask, allowed, K, atol):
+def check_against_reference(q, k, v, mask, allowed, K, atol, paths=PATHS):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     expected, _ = reference.attention(q, k, v, K, allowed)
     grad_out = torch.randn_like(expected)
     expected_grads = torch.autograd.grad((expected * grad_out).sum(), (q, k, v))
-    for path in PATHS:
+    for path in paths:
         got = run_attention(path, q, k, v, mask, K)
         torch.testing.assert_close(got, expected, atol=atol, rtol=0, msg=f"{path.__name__} forward")
         grads = torch.autograd.grad((got * grad_out).sum(), (q, k, v))
@@ -64,33 +68,89 @@ def test_paths_match_reference_float32(case, small_blocks):
     check_against_reference(q, k, v, mask, allowed, case["K"], atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "path,function",
-    [(ra.three_region_attention, three_regions.ThreeRegionFunction),
-     (ra.fused_relative_attention, attention_kernel.KernelFunction)],
-)
-def test_linear_memory_paths_are_used(path, function, small_blocks, monkeypatch):
-    calls = count_calls(monkeypatch, function)
-    q, k, v, mask, _ = make_case(1, 1, 40, 8, 4, "bidirectional", None, torch.float32, seed=0)
-    run_attention(path, q, k, v, mask, 4)
-    assert calls, f"{function.__name__} did not run"
-
-
-def test_fully_masked_rows_no_nan(small_blocks):
+@pytest.mark.parametrize("path", PATHS, ids=lambda path: path.__name__)
+def test_fully_masked_rows_no_nan(path, small_blocks):
     q, k, v, mask, _ = make_case(2, 2, 30, 8, 4, "bidirectional", [30, 1], torch.float32, seed=3)
     mask.key_is_valid[1] = False  # the whole second sequence is padding
-    for path in PATHS:
-        out = run_attention(path, q, k, v, mask, 4)
-        assert not out.isnan().any()
-        if path is not ra.gather_relative_attention:  # gather averages uniformly, as transformers 4.x did
-            assert not out[1].any(), f"{path.__name__}: a row with no visible key must be zero"
+    out = run_attention(path, q, k, v, mask, 4)
+    assert not out.isnan().any()
+    if path is not ra.gather_relative_attention:  # gather averages uniformly, as transformers 4.x did
+        assert not out[1].any(), f"{path.__name__}: a row with no visible key must be zero"
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 3e-2)])
-def test_low_precision_close_to_float32(dtype, atol, small_blocks):
+@pytest.mark.parametrize("path", PATHS, ids=lambda path: path.__name__)
+def test_bfloat16_close_to_float32(path, small_blocks):
     q, k, v, mask, _ = make_case(1, 2, 300, 16, 8, "bidirectional", [250], torch.float32, seed=4)
     full = run_attention(ra.gather_relative_attention, q, k, v, mask, 8)
-    for path in PATHS:  # the kernel is float32 only: bfloat16 goes to three regions
-        low = run_attention(path, q.to(dtype), k.to(dtype), v.to(dtype), mask, 8)
-        assert not low.isnan().any()
-        torch.testing.assert_close(low.float(), full, atol=atol, rtol=0)
+    low = run_attention(path, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 8)
+    assert low.dtype == torch.bfloat16 and not low.isnan().any()
+    torch.testing.assert_close(low.float(), full, atol=3e-2, rtol=0)
+
+
+# --- which path runs where ------------------------------------------------------------------------------
+
+
+def run_in(path, module_training, dtype, length, monkeypatch, dropout=0.0, query_offset=0):
+    """Call `path` once like a model would, and return the path that ran."""
+    ran = record_paths(monkeypatch)
+    q, k, v, mask, _ = make_case(1, 2, length, 8, 4, "causal", None, dtype, seed=0)
+    mask.query_offset = query_offset
+    table = ra.sinusoid_relative_table(4, 8).to(dtype)
+    module = torch.nn.Module().train(module_training)
+    path(module, q[..., query_offset:, :], k, v, mask, 0.3, dropout, relative_table=table)
+    return ran[-1]
+
+
+@pytest.mark.parametrize(
+    "path, training, dtype, length, dropout, offset, expected",
+    [
+        (ra.fused_relative_attention, False, torch.float32, 40, 0.0, 0, "the compiled kernel"),
+        (ra.fused_relative_attention, True, torch.float32, 40, 0.1, 0, "the compiled kernel"),  # dropout in training
+        (ra.fused_relative_attention, False, torch.float32, 40, 0.0, 39, "the compiled kernel"),  # a cached step
+        (ra.fused_relative_attention, True, torch.bfloat16, 40, 0.1, 0, "the chunked path"),
+        (ra.chunked_relative_attention, False, torch.float32, 40, 0.0, 0, "the chunked path"),
+        (ra.three_region_attention, False, torch.float32, 600, 0.0, 0, "three regions"),
+        (ra.three_region_attention, False, torch.float32, 40, 0.0, 0, "the chunked path"),  # short
+        (ra.three_region_attention, True, torch.float32, 600, 0.1, 0, "the chunked path"),  # dropout in training
+        (ra.three_region_attention, False, torch.float32, 600, 0.0, 590, "the chunked path"),  # a cached step
+        (ra.gather_relative_attention, True, torch.float32, 40, 0.1, 0, "the gather path"),
+    ],
+)
+def test_which_path_runs(path, training, dtype, length, dropout, offset, expected, monkeypatch):
+    assert run_in(path, training, dtype, length, monkeypatch, dropout, offset)[1] == expected
+
+
+def test_without_the_kernel_the_default_runs_the_chunked_path(monkeypatch):
+    monkeypatch.setenv("NEZHA_HF_KERNEL", "0")
+    attention_kernel.forget_kernel()
+    try:
+        assert attention_kernel.compiled_kernel() is None
+        assert run_in(ra.fused_relative_attention, False, torch.float32, 40, monkeypatch)[1] == "the chunked path"
+    finally:
+        monkeypatch.delenv("NEZHA_HF_KERNEL")
+        attention_kernel.forget_kernel()
+
+
+def test_the_path_that_ran_is_logged_once_at_info(caplog, monkeypatch):
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.setattr(ra, "_reported", set())
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.INFO, logger="nezha_hf.relative_attention"):
+            for _ in range(3):
+                run_in(ra.fused_relative_attention, True, torch.bfloat16, 40, monkeypatch, dropout=0.1)
+    finally:
+        hf_logging.disable_propagation()
+    lines = [r.getMessage() for r in caplog.records if "NEZHA attention" in r.getMessage()]
+    assert lines == ["NEZHA attention 'nezha_fused' runs the chunked path (cpu, torch.bfloat16, attention dropout on, "
+                     "no KV cache)."]
+
+
+def test_no_path_builds_a_dense_mask_or_caches_while_tracing(monkeypatch):
+    mask = ra.RelativeAttentionMask(key_is_valid=torch.ones(1, 5, dtype=torch.bool))
+    monkeypatch.setattr(ra, "tracing", lambda: True)
+    built = []
+    mask.cached(("key", 5), lambda: built.append(1))
+    mask.cached(("key", 5), lambda: built.append(1))
+    assert built == [1, 1]  # a trace must not hold on to tensors keyed by (possibly symbolic) sizes

@@ -10,8 +10,14 @@
 // block each query row splits into at most three contiguous column ranges: the left tail (row 0),
 // the band (rows 1 .. 2K - 1) and the right tail (row 2K).
 //
+// Queries sit at positions `offset .. offset + Lq - 1` against keys `0 .. Lk - 1` (with a KV cache
+// the queries are the new tokens). Attention dropout multiplies p_ij by keep_ij / (1 - p) in both
+// value terms; keep_ij comes from a counter-based hash of (seed, batch * heads + head, i, j), so the
+// backward regenerates the forward's mask instead of storing it (`Problem::row_key` and `keep_factor` are the
+// definition; tests re-derive it independently).
+//
 // Matrix products go to the BLAS `sgemm_` that PyTorch links (MKL on x86 wheels); the loader in
-// relative_attention.py falls back to the pure PyTorch path if this file does not build or load.
+// attention_kernel.py falls back to the PyTorch paths if this file does not build or load.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -58,6 +64,16 @@ inline float fast_exp(float x) {
   return x < -87.0f ? 0.0f : p * power;
 }
 
+// A 32-bit integer hash with full avalanche ("lowbias32", C. Wellons' hash prospector).
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
 // bucket[first + c] += values[c] over a band range; a tail range (step 0) adds its total to one bucket.
 template <typename Step>
 inline void add_to_bucket(float* bucket, const float* values, int64_t start, int64_t stop, int64_t first, Step step,
@@ -71,20 +87,23 @@ inline void add_to_bucket(float* bucket, const float* values, int64_t start, int
 }
 
 struct Problem {
-  int64_t B, H, L, d, K, R;
+  int64_t B, H, Lq, Lk, d, K, R, offset;
   float scale;
   bool causal;
-  const bool* key_valid;         // [B, L] or null
-  const bool* key_source;        // [B, L] or null (UniLM prefix mask, with causal)
+  const bool* key_valid;         // [B, Lk] or null
+  const bool* key_source;        // [B, Lk] or null (UniLM prefix mask, with causal)
   std::vector<int64_t> key_end;  // per batch row: keys past this are never visible to a causal query block
   int64_t q_block, kv_block;
+  bool dropout;
+  uint32_t threshold, seed_lo, seed_hi;  // keep_ij when its hash >= threshold = p * 2^32
+  float keep_scale;                      // 1 / (1 - p)
 
-  // Keys a causal query block ending before `stop` may see: up to itself, or to the last source key.
-  int64_t keys_for(int64_t b, int64_t stop) const { return causal ? std::max(stop, key_end[b]) : L; }
+  // Keys a causal query block ending before absolute position `stop` may see: up to itself, or to the last source key.
+  int64_t keys_for(int64_t b, int64_t stop) const { return causal ? std::min(Lk, std::max(stop, key_end[b])) : Lk; }
 
-  // Calls body(start, stop, first, step) for the three column ranges of query `i` in the key block
-  // starting at `n` with `kb` keys: the left tail, the band and the right tail. Column `c` of a range
-  // uses table row `first + step * c`; step is a compile-time 0 in the tails and 1 in the band.
+  // Calls body(start, stop, first, step) for the three column ranges of query position `i` in the key
+  // block starting at `n` with `kb` keys: the left tail, the band and the right tail. Column `c` of a
+  // range uses table row `first + step * c`; step is a compile-time 0 in the tails and 1 in the band.
   template <typename Body>
   void for_each_range(int64_t i, int64_t n, int64_t kb, Body&& body) const {
     const int64_t left = std::min(std::max(i - K + 1 - n, int64_t(0)), kb);
@@ -96,20 +115,32 @@ struct Problem {
 
   void apply_mask(float* row, int64_t b, int64_t i, int64_t n, int64_t kb) const {
     if (!causal && !key_valid) return;
-    const bool* valid = key_valid ? key_valid + b * L + n : nullptr;
-    const bool* source = key_source ? key_source + b * L + n : nullptr;
+    const bool* valid = key_valid ? key_valid + b * Lk + n : nullptr;
+    const bool* source = key_source ? key_source + b * Lk + n : nullptr;
     for (int64_t c = 0; c < kb; ++c) {
       bool visible = !valid || valid[c];
       if (causal) visible = visible && (n + c <= i || (source && source[c]));
       if (!visible) row[c] = kNegInf;
     }
   }
+
+  // The dropout stream of one query row: key ("bh" = batch * heads + head, "i" = query position).
+  uint32_t row_key(int64_t bh, int64_t i) const {
+    return mix32(mix32(mix32(seed_lo ^ mix32(seed_hi)) ^ static_cast<uint32_t>(bh)) ^ static_cast<uint32_t>(i));
+  }
+
+  // keep_ij / (1 - p) for key position j of the row with dropout stream `key`: 1 / (1 - p) or 0.
+  inline float keep_factor(uint32_t key, int64_t j) const {
+    return mix32(key ^ (static_cast<uint32_t>(j) * 0x9e3779b9U)) >= threshold ? keep_scale : 0.0f;
+  }
 };
 
-Problem make_problem(const at::Tensor& q, int64_t K, double scale, bool causal, const at::Tensor& key_valid,
-                     const at::Tensor& key_source, int64_t q_block, int64_t kv_block) {
+Problem make_problem(const at::Tensor& q, const at::Tensor& k, int64_t K, double scale, bool causal,
+                     const at::Tensor& key_valid, const at::Tensor& key_source, int64_t offset, double dropout_p,
+                     int64_t seed, int64_t q_block, int64_t kv_block) {
   Problem p;
-  p.B = q.size(0), p.H = q.size(1), p.L = q.size(2), p.d = q.size(3), p.K = K, p.R = 2 * K + 1;
+  p.B = q.size(0), p.H = q.size(1), p.Lq = q.size(2), p.Lk = k.size(2), p.d = q.size(3);
+  p.K = K, p.R = 2 * K + 1, p.offset = offset;
   p.scale = static_cast<float>(scale);
   p.causal = causal;
   p.key_valid = key_valid.defined() ? key_valid.data_ptr<bool>() : nullptr;
@@ -117,11 +148,16 @@ Problem make_problem(const at::Tensor& q, int64_t K, double scale, bool causal, 
   p.key_end.assign(p.B, 0);
   if (causal && p.key_source)
     for (int64_t b = 0; b < p.B; ++b)
-      for (int64_t j = 0; j < p.L; ++j)
-        if (p.key_source[b * p.L + j]) p.key_end[b] = j + 1;
+      for (int64_t j = 0; j < p.Lk; ++j)
+        if (p.key_source[b * p.Lk + j]) p.key_end[b] = j + 1;
   // 0: PyTorch's own CPU flash kernel's choice (query blocks by length, 512 keys); tests pass small blocks.
-  p.q_block = q_block > 0 ? q_block : p.L >= 768 ? 256 : p.L >= 192 ? 64 : 32;
+  p.q_block = q_block > 0 ? q_block : p.Lq >= 768 ? 256 : p.Lq >= 192 ? 64 : 32;
   p.kv_block = kv_block > 0 ? kv_block : 512;
+  p.dropout = dropout_p > 0.0;
+  p.threshold = static_cast<uint32_t>(std::min(std::ldexp(dropout_p, 32), 4294967295.0));
+  p.keep_scale = p.dropout ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.0f;
+  p.seed_lo = static_cast<uint32_t>(static_cast<uint64_t>(seed) & 0xffffffffU);
+  p.seed_hi = static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32);
   return p;
 }
 
@@ -129,48 +165,57 @@ at::Tensor optional_flags(const c10::optional<at::Tensor>& flags) {
   return flags.has_value() ? flags->to(at::kBool).contiguous() : at::Tensor();
 }
 
-void check_inputs(std::initializer_list<const at::Tensor*> tensors, const at::Tensor& table, int64_t K,
-                  const at::Tensor& key_valid, const at::Tensor& key_source) {
-  const at::Tensor& query = **tensors.begin();
-  for (const at::Tensor* t : tensors) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1,
-                "NEZHA kernel: expected float32 CPU tensors [batch, heads, length, head_size] with a contiguous last dimension");
-    TORCH_CHECK(t->sizes() == query.sizes(), "NEZHA kernel: query, key and value must have the same shape");
-  }
+// Rows of a [B, H, L, d] tensor must be distinct, unit-stride vectors for the BLAS calls (an expanded
+// length dimension, stride 0, would alias them): anything else is copied first.
+at::Tensor rows_usable(const at::Tensor& t) {
+  return t.stride(3) == 1 && t.stride(2) >= t.size(3) ? t : t.contiguous();
+}
+
+void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& table,
+                  int64_t K, const at::Tensor& key_valid, const at::Tensor& key_source, double dropout_p) {
+  for (const at::Tensor* t : {&query, &key, &value})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->dim() == 4,
+                "NEZHA kernel: expected float32 CPU tensors [batch, heads, length, head_size]");
+  TORCH_CHECK(key.sizes() == value.sizes(), "NEZHA kernel: key and value must have the same shape");
+  TORCH_CHECK(key.size(0) == query.size(0) && key.size(1) == query.size(1) && key.size(3) == query.size(3),
+              "NEZHA kernel: query, key and value must agree in batch, heads and head size");
   TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.size(0) == 2 * K + 1 &&
                   table.size(1) == query.size(3),
               "NEZHA kernel: the table must be float32 [2K + 1, head_size]");
   for (const at::Tensor* flags : {&key_valid, &key_source})
-    TORCH_CHECK(!flags->defined() || (flags->dim() == 2 && flags->size(0) == query.size(0) && flags->size(1) == query.size(2)),
-                "NEZHA kernel: key flags must be [batch, length]");
+    TORCH_CHECK(!flags->defined() || (flags->dim() == 2 && flags->size(0) == query.size(0) && flags->size(1) == key.size(2)),
+                "NEZHA kernel: key flags must be [batch, key_length]");
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "NEZHA kernel: dropout must be in [0, 1)");
 }
 
 }  // namespace
 
-// Returns (out [B, L, H, d] contiguous, lse [B, H, L]); a row with no visible key gets out 0, lse -inf.
-std::vector<at::Tensor> forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+// Returns (out [B, Lq, H, d] contiguous, lse [B, H, Lq]); a row with no visible key gets out 0, lse -inf.
+std::vector<at::Tensor> forward(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
                                 const at::Tensor& table, int64_t K, double scale, bool causal,
                                 const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source,
-                                int64_t q_block, int64_t kv_block) {
+                                int64_t offset, double dropout_p, int64_t seed, int64_t q_block, int64_t kv_block) {
+  const at::Tensor query = rows_usable(query_in), key = rows_usable(key_in), value = rows_usable(value_in);
   const at::Tensor valid = optional_flags(key_valid), source = optional_flags(key_source), T = table.contiguous();
-  check_inputs({&query, &key, &value}, T, K, valid, source);
-  const Problem p = make_problem(query, K, scale, causal, valid, source, q_block, kv_block);
-  const int64_t B = p.B, H = p.H, L = p.L, d = p.d, R = p.R;
-  auto out = at::empty({B, L, H, d}, query.options());
-  auto lse = at::empty({B, H, L}, query.options());
+  check_inputs(query, key, value, T, K, valid, source, dropout_p);
+  const Problem p = make_problem(query, key, K, scale, causal, valid, source, offset, dropout_p, seed, q_block, kv_block);
+  const int64_t B = p.B, H = p.H, Lq = p.Lq, d = p.d, R = p.R;
+  auto out = at::empty({B, Lq, H, d}, query.options());
+  auto lse = at::empty({B, H, Lq}, query.options());
   const float *q = query.data_ptr<float>(), *k = key.data_ptr<float>(), *v = value.data_ptr<float>();
   const float* t = T.data_ptr<float>();
   float *o = out.data_ptr<float>(), *l = lse.data_ptr<float>();
   const int64_t qs = query.stride(2), ks = key.stride(2), vs = value.stride(2);
-  const int64_t num_q_blocks = (L + p.q_block - 1) / p.q_block;
+  const int64_t num_q_blocks = (Lq + p.q_block - 1) / p.q_block;
 
   // One task per (batch, head, query block); query blocks vary fastest so each thread gets whole heads.
   at::parallel_for(0, B * H * num_q_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(p.q_block * p.kv_block), qt(p.q_block * R), bucket(p.q_block * R), acc(p.q_block * d);
     std::vector<float> row_max(p.q_block), row_sum(p.q_block);
+    std::vector<uint32_t> row_keys(p.q_block);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (H * num_q_blocks), h = task / num_q_blocks % H;
-      const int64_t m = task % num_q_blocks * p.q_block, qb = std::min(p.q_block, L - m);
+      const int64_t m = task % num_q_blocks * p.q_block, qb = std::min(p.q_block, Lq - m);
       const float* qm = q + b * query.stride(0) + h * query.stride(1) + m * qs;
       const float* kh = k + b * key.stride(0) + h * key.stride(1);
       const float* vh = v + b * value.stride(0) + h * value.stride(1);
@@ -179,12 +224,14 @@ std::vector<at::Tensor> forward(const at::Tensor& query, const at::Tensor& key, 
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(row_max.begin(), row_max.end(), kNegInf);
       std::fill(row_sum.begin(), row_sum.end(), 0.0f);
-      const int64_t keys = p.keys_for(b, m + qb);
+      if (p.dropout)
+        for (int64_t r = 0; r < qb; ++r) row_keys[r] = p.row_key(b * H + h, p.offset + m + r);
+      const int64_t keys = p.keys_for(b, p.offset + m + qb);
       for (int64_t n = 0; n < keys; n += p.kv_block) {
         const int64_t kb = std::min(p.kv_block, keys - n);
         matmul(false, true, qb, kb, d, p.scale, qm, qs, kh + n * ks, ks, 0.0f, scores.data(), kb);
         for (int64_t r = 0; r < qb; ++r) {
-          const int64_t i = m + r;
+          const int64_t i = p.offset + m + r;
           float* row = scores.data() + r * kb;
           const float* terms = qt.data() + r * R;
           p.apply_mask(row, b, i, n, kb);
@@ -217,8 +264,17 @@ std::vector<at::Tensor> forward(const at::Tensor& query, const at::Tensor& key, 
               row[c] = fast_exp(row[c] - new_max);
               range_sum += row[c];
             }
+            sum += range_sum;  // the softmax denominator counts every probability, dropped or not
+            if (p.dropout) {  // both value terms see p_ij keep_ij / (1 - p)
+              const uint32_t key = row_keys[r];
+              range_sum = 0.0f;
+#pragma omp simd reduction(+ : range_sum)
+              for (int64_t c = start; c < stop; ++c) {
+                row[c] *= p.keep_factor(key, n + c);
+                range_sum += row[c];
+              }
+            }
             add_to_bucket(row_bucket, row, start, stop, first, step, range_sum);  // value term mass
-            sum += range_sum;
           });
           row_sum[r] = row_sum[r] * correction + sum;
           row_max[r] = new_max;
@@ -229,29 +285,34 @@ std::vector<at::Tensor> forward(const at::Tensor& query, const at::Tensor& key, 
       for (int64_t r = 0; r < qb; ++r) {
         const bool empty = row_sum[r] == 0.0f;
         const float inverse = empty ? 0.0f : 1.0f / row_sum[r];
-        float* out_row = o + ((b * L + m + r) * H + h) * d;
+        float* out_row = o + ((b * Lq + m + r) * H + h) * d;
         for (int64_t x = 0; x < d; ++x) out_row[x] = acc[r * d + x] * inverse;
-        l[(b * H + h) * L + m + r] = empty ? kNegInf : row_max[r] + std::log(row_sum[r]);
+        l[(b * H + h) * Lq + m + r] = empty ? kNegInf : row_max[r] + std::log(row_sum[r]);
       }
     }
   });
   return {out, lse};
 }
 
-// Gradients of query, key and value, each [B, L, H, d] contiguous, given the forward's output and lse.
-std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
-                                 const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+// Gradients of query [B, Lq, H, d], key and value [B, Lk, H, d] (contiguous), given the forward's output and lse.
+std::vector<at::Tensor> backward(const at::Tensor& grad_out_in, const at::Tensor& query_in, const at::Tensor& key_in,
+                                 const at::Tensor& value_in, const at::Tensor& out_in, const at::Tensor& lse,
                                  const at::Tensor& table, int64_t K, double scale, bool causal,
                                  const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source,
-                                 int64_t q_block, int64_t kv_block) {
+                                 int64_t offset, double dropout_p, int64_t seed, int64_t q_block, int64_t kv_block) {
+  const at::Tensor query = rows_usable(query_in), key = rows_usable(key_in), value = rows_usable(value_in);
+  const at::Tensor grad_out = rows_usable(grad_out_in), out = rows_usable(out_in);
   const at::Tensor valid = optional_flags(key_valid), source = optional_flags(key_source), T = table.contiguous();
-  check_inputs({&query, &key, &value, &grad_out, &out}, T, K, valid, source);
+  check_inputs(query, key, value, T, K, valid, source, dropout_p);
+  TORCH_CHECK(grad_out.sizes() == query.sizes() && out.sizes() == query.sizes() && grad_out.scalar_type() == at::kFloat &&
+                  out.scalar_type() == at::kFloat,
+              "NEZHA kernel: the output and its gradient must be float32 and shaped like the query");
   const at::Tensor row_lse = lse.contiguous();
-  const Problem p = make_problem(query, K, scale, causal, valid, source, q_block, kv_block);
-  const int64_t B = p.B, H = p.H, L = p.L, d = p.d, R = p.R;
-  auto grad_query = at::empty({B, L, H, d}, query.options());
-  auto grad_key = at::zeros({B, L, H, d}, query.options());
-  auto grad_value = at::zeros({B, L, H, d}, query.options());
+  const Problem p = make_problem(query, key, K, scale, causal, valid, source, offset, dropout_p, seed, q_block, kv_block);
+  const int64_t B = p.B, H = p.H, Lq = p.Lq, Lk = p.Lk, d = p.d, R = p.R;
+  auto grad_query = at::empty({B, Lq, H, d}, query.options());
+  auto grad_key = at::zeros({B, Lk, H, d}, query.options());
+  auto grad_value = at::zeros({B, Lk, H, d}, query.options());
   const float *q = query.data_ptr<float>(), *k = key.data_ptr<float>(), *v = value.data_ptr<float>();
   const float *go = grad_out.data_ptr<float>(), *o = out.data_ptr<float>(), *t = T.data_ptr<float>();
   const float* lse_data = row_lse.data_ptr<float>();
@@ -264,6 +325,7 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
     std::vector<float> probs(p.q_block * p.kv_block), grad_scores(p.q_block * p.kv_block);
     std::vector<float> qt(p.q_block * R), grad_terms(p.q_block * R), grad_bucket(p.q_block * R);
     std::vector<float> acc(p.q_block * d), row_dot(p.q_block), row_lse_inf(p.q_block);
+    std::vector<uint32_t> row_keys(p.q_block);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
       const float* qh = q + b * query.stride(0) + h * query.stride(1);
@@ -271,44 +333,57 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
       const float* vh = v + b * value.stride(0) + h * value.stride(1);
       const float* goh = go + b * grad_out.stride(0) + h * grad_out.stride(1);
       const float* oh = o + b * out.stride(0) + h * out.stride(1);
-      float* gqh = gq + b * L * gs + h * d;
-      float* gkh = gk + b * L * gs + h * d;
-      float* gvh = gv + b * L * gs + h * d;
-      for (int64_t m = 0; m < L; m += p.q_block) {
-        const int64_t qb = std::min(p.q_block, L - m);
+      float* gqh = gq + b * Lq * gs + h * d;
+      float* gkh = gk + b * Lk * gs + h * d;
+      float* gvh = gv + b * Lk * gs + h * d;
+      for (int64_t m = 0; m < Lq; m += p.q_block) {
+        const int64_t qb = std::min(p.q_block, Lq - m);
         const float* qm = qh + m * qs;
         const float* gom = goh + m * gos;
         matmul(false, true, qb, R, d, p.scale, qm, qs, t, d, 0.0f, qt.data(), R);
         matmul(false, true, qb, R, d, 1.0f, gom, gos, t, d, 0.0f, grad_terms.data(), R);  // dO . T[p]
         for (int64_t r = 0; r < qb; ++r) {
-          row_dot[r] = 0.0f;  // D_i = dO_i . O_i
+          row_dot[r] = 0.0f;  // D_i = dO_i . O_i (the output already holds the dropped probabilities)
           for (int64_t x = 0; x < d; ++x) row_dot[r] += gom[r * gos + x] * oh[(m + r) * os + x];
-          const float value_lse = lse_data[(b * H + h) * L + m + r];
+          const float value_lse = lse_data[(b * H + h) * Lq + m + r];
           row_lse_inf[r] = value_lse == kNegInf ? -kNegInf : value_lse;  // empty rows: every probability 0
+          if (p.dropout) row_keys[r] = p.row_key(b * H + h, p.offset + m + r);
         }
         std::fill(grad_bucket.begin(), grad_bucket.end(), 0.0f);
         std::fill(acc.begin(), acc.end(), 0.0f);
-        const int64_t keys = p.keys_for(b, m + qb);
+        const int64_t keys = p.keys_for(b, p.offset + m + qb);
         for (int64_t n = 0; n < keys; n += p.kv_block) {
           const int64_t kb = std::min(p.kv_block, keys - n);
           matmul(false, true, qb, kb, d, p.scale, qm, qs, kh + n * ks, ks, 0.0f, probs.data(), kb);
           matmul(false, true, qb, kb, d, 1.0f, gom, gos, vh + n * vs, vs, 0.0f, grad_scores.data(), kb);
           for (int64_t r = 0; r < qb; ++r) {
-            const int64_t i = m + r;
+            const int64_t i = p.offset + m + r;
             float* prob = probs.data() + r * kb;
             float* grad = grad_scores.data() + r * kb;
             const float *terms = qt.data() + r * R, *value_terms = grad_terms.data() + r * R;
             const float lse_i = row_lse_inf[r], dot = row_dot[r];
             p.apply_mask(prob, b, i, n, kb);
             p.for_each_range(i, n, kb, [&](int64_t start, int64_t stop, int64_t first, auto step) {
-              float range_sum = 0.0f;
-#pragma omp simd reduction(+ : range_sum)
+#pragma omp simd
               for (int64_t c = start; c < stop; ++c) {
                 prob[c] = fast_exp(prob[c] + terms[first + step * c] - lse_i);
-                // dS_ij = P_ij (dP_ij - D_i), with dP_ij = dO_i . (v_j + T[r(i, j)])
-                grad[c] = prob[c] * (grad[c] + value_terms[first + step * c] - dot);
-                range_sum += grad[c];
+                grad[c] += value_terms[first + step * c];  // dP~_ij = dO_i . (v_j + T[r(i, j)])
               }
+              if (p.dropout) {  // dP_ij = dP~_ij z_ij with z = keep / (1 - p); the value gradient takes P z
+                const uint32_t key = row_keys[r];
+#pragma omp simd
+                for (int64_t c = start; c < stop; ++c) {
+                  const float z = p.keep_factor(key, n + c);
+                  grad[c] = prob[c] * (z * grad[c] - dot);
+                  prob[c] *= z;
+                }
+              } else {
+#pragma omp simd
+                for (int64_t c = start; c < stop; ++c) grad[c] = prob[c] * (grad[c] - dot);  // dS = P (dP - D)
+              }
+              float range_sum = 0.0f;
+#pragma omp simd reduction(+ : range_sum)
+              for (int64_t c = start; c < stop; ++c) range_sum += grad[c];
               add_to_bucket(grad_bucket.data() + r * R, grad, start, stop, first, step, range_sum);
             });
           }
@@ -327,6 +402,9 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("forward", &forward, "NEZHA relative attention forward: (out [B, L, H, d], lse [B, H, L])");
-  module.def("backward", &backward, "NEZHA relative attention backward: grads of query, key, value as [B, L, H, d]");
+  // The GIL is released while the kernel runs: other Python threads go on meanwhile.
+  module.def("forward", &forward, "NEZHA relative attention forward: (out [B, Lq, H, d], lse [B, H, Lq])",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("backward", &backward, "NEZHA relative attention backward: grads of query, key, value as [B, L, H, d]",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
 }

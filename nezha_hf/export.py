@@ -1,0 +1,147 @@
+"""Export NEZHA encoders to ONNX for serving, checked with onnxruntime before the file is put in place.
+
+    from nezha_hf.export import export_onnx
+    report = export_onnx("my-nezha/", "my-nezha.onnx")     # or: nezha-hf export onnx my-nezha/ my-nezha.onnx
+
+The graph is made by PyTorch's dynamo exporter (`torch.onnx.export(..., dynamo=True)`) with a dynamic
+batch size and length, and takes `input_ids`, `attention_mask` and `token_type_ids`. ONNX has no
+NEZHA attention kernel, so the graph contains the gather formulation (`attn_implementation="eager"`):
+exact, but its scores are `L x L` per head (see the README for what that costs at long lengths).
+Needs `pip install "nezha_hf[onnx]"` (onnx, onnxscript, onnxruntime).
+"""
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .modeling_nezha import (
+    NezhaForMultipleChoice,
+    NezhaForSentenceExtraction,
+    NezhaForUniLM,
+    NezhaPreTrainedModel,
+)
+
+INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
+# Heads whose inputs are not the three above, or that generate: not exported.
+NOT_EXPORTED = (NezhaForUniLM, NezhaForSentenceExtraction)
+VERIFY_LENGTHS = (16, 80)
+
+
+@dataclass
+class OnnxExport:
+    """What `export_onnx` wrote and how it checked it."""
+
+    path: str
+    architecture: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    max_difference: float  # largest |onnxruntime - PyTorch| over the verification batches
+    verified_lengths: tuple[int, ...]
+
+    def summary(self) -> str:
+        return (f"Exported {self.architecture} to {self.path} (inputs {', '.join(self.inputs)}; outputs "
+                f"{', '.join(self.outputs)}); onnxruntime matches PyTorch to {self.max_difference:.1e} on padded "
+                f"batches of {' and '.join(map(str, self.verified_lengths))} tokens.")
+
+
+class _Outputs(nn.Module):
+    """The model with a fixed tuple of named outputs, which is what an ONNX graph returns."""
+
+    def __init__(self, model: NezhaPreTrainedModel, names: tuple[str, ...]):
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        return tuple(out[name] for name in self.names)
+
+
+def _example(model, batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
+    """A padded batch (the second row padded from the middle) of valid ids and token types."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (batch, 2, length) if isinstance(model, NezhaForMultipleChoice) else (batch, length)
+    input_ids = torch.randint(0, model.config.vocab_size, shape, generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, ..., length // 2 :] = 0
+    token_type_ids = torch.randint(0, model.config.type_vocab_size, shape, generator=generator)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+
+
+def _load(model_or_path) -> NezhaPreTrainedModel:
+    if isinstance(model_or_path, NezhaPreTrainedModel):
+        model = type(model_or_path)._from_config(model_or_path.config, attn_implementation="eager")
+        model.load_state_dict(model_or_path.state_dict())
+        return model.eval()
+    from transformers import AutoConfig
+
+    from .modeling_nezha import nezha_head
+
+    path = Path(model_or_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a model folder: it has no config.json.")
+    config = AutoConfig.from_pretrained(path)
+    head = nezha_head((config.architectures or ["NezhaModel"])[0])
+    return head.model_class.from_pretrained(path, attn_implementation="eager").eval()
+
+
+def export_onnx(model_or_path, output: str | os.PathLike, atol: float = 1e-4, overwrite: bool = False) -> OnnxExport:
+    """Export a NEZHA encoder to an ONNX file, verified with onnxruntime before it is moved to `output`.
+
+    Args:
+        model_or_path: a `NezhaPreTrainedModel`, or a folder saved with `save_pretrained` (any encoder
+            head: `NezhaModel`, masked LM, pretraining, sequence / token classification, next-sentence
+            prediction, question answering, multiple choice).
+        output: the `.onnx` file to write. It is written beside its destination and renamed into place
+            only after onnxruntime has reproduced PyTorch's outputs within `atol` on padded batches.
+        atol: largest allowed absolute difference between onnxruntime and PyTorch.
+        overwrite: replace an existing `output` (otherwise that is an error).
+
+    Returns:
+        An `OnnxExport` with what was written and the largest difference measured.
+    """
+    output = Path(output)
+    if output.suffix != ".onnx":
+        raise ValueError(f"The ONNX file's name should end in .onnx, got {output}.")
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"{output} exists; pass overwrite=True (CLI: --overwrite) to replace it.")
+    if not output.parent.is_dir():
+        raise FileNotFoundError(f"The folder {output.parent} does not exist.")
+    try:
+        import onnxruntime
+    except ImportError as error:
+        raise ImportError('ONNX export needs onnx, onnxscript and onnxruntime: pip install "nezha_hf[onnx]".') from error
+    model = _load(model_or_path)
+    if isinstance(model, NOT_EXPORTED):
+        raise ValueError(f"{type(model).__name__} is not exported to ONNX (it generates, or takes other inputs); "
+                         "export one of the encoder heads.")
+    example = _example(model, 2, VERIFY_LENGTHS[0], seed=0)
+    with torch.no_grad():
+        reference = model(**example)
+    names = tuple(name for name, value in reference.items() if isinstance(value, torch.Tensor))
+    wrapped = _Outputs(model, names).eval()
+    batch, length = torch.export.Dim("batch", min=1), torch.export.Dim("length", min=2)
+    axes = {0: batch, 2: length} if isinstance(model, NezhaForMultipleChoice) else {0: batch, 1: length}
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as work:
+        draft = Path(work) / output.name
+        torch.onnx.export(wrapped, tuple(example[name] for name in INPUT_NAMES), str(draft), dynamo=True,
+                          input_names=list(INPUT_NAMES), output_names=list(names),
+                          dynamic_shapes=tuple(axes for _ in INPUT_NAMES), external_data=False)
+        session = onnxruntime.InferenceSession(str(draft), providers=["CPUExecutionProvider"])
+        largest = 0.0
+        for seed, check_length in enumerate(VERIFY_LENGTHS):
+            inputs = _example(model, 3, check_length, seed=seed + 1)
+            with torch.no_grad():
+                expected = wrapped(**inputs)
+            got = session.run(list(names), {name: value.numpy() for name, value in inputs.items()})
+            largest = max([largest, *(float(abs(torch.from_numpy(g) - e).max()) for g, e in zip(got, expected))])
+        if not largest <= atol:
+            raise ValueError(f"The ONNX graph differs from PyTorch by {largest:.2e} (more than {atol:.0e}); nothing written.")
+        os.replace(draft, output)
+    return OnnxExport(str(output), type(model).__name__, INPUT_NAMES, names, largest, VERIFY_LENGTHS)
+
+
+__all__ = ["OnnxExport", "export_onnx"]

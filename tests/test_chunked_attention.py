@@ -1,0 +1,174 @@
+"""The chunked path: against the reference in any chunking, with caches, dropout and bfloat16, and in linear memory."""
+
+import math
+
+import pytest
+import reference
+import torch
+from helpers import make_case, tiny_config
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nezha_hf import NezhaConfig, NezhaModel, chunked_attention
+from nezha_hf import relative_attention as ra
+
+
+def run(q, k, v, mask, K, offset=0, dropout=0.0, seed=0):
+    table = ra.sinusoid_relative_table(K, q.shape[-1]).to(q.dtype)
+    return chunked_attention.chunked_attention(
+        q, k, v, table, q.shape[-1] ** -0.5, mask.causal, mask.key_is_valid, mask.key_is_source if mask.causal else None,
+        offset, dropout, torch.tensor(seed),
+    ).transpose(1, 2)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    length=st.integers(1, 90), K=st.integers(1, 20), rows=st.integers(1, 40), new=st.integers(0, 10),
+    mode=st.sampled_from(["bidirectional", "causal", "prefix"]), padded=st.booleans(), seed=st.integers(0, 999),
+)
+def test_any_chunking_matches_the_reference(length, K, rows, new, mode, padded, seed, monkeypatch):
+    """Chunks of `rows` queries (dividing the length or not, smaller than K or not); with `new` > 0 only the last
+    `new` queries are run against all keys, as when decoding with a cache."""
+    monkeypatch.setattr(chunked_attention, "CHUNK_SCORES", 1)
+    monkeypatch.setattr(chunked_attention, "MIN_CHUNK_ROWS", rows)
+    pad = [length, max(1, length - 3)] if padded else None
+    q, k, v, mask, allowed = make_case(2, 2, length, 8, K, mode, pad, torch.float32, seed)
+    new = min(new, length) if mode != "bidirectional" else 0
+    offset = length - new if new else 0
+    q_run = q[..., offset:, :].clone().requires_grad_()
+    k, v = k.clone().requires_grad_(), v.clone().requires_grad_()
+    got = run(q_run, k, v, mask, K, offset)
+    q_ref = q.clone().requires_grad_()
+    expected = reference.attention(q_ref, k, v, K, allowed)[0][..., offset:, :]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    grad = torch.randn_like(got)
+    got_grads = torch.autograd.grad((got * grad).sum(), (q_run, k, v))
+    expected_grads = torch.autograd.grad((expected * grad).sum(), (q_ref, k, v))
+    for name, a, b in zip("qkv", got_grads, (expected_grads[0][..., offset:, :], *expected_grads[1:])):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"d{name}")
+
+
+def reference_with_keep(q, k, v, K, allowed, keep, p):
+    """The plain formula with dropout: softmax, times keep / (1 - p), into both value terms."""
+    d = q.shape[-1]
+    table = reference.relative_table(K, d, q.dtype)
+    i, j = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+    a = table[(j - i).clamp(-K, K) + K]
+    scores = (q @ k.transpose(-1, -2) + torch.einsum("bhid,ijd->bhij", q, a)) / math.sqrt(d)
+    probs = torch.nan_to_num(torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)) * keep / (1 - p)
+    return probs @ v + torch.einsum("bhij,ijd->bhid", probs, a)
+
+
+def chunk_keep_mask(q, k, mask, K, p, seed):
+    """The keep mask the chunked path draws, rebuilt chunk by chunk with the generators it seeds."""
+    table = ra.sinusoid_relative_table(K, q.shape[-1])
+    keep = torch.ones(*q.shape[:-1], k.shape[-2])  # keys a chunk never sees are masked anyway
+    for chunk in chunked_attention._chunks(q, k, table, mask.causal, mask.key_is_source, torch.tensor(0)):
+        for part, (_, columns) in enumerate(chunk.pieces):
+            shape = (*q.shape[:2], chunk.rows.stop - chunk.rows.start, columns.stop - columns.start)
+            keep[..., chunk.rows, columns] = chunk.keep(shape, p, seed, q.device, part) * (1 - p)
+    return keep
+
+
+@pytest.mark.parametrize("mode", ["bidirectional", "prefix"])
+def test_dropout_matches_the_reference_given_the_same_mask(mode, monkeypatch):
+    monkeypatch.setattr(chunked_attention, "CHUNK_SCORES", 1)
+    monkeypatch.setattr(chunked_attention, "MIN_CHUNK_ROWS", 7)
+    p, seed = 0.3, 1234
+    q, k, v, mask, allowed = make_case(2, 2, 50, 8, 6, mode, [50, 41], torch.float32, seed=2)
+    keep = chunk_keep_mask(q, k, mask, 6, p, seed)
+    assert 0.6 < keep.mean() < 0.8
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = run(*leaves, mask, 6, dropout=p, seed=seed)
+    references = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = reference_with_keep(*references, 6, allowed, keep, p)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    grad = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad((got * grad).sum(), leaves), torch.autograd.grad((expected * grad).sum(), references)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_dropout_is_seeded_and_differs_across_seeds():
+    q, k, v, mask, _ = make_case(1, 2, 64, 8, 4, "bidirectional", None, torch.float32, seed=0)
+    first, again, other = (run(q, k, v, mask, 4, dropout=0.2, seed=s) for s in (7, 7, 8))
+    assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+def test_bfloat16_forward_and_backward_close_to_float32():
+    q, k, v, mask, allowed = make_case(2, 2, 120, 16, 8, "prefix", [120, 100], torch.float32, seed=5)
+    leaves = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    got = run(*leaves, mask, 8)
+    references = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = reference.attention(*references, 8, allowed)[0]
+    torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=0)
+    grad = torch.randn_like(expected)
+    for a, b in zip(torch.autograd.grad((got.float() * grad).sum(), leaves),
+                    torch.autograd.grad((expected * grad).sum(), references)):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b, atol=8e-2, rtol=0)
+
+
+# --- linear memory ------------------------------------------------------------------------------------
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Remembers the element count of the largest tensor any operation returns (what it had to allocate)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(tensor, torch.Tensor) and tensor.numel() > self.largest:
+                self.largest, self.op = tensor.numel(), func
+        return out
+
+
+LONG = 16384
+BASE_LAYER = dict(vocab_size=100, hidden_size=768, num_hidden_layers=1, num_attention_heads=12, intermediate_size=3072,
+                  max_relative_position=64, attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.1)
+
+
+@pytest.mark.parametrize("implementation", [ra.FAST_ATTENTION, ra.CHUNKED_ATTENTION, ra.THREE_REGION_ATTENTION])
+def test_no_selectable_implementation_allocates_length_squared_on_meta(implementation):
+    """A base-width layer, 16,384 tokens, training with dropout, forward and backward on the meta device: no tensor of
+    L x L per head anywhere (the gather path would need 12 x 16384^2)."""
+    with torch.device("meta"):
+        model = NezhaModel._from_config(NezhaConfig(**BASE_LAYER), attn_implementation=implementation).train()
+    ids = torch.zeros(1, LONG, dtype=torch.long, device="meta")
+    with LargestAllocation() as mode:
+        model(ids).last_hidden_state.sum().backward()
+    # The largest tensors are the feed-forward's (L x 3072) and a chunk's scores; one head's L x L would be 16384^2.
+    assert mode.largest < LONG * LONG, (mode.op, mode.largest)
+
+
+def test_the_chunked_engine_itself_stays_linear_on_meta():
+    """The op's own forward and backward (what runs on a GPU), executed on meta tensors, chunk by chunk."""
+    heads, size = 12, 64
+    q, k, v, grad = (torch.empty(1, heads, LONG, size, device="meta") for _ in range(4))
+    table = torch.empty(129, size, device="meta")
+    flags = dict(key_is_valid=torch.empty(1, LONG, dtype=torch.bool, device="meta"))
+    with LargestAllocation() as mode:
+        out, lse = chunked_attention.forward_chunks(q, k, v, table, 0.125, False, flags["key_is_valid"], None,
+                                                    torch.tensor(0), 0.1, torch.tensor(3))
+        chunked_attention.backward_chunks(grad, q, k, v, out.transpose(1, 2), lse, table, 0.125, False,
+                                          flags["key_is_valid"], None, torch.tensor(0), 0.1, torch.tensor(3))
+    # The largest tensors are one chunk's scores and the keys shifted by a tail's table row (heads x L x d).
+    assert mode.largest <= max(chunked_attention.CHUNK_SCORES, heads * LONG * size), (mode.op, mode.largest)
+
+
+def test_model_on_the_chunked_path_matches_the_gather_path():
+    torch.manual_seed(0)
+    model = NezhaModel(tiny_config()).eval()
+    ids = torch.randint(1, 99, (2, 70))
+    mask = torch.ones_like(ids)
+    mask[1, 50:] = 0
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        expected = model(ids, attention_mask=mask).last_hidden_state
+        model.set_attn_implementation(ra.CHUNKED_ATTENTION)
+        got = model(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
