@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch; any other version pulls several GB of CUDA packages.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[dev,tf,demo,onnx]"
+	# transformers' own common model tests, from its source distribution on PyPI (not copied into the repo).
+	$(PY) tests/fetch_transformers_tests.py
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -5,6 +5,7 @@ Parameter names are those of transformers 4.x (`nezha.encoder.layer.N.attention.
 The relative-position maths is in `relative_attention.py`.
 """
 
+import contextvars
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +60,16 @@ logger = logging.get_logger(__name__)
 for _name, _function in ATTENTION_IMPLEMENTATIONS.items():
     if _name != "eager":  # transformers' "eager" is each model's own default function
         AttentionInterface.register(_name, _function)
+
+
+# The source length of the sequence `NezhaForUniLM.generate` is extending (set for the duration of the call,
+# so that an assistant model's own generate() inside it, and every decoding step, see the same one).
+UNILM_SOURCE_LENGTH = contextvars.ContextVar("nezha_unilm_source_length", default=None)
+
+
+class CheckpointShapeError(ValueError, RuntimeError):
+    """A checkpoint tensor whose shape does not fit the config: a `ValueError` (bad input) that also satisfies
+    transformers' contract for size mismatches when loading (`RuntimeError`)."""
 
 
 def cache_length(past_key_values: Cache | None) -> int | torch.Tensor:
@@ -410,7 +421,7 @@ class NezhaPreTrainedModel(PreTrainedModel):
                 f"{key}: checkpoint {tuple(ckpt)} vs model {tuple(model_shape)}"
                 for key, ckpt, model_shape in sorted(info["mismatched_keys"])
             )
-            raise ValueError(
+            raise CheckpointShapeError(
                 f"The checkpoint at {pretrained_model_name_or_path} does not fit its config: {details}. "
                 "Fix config.json, or pass ignore_mismatched_sizes=True to re-initialise these tensors."
             )
@@ -882,7 +893,9 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
             if labels is not None:
                 raise ValueError("Training NezhaForUniLM needs token_type_ids: 0 on [CLS] source [SEP], 1 on the target.")
             token_type_ids = torch.zeros((batch_size, length), dtype=torch.long, device=device) + (past_length > 0)
-        elif values_known(token_type_ids) and past_length and (token_type_ids == 0).any():
+        elif UNILM_SOURCE_LENGTH.get() is None and values_known(token_type_ids) and past_length and (token_type_ids == 0).any():
+            # Inside generate() the types come from the source length: a source token after a cache is then one
+            # re-run after the cache was cropped (assisted decoding), which sees exactly what it saw before.
             raise ValueError(
                 "Source tokens (token type 0) must all be in the first call: source tokens already in the cache "
                 "could not see them. Pass the whole source at once, then continue with token type 1."
@@ -935,6 +948,11 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
         prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         if kwargs.get("token_type_ids") is None and prompt is not None:
             kwargs["token_type_ids"] = torch.zeros(prompt.shape[:2], dtype=torch.long, device=prompt.device)
+        source_length = UNILM_SOURCE_LENGTH.get()
+        if source_length is None and prompt is not None:  # the outermost generate(); an assistant's runs inside it
+            # Tokens after a non-empty cache are targets, like the ones generated after the prompt.
+            cached = cache_length(kwargs.get("past_key_values"))
+            source_length = min(prompt.shape[1], cached) if isinstance(cached, int) and cached > 0 else prompt.shape[1]
         copy_constraint = kwargs.pop("copy_constraint", self.copy_head is not None)
         hook = None
         if copy_constraint:
@@ -944,10 +962,12 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
         # transformers caps lengths at config.max_position_embeddings (512 in v4 configs, which kept
         # it for their position buffers); NEZHA has no such limit.
         kept, self.config.max_position_embeddings = self.config.max_position_embeddings, None
+        source_token = UNILM_SOURCE_LENGTH.set(source_length)
         try:
             return super().generate(inputs, *args, **kwargs)
         finally:
             self.config.max_position_embeddings = kept
+            UNILM_SOURCE_LENGTH.reset(source_token)
             if hook is not None:
                 hook.remove()
 
@@ -967,14 +987,21 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
                    for row, keep_row in zip(prompt, attended)]
         return CopySpanLogitsProcessor(sources, prompt.shape[1])
 
-    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, is_encoder_decoder=False, num_new_tokens=1):
-        # transformers repeats the last token type; generated tokens are targets.
-        model_kwargs = super()._update_model_kwargs_for_generation(
-            outputs, model_kwargs, is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_new_tokens
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, inputs_embeds=None, **kwargs):
+        """transformers' inputs for one forward of `generate`, with the token types of the UniLM sequence:
+        positions before the source length keep the prompt's types, everything after is a target (type 1).
+
+        transformers extends `token_type_ids` by repeating the last one (a source token's 0), in the
+        decoding loop and in assisted decoding's candidates alike; this is the one place every mode passes.
+        """
+        inputs = super().prepare_inputs_for_generation(
+            input_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds, **kwargs
         )
-        if model_kwargs.get("token_type_ids") is not None:
-            model_kwargs["token_type_ids"][:, -num_new_tokens:] = 1
-        return model_kwargs
+        source_length, types = UNILM_SOURCE_LENGTH.get(), inputs.get("token_type_ids")
+        if source_length is not None and types is not None:
+            position = cache_length(past_key_values) + torch.arange(types.shape[1], device=types.device)
+            inputs["token_type_ids"] = torch.where(position >= source_length, torch.ones_like(types), types)
+        return inputs
 
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, **kwargs):
         """For static caches: the 2D padding mask (`forward` builds the prefix mask from it), padded to the
@@ -1150,17 +1177,18 @@ class NezhaForTokenClassification(NezhaPreTrainedModel):
 
 
 class NezhaForQuestionAnswering(NezhaPreTrainedModel):
-    """NEZHA for extractive QA: start and end logits per token; positions outside the input are ignored."""
+    """NEZHA for extractive QA: start and end logits per token; positions outside the input are ignored.
+
+    The output layer always has two units (start, end), as in every v4 checkpoint; `config.num_labels`
+    is for the classification heads and does not change it.
+    """
 
     accepts_loss_kwargs = False
 
     def __init__(self, config: NezhaConfig):
         super().__init__(config)
-        if config.num_labels != 2:
-            raise ValueError(f"NezhaForQuestionAnswering predicts a start and an end: num_labels must be 2, not {config.num_labels}.")
-        self.num_labels = config.num_labels
         self.nezha = NezhaModel(config, add_pooling_layer=False)
-        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
     @can_return_tuple
@@ -1247,7 +1275,13 @@ class NezhaForSentenceExtraction(NezhaPreTrainedModel):
             return_dict=True, **kwargs,
         )
         hidden = self.dropout(outputs.last_hidden_state)
-        num_sentences = max(int(sentence_ids.max()) + 1, labels.shape[1] if labels is not None else 0, 1)
+        if labels is not None:
+            num_sentences = labels.shape[1]
+            if values_known(sentence_ids) and int(sentence_ids.max()) >= num_sentences:
+                raise ValueError(f"sentence_ids go up to {int(sentence_ids.max())}, but labels cover {num_sentences} sentences.")
+        else:  # as many sentences as the highest index says (at least one); a data-dependent size under export
+            num_sentences = sentence_ids.max().clamp(min=0).item() + 1
+            torch._check(num_sentences >= 1)
         in_sentence = sentence_ids >= 0
         index = sentence_ids.clamp(min=0)
         sums = hidden.new_zeros(hidden.shape[0], num_sentences, hidden.shape[-1])
@@ -1262,7 +1296,7 @@ class NezhaForSentenceExtraction(NezhaPreTrainedModel):
         logits = logits.masked_fill(counts == 0, torch.finfo(logits.dtype).min)  # sentences with no tokens
         loss = None
         if labels is not None:
-            labels = labels[:, :num_sentences].to(logits.dtype)
+            labels = labels.to(logits.dtype)
             valid = (labels != -100) & (counts > 0)
             loss = BCEWithLogitsLoss()(logits[valid], labels[valid])
         return NezhaSentenceExtractionOutput(
@@ -1322,6 +1356,7 @@ def nezha_head(name: str) -> NezhaHead:
 
 __all__ = [
     "NEZHA_HEADS",
+    "CheckpointShapeError",
     "CopySpanLogitsProcessor",
     "NezhaForMaskedLM",
     "NezhaForMultipleChoice",

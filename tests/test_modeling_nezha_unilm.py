@@ -435,3 +435,77 @@ def test_copy_head_learns_tags_jointly_and_constrained_decoding_copies():
     generated = model.generate(held_out["input_ids"][:, :8], max_new_tokens=5, eos_token_id=SEP, pad_token_id=PAD)
     correct = (generated[:, 8:11] == held_out["input_ids"][:, 2:5]).all(1).float().mean()
     assert correct >= 0.75, generated
+
+
+# --- every generate mode gives plain greedy's tokens (issue: token types in each mode) ----------------------
+
+
+def greedy_setup(prompt_lengths=(9,), seed=3):
+    model = tiny_unilm(seed)
+    _, input_ids, attention_mask = left_padded_prompts(list(prompt_lengths), seed=seed)
+    settings = dict(max_new_tokens=10, min_new_tokens=10, eos_token_id=SEP, pad_token_id=PAD, do_sample=False)
+    plain = model.generate(input_ids, attention_mask=attention_mask, use_cache=False, **settings)
+    return model, input_ids, attention_mask, settings, plain
+
+
+@pytest.mark.parametrize("assistant_layers", [None, 1, 2])  # None: the model assists itself
+def test_assisted_decoding_gives_greedy_tokens(assistant_layers):
+    model, input_ids, _, settings, plain = greedy_setup()
+    assistant = model if assistant_layers is None else tiny_unilm(7, num_hidden_layers=assistant_layers)
+    assert torch.equal(model.generate(input_ids, assistant_model=assistant, **settings), plain)
+
+
+def test_prompt_lookup_decoding_gives_greedy_tokens():
+    model, input_ids, _, settings, plain = greedy_setup()
+    # A prompt that repeats what greedy decoding produces, so that lookup proposes (long) candidates.
+    generated = plain[:, input_ids.shape[1]:]
+    prompt = torch.cat([input_ids[:, :-1], generated, generated, input_ids[:, -1:]], 1)
+    reference = model.generate(prompt, use_cache=False, **settings)
+    assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=4, **settings), reference)
+
+
+def test_generation_continues_from_a_cache():
+    """The source in one forward call, then generate() with that cache and the source plus the first new token."""
+    from transformers import DynamicCache
+
+    model, input_ids, _, settings, plain = greedy_setup()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids, token_type_ids=torch.zeros_like(input_ids), past_key_values=cache, use_cache=True)
+    start = input_ids.shape[1] + 1
+    continued = model.generate(plain[:, :start], past_key_values=cache, **{**settings, "max_new_tokens": 9,
+                                                                            "min_new_tokens": 9})
+    assert torch.equal(continued, plain)
+
+
+def test_generation_from_inputs_embeds_and_continuing_from_them():
+    model, input_ids, attention_mask, settings, plain = greedy_setup((9, 5))
+    embeds = model.get_input_embeddings()(input_ids)
+    out = model.generate(inputs_embeds=embeds, attention_mask=attention_mask, return_dict_in_generate=True, **settings)
+    assert torch.equal(out.sequences, plain[:, input_ids.shape[1]:])  # with inputs_embeds only new tokens return
+    # Continue: the embeddings of everything so far, the cache of the first call, five more tokens.
+    first = model.generate(inputs_embeds=embeds, attention_mask=attention_mask, return_dict_in_generate=True,
+                           **{**settings, "max_new_tokens": 5, "min_new_tokens": 5})
+    so_far = torch.cat([input_ids, first.sequences], 1)
+    mask = torch.cat([attention_mask, torch.ones_like(first.sequences)], 1)
+    more = model.generate(inputs_embeds=model.get_input_embeddings()(so_far), attention_mask=mask,
+                          past_key_values=first.past_key_values, **{**settings, "max_new_tokens": 5, "min_new_tokens": 5})
+    assert torch.equal(torch.cat([first.sequences, more], 1), plain[:, input_ids.shape[1]:])
+
+
+def test_static_cache_and_beam_search_give_their_uncached_tokens():
+    model, input_ids, attention_mask, settings, plain = greedy_setup((9, 5))
+    static = model.generate(input_ids, attention_mask=attention_mask, cache_implementation="static", **settings)
+    assert torch.equal(static, plain)
+    beams = {**settings, "num_beams": 3, "do_sample": False}
+    assert torch.equal(model.generate(input_ids, attention_mask=attention_mask, **beams),
+                       model.generate(input_ids, attention_mask=attention_mask, use_cache=False, **beams))
+
+
+def test_splitting_a_source_across_calls_is_still_refused_outside_generate():
+    model = tiny_unilm()
+    batch = unilm_batch([5], 3)
+    out = model(batch["input_ids"][:, :4], token_type_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=True)
+    with pytest.raises(ValueError, match="first call"):
+        model(batch["input_ids"][:, 4:6], token_type_ids=torch.zeros(1, 2, dtype=torch.long),
+              past_key_values=out.past_key_values)
