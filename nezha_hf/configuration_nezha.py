@@ -28,6 +28,8 @@ class NezhaConfig(PreTrainedConfig):
             buffers with it); NEZHA here has no absolute positions and this limits nothing, not
             even `generate()`.
         is_decoder: causal self-attention (a left-to-right language model).
+        add_cross_attention: give each layer of a decoder (`is_decoder=True`) a cross-attention over an
+            encoder's `encoder_hidden_states`, as transformers 4.x NEZHA had (`EncoderDecoderModel`).
         use_cache: return a key/value cache when `is_decoder` is set.
         tie_word_embeddings: tie the masked-LM decoder to the word embeddings (as every NEZHA
             checkpoint does).
@@ -108,11 +110,6 @@ class NezhaConfig(PreTrainedConfig):
             raise ValueError(f"copy_loss_weight must be non-negative, got {self.copy_loss_weight}.")
         if isinstance(self.hidden_act, str) and self.hidden_act not in ACT2FN:
             raise ValueError(f"Unknown hidden_act {self.hidden_act!r}; known: {sorted(ACT2FN)}.")
-        if self.add_cross_attention:
-            raise ValueError(
-                "add_cross_attention=True is not supported by NEZHA: use NezhaForUniLM (one encoder with a "
-                "prefix mask) for sequence-to-sequence work."
-            )
 
     def validate_output_attentions(self):
         # The fast attention path falls back to the eager one when attentions are requested,

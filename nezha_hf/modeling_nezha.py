@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.generation import (
     GenerationMixin,
     LogitsProcessor,
@@ -42,7 +42,7 @@ from transformers.modeling_utils import (
 from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, logging
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_nezha import NezhaConfig
 from .relative_attention import (
@@ -99,7 +99,10 @@ class NezhaEmbeddings(nn.Module):
 
 
 class NezhaSelfAttention(nn.Module):
-    def __init__(self, config, layer_idx=None):
+    """Multi-head attention with NEZHA's relative key and value terms; with `is_cross_attention`, the keys
+    and values come from `encoder_hidden_states` (a decoder's cross-attention, as in transformers 4.x)."""
+
+    def __init__(self, config, layer_idx=None, is_cross_attention=False):
         super().__init__()
         self.config = config
         self.num_attention_heads = config.num_attention_heads
@@ -111,7 +114,8 @@ class NezhaSelfAttention(nn.Module):
         self.key = nn.Linear(config.hidden_size, self.all_head_size)
         self.value = nn.Linear(config.hidden_size, self.all_head_size)
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
-        self.is_causal = config.is_decoder
+        self.is_causal = config.is_decoder and not is_cross_attention
+        self.is_cross_attention = is_cross_attention
         self.layer_idx = layer_idx
 
     def forward(
@@ -120,19 +124,26 @@ class NezhaSelfAttention(nn.Module):
         relative_table: torch.Tensor,
         attention_mask: RelativeAttentionMask | None = None,
         past_key_values: Cache | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Self-attention of `hidden_states` (`[batch, length, hidden]`) with NEZHA's relative terms.
+        """Attention of `hidden_states` (`[batch, length, hidden]`) with NEZHA's relative terms.
 
         `relative_table` is the model's `(2K + 1) x head_size` sinusoid table (`NezhaModel.relative_table`).
+        Cross-attention attends to `encoder_hidden_states`, whose keys and values an `EncoderDecoderCache`
+        keeps after the first call.
         """
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.attention_head_size)
         query_layer = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_layer = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_layer = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
-        if past_key_values is not None:
-            key_layer, value_layer = past_key_values.update(key_layer, value_layer, self.layer_idx)
+        if self.is_cross_attention:
+            key_layer, value_layer = self._encoder_keys_and_values(encoder_hidden_states, past_key_values)
+        else:
+            key_layer = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
+            value_layer = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
+            if past_key_values is not None:
+                cache = past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache) else past_key_values
+                key_layer, value_layer = cache.update(key_layer, value_layer, self.layer_idx)
 
         implementation = self.config._attn_implementation
         if kwargs.get("output_attentions") and implementation != "eager":
@@ -157,6 +168,19 @@ class NezhaSelfAttention(nn.Module):
         )
         return attn_output.reshape(*input_shape, -1).contiguous(), attn_weights
 
+    def _encoder_keys_and_values(self, encoder_hidden_states, past_key_values):
+        """The encoder's keys and values: computed once, then read from the cross-attention cache."""
+        if isinstance(past_key_values, EncoderDecoderCache) and past_key_values.is_updated.get(self.layer_idx):
+            layer = past_key_values.cross_attention_cache.layers[self.layer_idx]
+            return layer.keys, layer.values
+        shape = (*encoder_hidden_states.shape[:-1], -1, self.attention_head_size)
+        key_layer = self.key(encoder_hidden_states).view(shape).transpose(1, 2)
+        value_layer = self.value(encoder_hidden_states).view(shape).transpose(1, 2)
+        if isinstance(past_key_values, EncoderDecoderCache):
+            key_layer, value_layer = past_key_values.cross_attention_cache.update(key_layer, value_layer, self.layer_idx)
+            past_key_values.is_updated[self.layer_idx] = True
+        return key_layer, value_layer
+
 
 class NezhaSelfOutput(nn.Module):
     def __init__(self, config):
@@ -171,9 +195,9 @@ class NezhaSelfOutput(nn.Module):
 
 
 class NezhaAttention(nn.Module):
-    def __init__(self, config, layer_idx=None):
+    def __init__(self, config, layer_idx=None, is_cross_attention=False):
         super().__init__()
-        self.self = NezhaSelfAttention(config, layer_idx=layer_idx)
+        self.self = NezhaSelfAttention(config, layer_idx=layer_idx, is_cross_attention=is_cross_attention)
         self.output = NezhaSelfOutput(config)
 
     def forward(self, hidden_states, relative_table: torch.Tensor, attention_mask=None, past_key_values=None, **kwargs):
@@ -210,15 +234,26 @@ class NezhaLayer(GradientCheckpointingLayer):
     def __init__(self, config, layer_idx=None):
         super().__init__()
         self.attention = NezhaAttention(config, layer_idx=layer_idx)
+        if config.add_cross_attention:
+            if not config.is_decoder:
+                raise ValueError("add_cross_attention=True needs is_decoder=True: cross-attention belongs to a decoder.")
+            self.crossattention = NezhaAttention(config, layer_idx=layer_idx, is_cross_attention=True)
         self.intermediate = NezhaIntermediate(config)
         self.output = NezhaOutput(config)
 
     def forward(
-        self, hidden_states, relative_table: torch.Tensor, attention_mask=None, past_key_values=None, **kwargs
+        self, hidden_states, relative_table: torch.Tensor, attention_mask=None, past_key_values=None,
+        encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: RelativeAttentionMask | None = None,
+        **kwargs,
     ) -> torch.Tensor:
         attention_output, _ = self.attention(
             hidden_states, relative_table, attention_mask, past_key_values=past_key_values, **kwargs
         )
+        if encoder_hidden_states is not None:
+            attention_output, _ = self.crossattention(
+                attention_output, relative_table, encoder_attention_mask, past_key_values=past_key_values,
+                encoder_hidden_states=encoder_hidden_states, **kwargs,
+            )
         return self.output(self.intermediate(attention_output), attention_output)
 
 
@@ -230,11 +265,12 @@ class NezhaEncoder(nn.Module):
 
     def forward(
         self, hidden_states, relative_table: torch.Tensor, attention_mask=None, past_key_values=None, use_cache=None,
-        **kwargs,
+        encoder_hidden_states=None, encoder_attention_mask=None, **kwargs,
     ):
         for layer_module in self.layer:
             hidden_states = layer_module(
-                hidden_states, relative_table, attention_mask, past_key_values=past_key_values, **kwargs
+                hidden_states, relative_table, attention_mask, past_key_values=past_key_values,
+                encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=encoder_attention_mask, **kwargs,
             )
         return BaseModelOutputWithPastAndCrossAttentions(
             last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
@@ -323,7 +359,11 @@ class NezhaPreTrainedModel(PreTrainedModel):
     # compile the forward with a static cache.
     _can_compile_fullgraph = True
     _no_split_modules = ["NezhaEmbeddings", "NezhaLayer"]
-    _can_record_outputs = {"hidden_states": NezhaLayer, "attentions": NezhaSelfAttention}
+    _can_record_outputs = {
+        "hidden_states": NezhaLayer,
+        "attentions": OutputRecorder(NezhaSelfAttention, index=1, layer_name="attention.self"),
+        "cross_attentions": OutputRecorder(NezhaSelfAttention, index=1, layer_name="crossattention.self"),
+    }
     # Buffers older releases persisted; they carry no information.
     _keys_to_ignore_on_load_unexpected = [
         r"relative_positions_encoding\.positions_encoding",
@@ -489,15 +529,27 @@ class NezhaModel(NezhaPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         use_cache: bool | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPoolingAndCrossAttentions:
         r"""
         input_ids: `[batch, length]` token ids (or pass `inputs_embeds`).
         attention_mask: `[batch, past + length]` with 1 for tokens to attend to, 0 for padding.
         token_type_ids: `[batch, length]` segment ids in `[0, type_vocab_size)`.
-        past_key_values: a transformers `Cache` (decoders only); created when `use_cache` and `is_decoder`.
+        past_key_values: a transformers `Cache` (decoders only); created when `use_cache` and `is_decoder`
+            (an `EncoderDecoderCache` with `encoder_hidden_states`).
+        encoder_hidden_states: `[batch, encoder_length, hidden]` for the cross-attention of a decoder made
+            with `add_cross_attention=True`. As in transformers 4.x, decoder position i and encoder position
+            j are `j - i` apart for the relative terms.
+        encoder_attention_mask: `[batch, encoder_length]` 0/1 padding mask of `encoder_hidden_states`.
         """
         self._check_inputs(input_ids, inputs_embeds, token_type_ids, kwargs)
+        if encoder_hidden_states is not None and not self.config.add_cross_attention:
+            raise ValueError(
+                "encoder_hidden_states were passed, but this model has no cross-attention: build the decoder with "
+                "NezhaConfig(is_decoder=True, add_cross_attention=True)."
+            )
         embedding_output = self.embeddings(input_ids, token_type_ids, inputs_embeds)
         batch_size, length = embedding_output.shape[:2]
         if isinstance(attention_mask, RelativeAttentionMask):
@@ -513,6 +565,11 @@ class NezhaModel(NezhaPreTrainedModel):
         use_cache = bool(use_cache) and mask.causal
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+            if encoder_hidden_states is not None:
+                past_key_values = EncoderDecoderCache(past_key_values, DynamicCache(config=self.config))
+        encoder_mask = None
+        if encoder_hidden_states is not None:
+            encoder_mask = self.build_encoder_attention_mask(encoder_attention_mask, encoder_hidden_states, mask)
 
         encoder_outputs = self.encoder(
             embedding_output,
@@ -520,6 +577,8 @@ class NezhaModel(NezhaPreTrainedModel):
             attention_mask=mask,
             past_key_values=past_key_values,
             use_cache=use_cache,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_mask,
             **kwargs,
         )
         sequence_output = encoder_outputs.last_hidden_state
@@ -616,6 +675,26 @@ class NezhaModel(NezhaPreTrainedModel):
             key_is_source=key_is_source,
             query_offset=past_length,
         )
+
+
+    def build_encoder_attention_mask(
+        self, encoder_attention_mask: torch.Tensor | None, encoder_hidden_states: torch.Tensor,
+        self_mask: RelativeAttentionMask,
+    ) -> RelativeAttentionMask:
+        """The cross-attention mask: every decoder query sees every encoder key that is not padding; the queries
+        sit at the decoder positions (after the cache) for the relative terms."""
+        batch_size, encoder_length = encoder_hidden_states.shape[:2]
+        key_is_valid = None
+        if encoder_attention_mask is not None:
+            if encoder_attention_mask.shape != (batch_size, encoder_length):
+                raise ValueError(
+                    f"encoder_attention_mask must be [batch, encoder_length] = [{batch_size}, {encoder_length}], got "
+                    f"shape {tuple(encoder_attention_mask.shape)}."
+                )
+            key_is_valid = encoder_attention_mask.bool()
+            if values_known(key_is_valid) and bool(key_is_valid.all()):
+                key_is_valid = None
+        return RelativeAttentionMask(key_is_valid=key_is_valid, query_offset=self_mask.query_offset)
 
 
 class _LMHeadTying:
@@ -839,6 +918,11 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
     `lm_loss + config.copy_loss_weight * copy_loss`. `generate()` then applies
     `CopySpanLogitsProcessor` (turn it off with `copy_constraint=False`).
 
+    With `config.is_decoder=True` it is instead a plain left-to-right language model (a causal mask,
+    token type 0 unless given), which is what `AutoModelForCausalLM` and `EncoderDecoderModel` build
+    for a NEZHA decoder; add `add_cross_attention=True` to attend to an encoder's
+    `encoder_hidden_states` (bert2bert-style summarisation, as transformers 4.x allowed).
+
     Example:
 
     ```python
@@ -854,8 +938,6 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: NezhaConfig):
         super().__init__(config)
-        if config.is_decoder:
-            logger.warning("NezhaForUniLM builds its own prefix mask: set config.is_decoder=False.")
         self.nezha = NezhaModel(config, add_pooling_layer=False)
         self.cls = NezhaOnlyMLMHead(config)
         self.copy_head = nn.Linear(config.hidden_size, len(COPY_TAGS)) if config.unilm_copy_tags else None
@@ -874,34 +956,41 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
         labels: torch.Tensor | None = None,
         copy_labels: torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> NezhaUniLMOutput:
         r"""
         token_type_ids: 0 on the source (`[CLS] source [SEP]`), 1 on the target. Default: all source
-            when there is no cache, all target when continuing from a cache.
+            when there is no cache, all target when continuing from a cache (a decoder, `is_decoder=True`:
+            all 0).
         labels: `input_ids` with -100 on the source and padding; shifted inside the loss.
         copy_labels: copy tag (0, 1, 2) of every target token, -100 where `labels` is -100; shifted
             like `labels`. Needs `config.unilm_copy_tags`.
         logits_to_keep: compute logits for the last this many positions only (0 = all).
+        encoder_hidden_states, encoder_attention_mask: an encoder's output and padding mask, for a decoder
+            with cross-attention (see `NezhaModel.forward`).
         """
         if copy_labels is not None and self.copy_head is None:
             raise ValueError("copy_labels given, but this model has no copy head: set config.unilm_copy_tags=True.")
         batch_size, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         past_length = cache_length(past_key_values)
         device = self.nezha.relative_table.device
-        if token_type_ids is None:
+        mask = attention_mask
+        if self.config.is_decoder:  # a plain causal language model: NezhaModel builds the causal mask
+            pass
+        elif token_type_ids is None:
             if labels is not None:
                 raise ValueError("Training NezhaForUniLM needs token_type_ids: 0 on [CLS] source [SEP], 1 on the target.")
             token_type_ids = torch.zeros((batch_size, length), dtype=torch.long, device=device) + (past_length > 0)
-        elif UNILM_SOURCE_LENGTH.get() is None and values_known(token_type_ids) and past_length and (token_type_ids == 0).any():
+        elif values_known(token_type_ids) and UNILM_SOURCE_LENGTH.get() is None and past_length and (token_type_ids == 0).any():
             # Inside generate() the types come from the source length: a source token after a cache is then one
             # re-run after the cache was cropped (assisted decoding), which sees exactly what it saw before.
             raise ValueError(
                 "Source tokens (token type 0) must all be in the first call: source tokens already in the cache "
                 "could not see them. Pass the whole source at once, then continue with token type 1."
             )
-        mask = attention_mask
-        if not isinstance(mask, RelativeAttentionMask):
+        if not self.config.is_decoder and not isinstance(mask, RelativeAttentionMask):
             mask = self.nezha.build_attention_mask(
                 attention_mask, batch_size, length, past_key_values, source_mask=token_type_ids == 0
             )
@@ -912,6 +1001,8 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             past_key_values=past_key_values,
             use_cache=use_cache if use_cache is not None else self.config.use_cache,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
             return_dict=True,
             **kwargs,
         )
@@ -949,7 +1040,8 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
         if kwargs.get("token_type_ids") is None and prompt is not None:
             kwargs["token_type_ids"] = torch.zeros(prompt.shape[:2], dtype=torch.long, device=prompt.device)
         source_length = UNILM_SOURCE_LENGTH.get()
-        if source_length is None and prompt is not None:  # the outermost generate(); an assistant's runs inside it
+        if source_length is None and prompt is not None and not self.config.is_decoder:
+            # The outermost generate() (an assistant's runs inside it) of a UniLM (a decoder has no source).
             # Tokens after a non-empty cache are targets, like the ones generated after the prompt.
             cached = cache_length(kwargs.get("past_key_values"))
             source_length = min(prompt.shape[1], cached) if isinstance(cached, int) and cached > 0 else prompt.shape[1]

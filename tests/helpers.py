@@ -72,11 +72,16 @@ def count_calls(monkeypatch, function) -> list:
 # --- the transformers 4.39.3 reference fixtures ---------------------------------------------------
 
 FIXTURE_CASES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
-FIXTURE_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
+FIXTURE_INPUTS = ("input_ids", "token_type_ids", "attention_mask", "encoder_hidden_states", "encoder_attention_mask")
 
 
 def run_case(name, attn_implementation, model_folder=None):
-    """Load fixture `name` (or, if given, the checkpoint in `model_folder`) and compare with its outputs."""
+    """Load fixture `name` (or, if given, the checkpoint in `model_folder`) and compare with its outputs.
+
+    Eager (`"eager"`) is compared on every stored output, attentions included. Any other implementation
+    is run without `output_attentions` (which would switch it to eager) and compared on everything else;
+    the paths that ran are returned, so callers can check the fast path really ran.
+    """
     folder = FIXTURES / name
     case = json.loads((folder / "case.json").read_text())
     expected = load_file(folder / "expected.safetensors")
@@ -88,19 +93,26 @@ def run_case(name, attn_implementation, model_folder=None):
     assert not any(info.values()), info  # nothing missing, unexpected or mismatched
     model.eval()
     inputs = {k: expected[k] for k in FIXTURE_INPUTS if k in expected}
-    wants_attentions = any(k.startswith("attentions.") for k in expected)
-    with torch.no_grad():
-        outputs = model(**inputs, output_hidden_states=True, output_attentions=wants_attentions)
+    eager = attn_implementation == "eager"
+    wants_attentions = eager and any(k.startswith(("attentions.", "cross_attentions.")) for k in expected)
+    paths, original = [], ra._report
+    ra._report = lambda requested, ran, *args: paths.append(ran) or original(requested, ran, *args)
+    try:
+        with torch.no_grad():
+            outputs = model(**inputs, output_hidden_states=True, output_attentions=wants_attentions)
+    finally:
+        ra._report = original
     compared = 0
     for key, value in expected.items():
-        if key in inputs:
-            continue
         name, _, index = key.partition(".")
+        if key in inputs or (name.endswith("attentions") and not wants_attentions):
+            continue
         got = getattr(outputs, name)
         got = got[int(index)] if index else got
         torch.testing.assert_close(got, value, atol=1e-5, rtol=0, msg=f"{name}{index} differs")
         compared += 1
     assert compared >= 3
+    return set(paths)
 
 
 # --- attention cases ------------------------------------------------------------------------------

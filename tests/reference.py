@@ -56,11 +56,13 @@ def attention(q, k, v, max_relative_position, allowed=None, query_offset=0, tabl
     return probs @ v + torch.einsum("bhij,ijd->bhid", probs, a), probs
 
 
-def nezha_forward(model, input_ids, token_type_ids=None, attention_mask=None, causal=False, prefix_lm=False):
+def nezha_forward(model, input_ids, token_type_ids=None, attention_mask=None, causal=False, prefix_lm=False,
+                  encoder_hidden_states=None, encoder_attention_mask=None):
     """Last hidden state of a NEZHA encoder from its weights alone, in float64.
 
     `prefix_lm`: the UniLM mask, in which tokens of type 0 are visible to every query and tokens
-    of type 1 only to themselves and later tokens.
+    of type 1 only to themselves and later tokens. With `encoder_hidden_states`, each layer then
+    attends to them (cross-attention), decoder position i and encoder position j being j - i apart.
 
     `model` is used only as a bag of weights (`state_dict`) and for its config numbers.
     """
@@ -97,6 +99,17 @@ def nezha_forward(model, input_ids, token_type_ids=None, attention_mask=None, ca
         ctx, _ = attention(q, k, v, config.max_relative_position, allowed, table=table)
         ctx = ctx.transpose(1, 2).reshape(B, L, H * d)
         x = ln(lin(ctx, p + "attention.output.dense") + x, p + "attention.output.LayerNorm")
+        if encoder_hidden_states is not None:
+            memory = encoder_hidden_states.double()
+            E = memory.shape[1]
+            q = heads(lin(x, p + "crossattention.self.query"))
+            k, v = (lin(memory, p + f"crossattention.self.{w}").view(B, E, H, d).transpose(1, 2) for w in ("key", "value"))
+            seen = torch.ones(B, 1, L, E, dtype=torch.bool)
+            if encoder_attention_mask is not None:
+                seen = seen & encoder_attention_mask.bool()[:, None, None, :]
+            ctx, _ = attention(q, k, v, config.max_relative_position, seen, table=table)
+            ctx = ctx.transpose(1, 2).reshape(B, L, H * d)
+            x = ln(lin(ctx, p + "crossattention.output.dense") + x, p + "crossattention.output.LayerNorm")
         hidden = torch.nn.functional.gelu(lin(x, p + "intermediate.dense"))
         x = ln(lin(hidden, p + "output.dense") + x, p + "output.LayerNorm")
     return x

@@ -12,7 +12,6 @@ import nezha_hf
     (dict(max_relative_position=0), "max_relative_position"),
     (dict(hidden_size=30, num_attention_heads=4), "multiple"),
     (dict(hidden_size=12, num_attention_heads=4), "even"),
-    (dict(add_cross_attention=True), "cross"),
 ])
 def test_bad_config_values_are_rejected(overrides, message):
     with pytest.raises(Exception, match=message):

@@ -27,21 +27,28 @@ from nezha_hf import (
 
 
 def test_all_fixture_cases_present():
-    assert len(FIXTURE_CASES) == 10, FIXTURE_CASES
+    assert len(FIXTURE_CASES) == 11, FIXTURE_CASES
+
+
+RAN = {None: "the compiled kernel", nezha_hf.CHUNKED_ATTENTION: "the chunked path", "eager": "the gather path"}
 
 
 @pytest.mark.parametrize("name", FIXTURE_CASES)
-@pytest.mark.parametrize("attn_implementation", [None, "eager"])
+@pytest.mark.parametrize("attn_implementation", list(RAN))
 def test_fixture(name, attn_implementation):
-    run_case(name, attn_implementation)
+    """Every stored output at 1e-5, on the path the implementation names (fast paths without output_attentions)."""
+    assert run_case(name, attn_implementation) == {RAN[attn_implementation]}
 
 
 @pytest.mark.parametrize("name", FIXTURE_CASES)
 def test_fixture_through_three_regions(name, monkeypatch):
-    # The fixtures are shorter than the length where the default switches to three regions:
-    # force the switch so the fast path runs on real v4 checkpoints too.
+    # The fixtures are shorter than the length where three regions take over: force them on real v4 checkpoints.
+    # They need more tokens than K (otherwise there are no tails), so the shorter cases run the chunked path.
     monkeypatch.setattr(relative_attention, "THREE_REGIONS_MIN_LENGTH", 1)
-    run_case(name, nezha_hf.THREE_REGION_ATTENTION)
+    length = json.loads((FIXTURES / name / "case.json").read_text())["length"]
+    K = json.loads((FIXTURES / name / "config.json").read_text())["max_relative_position"]
+    expected = "three regions" if length > K else "the chunked path"
+    assert run_case(name, nezha_hf.THREE_REGION_ATTENTION) == {expected}
 
 
 K = 8
@@ -308,3 +315,96 @@ def test_attention_functions_take_the_relative_table_by_name():
     for function in ATTENTION_IMPLEMENTATIONS.values():
         with pytest.raises(TypeError, match="relative_table"):
             function(FakeModule().eval(), q, q, q, None, 0.5)
+
+
+# --- cross-attention (a NEZHA decoder over an encoder's states, as transformers 4.x had) ----------------------
+
+
+def cross_attention_case(decoder_length=9, encoder_length=14, seed=0):
+    torch.manual_seed(seed)
+    model = NezhaModel(tiny_config(is_decoder=True, add_cross_attention=True, max_relative_position=4)).eval()
+    ids = torch.randint(1, 99, (2, decoder_length))
+    mask = torch.ones_like(ids)
+    mask[1, decoder_length - 2 :] = 0
+    memory = torch.randn(2, encoder_length, 32)
+    memory_mask = torch.ones(2, encoder_length, dtype=torch.long)
+    memory_mask[0, encoder_length - 4 :] = 0
+    return model, ids, mask, memory, memory_mask
+
+
+@pytest.mark.parametrize("attn_implementation", list(RAN))
+@pytest.mark.parametrize("lengths", [(9, 9), (9, 14), (14, 5)])  # 4.x ran only equal lengths; the formula extends
+def test_cross_attention_matches_the_independent_reference(attn_implementation, lengths):
+    model, ids, mask, memory, memory_mask = cross_attention_case(*lengths)
+    model.set_attn_implementation(attn_implementation or nezha_hf.FAST_ATTENTION)
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask, encoder_hidden_states=memory, encoder_attention_mask=memory_mask,
+                    use_cache=False).last_hidden_state
+    expected = reference.nezha_forward(model, ids, attention_mask=mask, causal=True, encoder_hidden_states=memory,
+                                       encoder_attention_mask=memory_mask)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_cross_attention_cached_decoding_equals_the_full_pass():
+    model, ids, _, memory, memory_mask = cross_attention_case(12, 7)
+    with torch.no_grad():
+        full = model(ids, encoder_hidden_states=memory, encoder_attention_mask=memory_mask, use_cache=False)
+        out = model(ids[:, :4], encoder_hidden_states=memory, encoder_attention_mask=memory_mask, use_cache=True)
+        assert isinstance(out.past_key_values, transformers.EncoderDecoderCache)
+        steps = [out.last_hidden_state]
+        for t in range(4, 12):
+            out = model(ids[:, t : t + 1], encoder_hidden_states=memory, encoder_attention_mask=memory_mask,
+                        past_key_values=out.past_key_values)
+            steps.append(out.last_hidden_state)
+    torch.testing.assert_close(torch.cat(steps, 1), full.last_hidden_state, atol=1e-5, rtol=0)
+
+
+def test_cross_attention_is_asked_for_or_refused():
+    memory = torch.randn(1, 5, 32)
+    with pytest.raises(ValueError, match="no cross-attention"):
+        NezhaModel(tiny_config(is_decoder=True))(torch.tensor([[1, 2, 3]]), encoder_hidden_states=memory)
+    config = tiny_config(is_decoder=True)
+    config.add_cross_attention = True  # set after the config was made: the model still builds the layers
+    model = NezhaModel(config)
+    assert all(hasattr(layer, "crossattention") for layer in model.encoder.layer)
+    model(torch.tensor([[1, 2, 3]]), encoder_hidden_states=memory)
+    encoder_config = tiny_config()
+    encoder_config.add_cross_attention = True
+    with pytest.raises(ValueError, match="needs is_decoder"):
+        NezhaModel(encoder_config)
+
+
+@pytest.mark.slow
+def test_encoder_decoder_model_with_nezha_on_both_sides_trains_and_generates():
+    """bert2bert-style: a NEZHA encoder, a NEZHA decoder with cross-attention; it learns to copy its input."""
+    torch.manual_seed(0)
+    encoder = NezhaModel(tiny_config(vocab_size=20, hidden_size=64, intermediate_size=128, max_relative_position=8))
+    decoder = transformers.AutoModelForCausalLM.from_config(tiny_config(
+        vocab_size=20, hidden_size=64, intermediate_size=128, max_relative_position=8, is_decoder=True,
+        add_cross_attention=True))
+    model = transformers.EncoderDecoderModel(encoder=encoder, decoder=decoder)
+    model.config.decoder_start_token_id, model.config.pad_token_id, model.config.eos_token_id = 2, 0, 3
+    generator = torch.Generator().manual_seed(0)
+
+    def batch(rows):
+        source = torch.randint(5, 20, (rows, 6), generator=generator)
+        labels = torch.cat([source, torch.full((rows, 1), 3)], 1)
+        return source, labels
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    losses = []
+    for _ in range(250):
+        source, labels = batch(32)
+        loss = model(input_ids=source, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert sum(losses[-10:]) < 0.2 * sum(losses[:10])
+    model.eval()
+    source, labels = batch(8)
+    settings = dict(max_new_tokens=7, do_sample=False, decoder_start_token_id=2, eos_token_id=3, pad_token_id=0)
+    cached = model.generate(source, **settings)
+    assert torch.equal(cached, model.generate(source, use_cache=False, **settings))
+    assert (cached[:, 1:7] == source).all(1).float().mean() >= 0.75, cached

@@ -51,7 +51,9 @@ class ExportTesterMixin:
     def test_torch_export(self):
         if not self.test_torch_exportable:
             self.skipTest("test_torch_exportable is False for this tester")
-        from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
+        from transformers.exporters.exporter_dynamo import (
+            register_cache_pytrees_for_model,
+        )
 
         config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
         for model_class in self.all_model_classes:
