@@ -5,14 +5,17 @@
   line number and skipped.
 - `split_sentences`: a splitter for Chinese legal text (after 。！？； and line breaks, closing
   quotes and brackets kept with their sentence).
-- `rouge_scores` / `cail_score`: ROUGE-1/2/L F with the `rouge` package over characters or over
-  jieba words, and the CAIL score `0.2 R1 + 0.4 R2 + 0.4 RL`.
+- `rouge_scores` / `cail_score`: ROUGE-1/2/L F as the `rouge` package defines them (its ROUGE-L
+  computed here without its recursion), over characters or jieba words, and the CAIL score
+  `0.2 R1 + 0.4 R2 + 0.4 RL`.
 - `oracle_labels`: which sentences to extract when a document has a reference summary but no
   labels (greedy on the CAIL score over characters).
 """
 
 import re
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .documents import expand_paths, iter_jsonl, read_documents, report_problem
 
@@ -101,20 +104,65 @@ def _tokens(text: str, unit: str) -> str:
     raise ValueError(f"unit must be one of {UNITS}, got {unit!r}.")
 
 
-def rouge_scores(candidate: str, reference: str, unit: str = "char", metrics=("rouge-1", "rouge-2", "rouge-l")) -> dict[str, float]:
-    """ROUGE F1 scores (the `rouge` package) of one candidate, over characters or jieba words.
+def _sentences(tokens: str) -> list[list[str]]:
+    """The `rouge` package's split of a space-separated token string: sentences at ".", then words at spaces
+    (as it does, a sentence of blanks between two dots counts, as one empty word)."""
+    return [" ".join(part.split()).split(" ") for part in tokens.split(".") if part]
 
-    An empty candidate or reference scores 0. With all three metrics, also returns `cail`, the
-    CAIL2020 score.
+
+def _lcs_tokens(reference: list[str], candidate: list[str]) -> set[str]:
+    """The tokens of the longest common subsequence the `rouge` package finds (same table, same tie-breaking),
+    computed without recursion: its recursive backtrack overflows Python's stack on texts of ~1,000 tokens."""
+    vocabulary = {token: index for index, token in enumerate(dict.fromkeys(reference + candidate))}
+    x = np.array([vocabulary[t] for t in reference], dtype=np.int64)
+    y = np.array([vocabulary[t] for t in candidate], dtype=np.int64)
+    table = np.zeros((len(x) + 1, len(y) + 1), dtype=np.int32)
+    for i in range(1, len(x) + 1):  # a row at a time: LCS rows are non-decreasing, so a running maximum fills them
+        matched = np.where(y == x[i - 1], table[i - 1, :-1] + 1, 0)
+        table[i, 1:] = np.maximum.accumulate(np.maximum(table[i - 1, 1:], matched))
+    tokens, i, j = set(), len(x), len(y)
+    while i > 0 and j > 0:
+        if x[i - 1] == y[j - 1]:
+            tokens.add(reference[i - 1])
+            i, j = i - 1, j - 1
+        elif table[i - 1, j] > table[i, j - 1]:
+            i -= 1
+        else:
+            j -= 1
+    return tokens
+
+
+def rouge_l(candidate_tokens: str, reference_tokens: str) -> float:
+    """The `rouge` package's ROUGE-L F (summary level: union LCS over sentences, unique tokens), iteratively."""
+    candidate, reference = _sentences(candidate_tokens), _sentences(reference_tokens)
+    union, overlap = set(), 0
+    for reference_sentence in reference:
+        before = len(union)
+        for candidate_sentence in candidate:
+            union |= _lcs_tokens(reference_sentence, candidate_sentence)
+        overlap += len(union) - before
+    recall = overlap / len({t for sentence in reference for t in sentence})
+    precision = overlap / len({t for sentence in candidate for t in sentence})
+    return 2.0 * ((precision * recall) / (precision + recall + 1e-8))
+
+
+def rouge_scores(candidate: str, reference: str, unit: str = "char", metrics=("rouge-1", "rouge-2", "rouge-l")) -> dict[str, float]:
+    """ROUGE F1 scores of one candidate, over characters or jieba words.
+
+    ROUGE-1 and ROUGE-2 come from the `rouge` package; ROUGE-L is that package's definition computed
+    by `rouge_l` (the package's own recursion fails on long texts). An empty candidate or reference
+    scores 0. With all three metrics, also returns `cail`, the CAIL2020 score.
     """
     from rouge import Rouge
 
     hypothesis, reference_tokens = _tokens(candidate, unit), _tokens(reference, unit)
-    if not hypothesis or not reference_tokens:
+    if not _sentences(hypothesis) or not _sentences(reference_tokens):
         scores = dict.fromkeys(metrics, 0.0)
     else:
-        result = Rouge(metrics=list(metrics)).get_scores(hypothesis, reference_tokens)[0]
-        scores = {name: value["f"] for name, value in result.items()}
+        ngram_metrics = [name for name in metrics if name != "rouge-l"]
+        result = Rouge(metrics=ngram_metrics).get_scores(hypothesis, reference_tokens)[0] if ngram_metrics else {}
+        scores = {name: result[name]["f"] if name != "rouge-l" else rouge_l(hypothesis, reference_tokens)
+                  for name in metrics}
     if len(scores) == 3:
         scores["cail"] = cail_score(scores)
     return scores
@@ -159,4 +207,4 @@ def lead(sentences: list[str], count: int = 3) -> str:
     return "".join(sentences[:count])
 
 
-__all__ = ["Judgment", "cail_score", "lead", "oracle_labels", "read_judgments", "rouge_scores", "split_sentences"]
+__all__ = ["Judgment", "cail_score", "lead", "oracle_labels", "read_judgments", "rouge_l", "rouge_scores", "split_sentences"]

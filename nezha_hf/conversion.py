@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from .configuration_nezha import NezhaConfig
 from .hub import export_remote_code, write_model_card
 from .modeling_nezha import NEZHA_HEADS, NezhaForMaskedLM, nezha_head
+from .safe_output import check_destination, staged_folder
 
 REPORT_NAME = "conversion_report.json"
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
@@ -44,6 +45,10 @@ DROPPED_TENSORS = [
     (r"(^|\.)embeddings\.token_type_ids$", "buffer of zeros: carries no information"),
     (r"relative_positions_encoding\.positions_encoding$", "persisted sinusoid buffer: rebuilt from the config"),
 ]
+# What `config.json` says a convertible checkpoint is (a TensorFlow release's bert_config.json says nothing).
+BERT_FAMILY = (None, "bert", "nezha")
+# NEZHA weights that every BERT-family source has: `allow_missing` may name head weights, never these.
+CORE_WEIGHTS = re.compile(r"^(nezha\.)?(embeddings|encoder)\.")
 # Parts of TensorFlow checkpoints that are training state, not weights.
 TF_TRAINING_STATE = [
     (r"(^|/)(adam_m|adam_v|Adam|Adam_1|Momentum|AdamWeightDecayOptimizer(_1)?|LAMB(_1)?)$", "optimizer state"),
@@ -124,6 +129,8 @@ def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
 def read_pytorch_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a Hugging Face checkpoint directory (safetensors or `.bin`, sharded or not)."""
     directory = Path(directory)
+    if not directory.is_dir():
+        raise ConversionError(f"No such folder: {directory}")
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index_path = directory / index_name
         if index_path.exists():
@@ -311,6 +318,11 @@ def map_state_dict(
     for target in sorted(set(targets) - set(mapped)):
         if config.tie_word_embeddings and target in TIED_DECODER:
             continue
+        if CORE_WEIGHTS.match(target):
+            raise ConversionError(
+                f"The source has no tensor for {target}, a weight every BERT has: it is not a BERT-family checkpoint "
+                "(allow_missing covers head weights only)."
+            )
         if any(fnmatch.fnmatchcase(target, pattern) for pattern in allow_missing):
             report.missing_allowed.append(target)
         else:
@@ -359,13 +371,18 @@ def _write_and_verify(mapped, config: NezhaConfig, output: Path, report: Convers
     allowed |= {tied for tied, source in TIED_DECODER.items() if source in allowed}  # missing with their source
     missing = set(info["missing_keys"]) - allowed
     if missing or info["unexpected_keys"] or info["mismatched_keys"] or info.get("error_msgs"):
-        raise ConversionError(f"The converted checkpoint in {output} does not load cleanly: {info}")
+        raise ConversionError(f"The converted checkpoint for {report.output} does not load cleanly: {info}")
 
 
 def _convert_state(
-    state, config_dict, report, architecture, allow_missing, max_relative_position, remote_code, source_names=None
+    state, config_dict, report, work, architecture, allow_missing, max_relative_position, remote_code, source_names=None
 ) -> ConversionReport:
-    """The steps shared by every source format, once its tensors have PyTorch BERT names."""
+    """The steps shared by every source format, once its tensors have PyTorch BERT names; writes into `work`."""
+    if config_dict.get("model_type") not in BERT_FAMILY:
+        raise ConversionError(
+            f"{report.source} is a {config_dict['model_type']!r} checkpoint; only BERT-family checkpoints "
+            f"(model_type {', '.join(t for t in BERT_FAMILY if t)}) convert to NEZHA."
+        )
     report.architecture = _architecture(config_dict, {nezha_name(n) for n in state}, architecture)
     tie = config_dict.get("tie_word_embeddings", True)
     decoder = next((n for n in state if nezha_name(n) == "cls.predictions.decoder.weight"), None)
@@ -380,9 +397,9 @@ def _convert_state(
     source_id = config_dict.get("_name_or_path", "")
     config.nezha_card = {"base_model": source_id} if re.fullmatch(r"[\w.-]+/[\w.-]+", source_id) else {}
     mapped = map_state_dict(state, config, report.architecture, report, tuple(allow_missing), source_names)
-    _write_and_verify(mapped, config, Path(report.output), report)
+    _write_and_verify(mapped, config, work, report)
     if remote_code:
-        export_remote_code(report.output)
+        export_remote_code(work)
     return report
 
 
@@ -400,30 +417,35 @@ def convert_bert(
     allow_missing: tuple[str, ...] | list[str] = (),
     max_relative_position: int | None = None,
     remote_code: bool = False,
+    overwrite: bool = False,
 ) -> ConversionReport:
     """Convert a Hugging Face BERT directory (any head, with or without the `bert.` prefix) to NEZHA.
 
     Args:
         source: directory with `config.json` and `model.safetensors` / `pytorch_model.bin` (or shards).
         output: directory to write; gets `model.safetensors`, `config.json`, the tokenizer files
-            and `conversion_report.json`.
+            and `conversion_report.json`. It is written beside its destination and renamed into place
+            once the result loads cleanly; it may not be the source (nor inside it), and an existing
+            non-empty folder is replaced (whole) only with `overwrite=True`.
         architecture: NEZHA class to produce (default: from the config's `architectures`, else
             from the heads present).
         allow_missing: glob patterns of NEZHA weights that may stay uninitialised.
         max_relative_position: `K` for the new model (default 64, NEZHA's).
         remote_code: also make the output loadable with `trust_remote_code=True` without nezha_hf.
+        overwrite: replace an existing non-empty `output`.
 
     Returns:
         The `ConversionReport` (also printed by the CLI and saved as JSON).
     """
     source = Path(source)
+    output = check_destination(output, [source], overwrite)
     state = read_pytorch_checkpoint(source)
     config_dict = _read_config(source / "config.json")
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
     report = ConversionReport(str(source), str(output), "huggingface-pytorch", "")
-    _copy_tokenizer(source, output, report)
-    return _convert_state(state, config_dict, report, architecture, allow_missing, max_relative_position, remote_code)
+    with staged_folder(output) as work:
+        _copy_tokenizer(source, work, report)
+        _convert_state(state, config_dict, report, work, architecture, allow_missing, max_relative_position, remote_code)
+    return report
 
 
 def convert_legacy_nezha(
@@ -432,12 +454,13 @@ def convert_legacy_nezha(
     architecture: str | None = None,
     allow_missing: tuple[str, ...] | list[str] = (),
     remote_code: bool = False,
+    overwrite: bool = False,
 ) -> ConversionReport:
     """Convert an older PyTorch NEZHA release (`bert.` prefix, persisted buffers) to the current layout.
 
     Same arguments as `convert_bert`; `max_relative_position` comes from the source config.
     """
-    return convert_bert(source, output, architecture, allow_missing, remote_code=remote_code)
+    return convert_bert(source, output, architecture, allow_missing, remote_code=remote_code, overwrite=overwrite)
 
 
 def convert_tf(
@@ -450,6 +473,7 @@ def convert_tf(
     max_relative_position: int | None = None,
     do_lower_case: bool = True,
     remote_code: bool = False,
+    overwrite: bool = False,
 ) -> ConversionReport:
     """Convert a TensorFlow checkpoint (Google BERT or Huawei NEZHA naming) to NEZHA. Needs `nezha_hf[tf]`.
 
@@ -458,20 +482,22 @@ def convert_tf(
         config_file: its `bert_config.json`.
         vocab_file: its `vocab.txt` (written with a `BertTokenizerFast` config; `do_lower_case` as
             for the Chinese releases).
-        Other arguments as in `convert_bert`.
+        Other arguments as in `convert_bert` (the checkpoint's folder counts as the source).
     """
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
+    sources = [Path(checkpoint).parent, config_file, *([vocab_file] if vocab_file is not None else [])]
+    output = check_destination(output, sources, overwrite)
     report = ConversionReport(str(checkpoint), str(output), "tensorflow", "")
     state, tf_names = read_tf_checkpoint(checkpoint, report)
     config_dict = _read_config(Path(config_file))
-    if vocab_file is not None:
-        _copy_tokenizer(None, output, report, vocab_file=vocab_file, do_lower_case=do_lower_case)
-    else:
-        report.notes.append("no vocab_file given: add the vocabulary before use")
-    return _convert_state(
-        state, config_dict, report, architecture, allow_missing, max_relative_position, remote_code, tf_names
-    )
+    with staged_folder(output) as work:
+        if vocab_file is not None:
+            _copy_tokenizer(None, work, report, vocab_file=vocab_file, do_lower_case=do_lower_case)
+        else:
+            report.notes.append("no vocab_file given: add the vocabulary before use")
+        _convert_state(
+            state, config_dict, report, work, architecture, allow_missing, max_relative_position, remote_code, tf_names
+        )
+    return report
 
 
 __all__ = [

@@ -1,7 +1,8 @@
 """Read plain-text corpora: `.txt` files, folders of them, and JSONL files with a `text` field.
 
-Malformed JSONL lines are reported with file and line number (a logged warning, and in the
-`problems` list the caller passes) and skipped; reading goes on.
+Files are decoded a line at a time. Lines that are not UTF-8, and malformed JSONL lines, are reported
+with file and line number (a logged warning, and in the `problems` list the caller passes) and
+skipped; reading goes on.
 """
 
 import json
@@ -60,21 +61,31 @@ def report_problem(problems: list | None, path, line: int, message: str) -> None
         problems.append(problem)
 
 
+def iter_lines(path: Path, problems: list | None = None) -> Iterator[tuple[int, str]]:
+    """`(line_number, text)` for each line of a UTF-8 file, decoded one line at a time: a line with bytes that
+    are not UTF-8 is reported (`file:line`) and skipped, and reading goes on."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                report_problem(problems, path, number, f"not UTF-8 text ({error.reason} at byte {error.start})")
+
+
 def iter_jsonl(path: Path, problems: list | None = None) -> Iterator[tuple[int, dict]]:
     """`(line_number, object)` for each well-formed JSON object line; bad lines are reported and skipped."""
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                report_problem(problems, path, number, f"not valid JSON ({error.msg})")
-                continue
-            if not isinstance(record, dict):
-                report_problem(problems, path, number, "not a JSON object")
-                continue
-            yield number, record
+    for number, line in iter_lines(path, problems):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            report_problem(problems, path, number, f"not valid JSON ({error.msg})")
+            continue
+        if not isinstance(record, dict):
+            report_problem(problems, path, number, "not a JSON object")
+            continue
+        yield number, record
 
 
 def read_documents(paths, txt_split: str = "file", problems: list | None = None) -> Iterator[Document]:
@@ -96,11 +107,7 @@ def read_documents(paths, txt_split: str = "file", problems: list | None = None)
                     continue
                 yield Document(str(record.get("id", f"{path}:{number}")), text)
             continue
-        try:
-            content = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as error:
-            report_problem(problems, path, 0, f"not UTF-8 text ({error.reason})")
-            continue
+        content = "".join(line for _, line in iter_lines(path, problems))
         if txt_split == "file":
             pieces = [content]
         else:

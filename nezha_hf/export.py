@@ -24,6 +24,7 @@ from .modeling_nezha import (
     NezhaForUniLM,
     NezhaPreTrainedModel,
 )
+from .safe_output import check_destination
 
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
 # Heads whose inputs are not the three above, or that generate: not exported.
@@ -106,10 +107,8 @@ def export_onnx(model_or_path, output: str | os.PathLike, atol: float = 1e-4, ov
     output = Path(output)
     if output.suffix != ".onnx":
         raise ValueError(f"The ONNX file's name should end in .onnx, got {output}.")
-    if output.exists() and not overwrite:
-        raise FileExistsError(f"{output} exists; pass overwrite=True (CLI: --overwrite) to replace it.")
-    if not output.parent.is_dir():
-        raise FileNotFoundError(f"The folder {output.parent} does not exist.")
+    sources = [] if isinstance(model_or_path, NezhaPreTrainedModel) else [model_or_path]
+    check_destination(output, sources, overwrite=overwrite, kind="file")
     try:
         import onnxruntime
     except ImportError as error:

@@ -7,7 +7,8 @@
 - `export_remote_code`: make a checkpoint folder loadable with `trust_remote_code=True` by people
   who do not install nezha_hf: the modeling file and every module it imports are copied beside the
   weights and `config.json` gets an `auto_map` entry for every Auto class.
-- `push_model_to_hub`: what `NezhaPreTrainedModel.push_to_hub` does, with `huggingface_hub`'s public API.
+- `save_model` / `push_model_to_hub`: what `NezhaPreTrainedModel.save_pretrained` and `push_to_hub` do
+  (the upload with `huggingface_hub`'s public API).
 
 Nothing here touches the network except `push_model_to_hub`, and only when asked.
 """
@@ -22,6 +23,7 @@ from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from .modeling_nezha import NEZHA_HEADS, nezha_head
+from .safe_output import staged_files_into, write_text_atomically
 
 CARD_MARKER = "<!-- written by nezha_hf -->"
 TASK_DESCRIPTIONS = {
@@ -119,17 +121,26 @@ def export_remote_code(directory: str | Path) -> dict[str, str]:
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["auto_map"] = auto_map
-    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_text_atomically(config_path, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     return auto_map
 
 
-def save_extras(model, directory: str | Path, model_card: dict | bool = True, remote_code: bool = False) -> None:
-    """What `NezhaPreTrainedModel.save_pretrained` adds to transformers': the model card and, if asked, remote code."""
-    if model_card is not False:
-        settings = {**(getattr(model.config, "nezha_card", None) or {}), **(model_card if isinstance(model_card, dict) else {})}
-        write_model_card(directory, type(model).__name__, settings)
-    if remote_code:
-        export_remote_code(directory)
+def save_model(model, save, directory: str | Path, model_card: dict | bool = True, remote_code: bool = False) -> None:
+    """What `NezhaPreTrainedModel.save_pretrained` does: `save(folder)` (transformers' own save), the model card
+    and, if asked, remote code, all written into a temporary sibling of `directory` and moved in once complete
+    (see `safe_output.staged_files_into`: other files in `directory` stay)."""
+    directory = Path(directory)
+    with staged_files_into(directory) as staging:
+        save(staging)
+        if model_card is not False:
+            readme = directory / "README.md"
+            if readme.is_file():  # the card is only (re)written when there is none, or ours
+                shutil.copy(readme, staging / "README.md")
+            settings = {**(getattr(model.config, "nezha_card", None) or {}),
+                        **(model_card if isinstance(model_card, dict) else {})}
+            write_model_card(staging, type(model).__name__, settings)
+        if remote_code:
+            export_remote_code(staging)
 
 
 def push_model_to_hub(
@@ -157,7 +168,7 @@ __all__ = [
     "export_remote_code",
     "push_model_to_hub",
     "remote_code_files",
-    "save_extras",
+    "save_model",
     "template_path",
     "write_model_card",
 ]

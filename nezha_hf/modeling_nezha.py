@@ -6,6 +6,8 @@ The relative-position maths is in `relative_attention.py`.
 """
 
 import contextvars
+import functools
+import os
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +54,7 @@ from .relative_attention import (
     gather_relative_attention,
     prepare_attention,
     sinusoid_relative_table,
+    tracing,
     values_known,
 )
 
@@ -70,6 +73,15 @@ UNILM_SOURCE_LENGTH = contextvars.ContextVar("nezha_unilm_source_length", defaul
 class CheckpointShapeError(ValueError, RuntimeError):
     """A checkpoint tensor whose shape does not fit the config: a `ValueError` (bad input) that also satisfies
     transformers' contract for size mismatches when loading (`RuntimeError`)."""
+
+
+def _unreadable_file(error: Exception) -> bool:
+    """Whether loading failed on the bytes of a weights file (rather than, say, a missing one)."""
+    if isinstance(error, (pickle.UnpicklingError, SafetensorError, EOFError)):
+        return True
+    if isinstance(error, RuntimeError):  # torch.load on a truncated zip archive
+        return "PytorchStreamReader" in str(error)
+    return isinstance(error, OSError) and error.errno is not None  # torch's file reader on a cut-off file
 
 
 def cache_length(past_key_values: Cache | None) -> int | torch.Tensor:
@@ -407,11 +419,14 @@ class NezhaPreTrainedModel(PreTrainedModel):
             remote_code: also copy the modeling files and write a complete `auto_map`, so that the folder
                 loads with `trust_remote_code=True` where nezha_hf is not installed.
 
-        Cards and remote code need nezha_hf installed; loaded as remote code, this is transformers' own.
+        The files are written into a temporary sibling of `save_directory` and moved in once all of them
+        are complete. Cards and remote code need nezha_hf installed; loaded as remote code, this is
+        transformers' own `save_pretrained`.
         """
-        super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True) and self.hub_integration is not None:
-            self.hub_integration.save_extras(self, save_directory, model_card=model_card, remote_code=remote_code)
+        if self.hub_integration is None or not kwargs.get("is_main_process", True):
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        save = functools.partial(PreTrainedModel.save_pretrained, self, *args, **kwargs)
+        self.hub_integration.save_model(self, save, save_directory, model_card=model_card, remote_code=remote_code)
 
     def push_to_hub(self, repo_id: str, *, model_card: dict | bool = True, remote_code: bool = False, **kwargs):
         """Upload to the Hub with a NEZHA model card (see `save_pretrained`); the only method that uses the network.
@@ -436,6 +451,11 @@ class NezhaPreTrainedModel(PreTrainedModel):
         to run code is refused. Errors name the checkpoint, and for tensors whose shape does not fit
         the config, each tensor with both shapes.
         """
+        local = isinstance(pretrained_model_name_or_path, os.PathLike) or str(pretrained_model_name_or_path).startswith(
+            ("/", ".", "~")
+        )
+        if local and not os.path.isdir(os.path.expanduser(pretrained_model_name_or_path)):
+            raise FileNotFoundError(f"No such model folder: {pretrained_model_name_or_path}")
         kwargs.setdefault("key_mapping", {r"^bert\.": "nezha."})
         strict_shapes = not kwargs.get("ignore_mismatched_sizes", False)
         wants_info = kwargs.pop("output_loading_info", False)
@@ -449,10 +469,13 @@ class NezhaPreTrainedModel(PreTrainedModel):
                 *args,
                 **{**kwargs, "ignore_mismatched_sizes": True, "output_loading_info": True},
             )
-        except (pickle.UnpicklingError, SafetensorError) as error:
+        except (pickle.UnpicklingError, SafetensorError, EOFError, RuntimeError, OSError) as error:
+            if not _unreadable_file(error):  # e.g. transformers' own "no such model" errors: not ours to reword
+                raise
+            first_line = (str(error).splitlines() or [type(error).__name__])[0]
             raise ValueError(
-                f"Could not read the checkpoint at {pretrained_model_name_or_path} (corrupt, truncated, or a pickle "
-                f"that is not plain tensors): {error}"
+                f"Could not read the checkpoint at {pretrained_model_name_or_path} (corrupt, truncated, empty, or a "
+                f"pickle that is not plain tensors): {first_line or type(error).__name__}"
             ) from error
         finally:
             KERNEL_WANTED.reset(kernel_wanted)
@@ -602,6 +625,8 @@ class NezhaModel(NezhaPreTrainedModel):
         shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
         if len(shape) != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {tuple(shape)}.")
+        if not tracing() and 0 in shape:
+            raise ValueError(f"The input is empty (shape {tuple(shape)}): give at least one row of at least one token.")
         if token_type_ids is not None and token_type_ids.shape != shape:
             raise ValueError(f"token_type_ids has shape {tuple(token_type_ids.shape)} but input_ids has {tuple(shape)}.")
         if not values_known(input_ids if input_ids is not None else inputs_embeds):

@@ -7,10 +7,12 @@ pointing to chat models). Extractive QA with `NezhaForQuestionAnswering` is stil
     qa = pipeline("extractive-question-answering", model=model, tokenizer=tokenizer)
     qa(question="谁是原告？", context=judgment)   # {"answer", "score", "start", "end"}
 
-The whole context is read in one pass (NEZHA has no length cap), so there is no striding.
+The whole context is read in one pass (NEZHA has no length cap), so there is no striding, and the best
+span is found in memory linear in the length (no table of every start/end pair).
 """
 
 import torch
+from torch import nn
 from transformers import AutoModelForQuestionAnswering, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
@@ -45,16 +47,20 @@ class ExtractiveQuestionAnsweringPipeline(Pipeline):
 
     def postprocess(self, outputs, max_answer_length: int = 30):
         in_context = outputs["in_context"]
+        if not bool(in_context.any()):
+            raise ValueError("The context is empty: there is no span to take an answer from.")
         start = outputs["start_logits"].float().masked_fill(~in_context, float("-inf")).log_softmax(-1)
         end = outputs["end_logits"].float().masked_fill(~in_context, float("-inf")).log_softmax(-1)
-        pair = start[:, None] + end[None, :]
-        length = torch.arange(len(start))
-        valid = (length[None, :] >= length[:, None]) & (length[None, :] - length[:, None] < max_answer_length)
-        pair = pair.masked_fill(~valid, float("-inf"))
-        best = int(pair.argmax())
-        first, last = divmod(best, len(start))
+        # The best end for each start s lies in [s, s + max_answer_length): a sliding maximum over the end
+        # scores (a strided view, no copy), so the best pair costs linear memory, not a length x length table.
+        width = max(1, min(max_answer_length, len(end)))
+        windows = nn.functional.pad(end, (0, width - 1), value=float("-inf")).unfold(0, width, 1)
+        best_end, end_offset = windows.max(-1)
+        pair = start + best_end
+        first = int(pair.argmax())
+        last = first + int(end_offset[first])
         char_start, char_end = int(outputs["offsets"][first][0]), int(outputs["offsets"][last][1])
-        return {"answer": outputs["context"][char_start:char_end], "score": float(pair.view(-1)[best].exp()),
+        return {"answer": outputs["context"][char_start:char_end], "score": float(pair[first].exp()),
                 "start": char_start, "end": char_end}
 
 

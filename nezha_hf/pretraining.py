@@ -9,7 +9,8 @@ text gives it back. This module does that with Trainer:
   (transformers' own whole-word masking finds words by gaps between tokens, and Chinese text has
   none, so it would treat a whole run of characters as one word);
 - documents packed into sequences of `max_length` tokens (default 1,024), `[SEP]` between documents;
-- resumable: rerunning with the same output directory continues from the last checkpoint.
+- resumable: rerunning with the same output directory continues from the last complete checkpoint
+  (one whose save was interrupted is skipped, with a warning naming it).
 
     nezha-hf pretrain converted-bert/ corpus/*.txt --output nezha-adapted/ --max-steps 20000
 
@@ -22,13 +23,14 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, Trainer, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
+from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
+from .checkpoints import last_complete_checkpoint
 from .documents import read_documents
 from .modeling_nezha import NezhaForMaskedLM
 from .padding import attention_mask_for, pad_rows
+from .safe_output import check_destination, staged_files_into
 
 logger = logging.get_logger(__name__)
 NOT_A_WORD = -1
@@ -49,8 +51,8 @@ def jieba_word_ids(text: str, offsets: list[tuple[int, int]]) -> list[int]:
 def pack_documents(tokenizer, texts, max_length: int = 1024, show_progress: bool = True) -> list[dict]:
     """Tokenise texts and pack them into `[CLS] ... [SEP]` sequences of at most `max_length` tokens.
 
-    Returns examples with `input_ids` and `word_ids` (the jieba word of each token, numbered from 0
-    within a sequence; -1 on special tokens).
+    Returns examples with `index` (their position in the list), `input_ids` and `word_ids` (the jieba
+    word of each token, numbered from 0 within a sequence; -1 on special tokens).
     """
     if max_length < 8:
         raise ValueError(f"max_length={max_length} is too short to pack documents.")
@@ -61,6 +63,7 @@ def pack_documents(tokenizer, texts, max_length: int = 1024, show_progress: bool
         if ids:
             renumbered = {w: n for n, w in enumerate(dict.fromkeys(w for w in words if w != NOT_A_WORD))}
             examples.append({
+                "index": len(examples),
                 "input_ids": [tokenizer.cls_token_id, *ids, tokenizer.sep_token_id],
                 "word_ids": [NOT_A_WORD, *(renumbered.get(w, NOT_A_WORD) for w in words), NOT_A_WORD],
             })
@@ -87,40 +90,65 @@ class WholeWordMaskCollator:
     Words are drawn in random order until `mlm_probability` of the tokens are covered; each token
     of a chosen word becomes `[MASK]` (80%), a random token (10%) or stays (10%). `labels` hold the
     original ids at masked positions and -100 elsewhere.
+
+    An example with an `index` (as `pack_documents` gives each) is masked with a generator seeded by
+    `(seed, epoch, index)`: the same example gets the same mask in the same epoch however it is
+    batched, and a run resumed from a checkpoint masks exactly as the uninterrupted run would have
+    (Trainer restores its random state only after drawing the first resumed batch). `epoch` is set by
+    `MaskingEpochCallback`. Examples without an `index` use torch's global random state.
     """
 
-    def __init__(self, tokenizer, mlm_probability: float = 0.15, pad_to_multiple_of: int | None = None):
+    def __init__(self, tokenizer, mlm_probability: float = 0.15, pad_to_multiple_of: int | None = None, seed: int = 0):
         if not 0 < mlm_probability < 1:
             raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability}.")
         self.tokenizer = tokenizer
         self.mlm_probability = mlm_probability
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.seed, self.epoch = seed, 0
 
-    def mask_row(self, word_ids: torch.Tensor) -> torch.Tensor:
+    def mask_row(self, word_ids: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Bool mask of the tokens to predict in one row."""
         is_word = word_ids >= 0
         num_words = int(word_ids.max()) + 1 if is_word.any() else 0
         if num_words == 0:
             return torch.zeros_like(is_word)
         budget = max(1, round(int(is_word.sum()) * self.mlm_probability))
-        order = torch.randperm(num_words)
+        order = torch.randperm(num_words, generator=generator)
         sizes = torch.bincount(word_ids[is_word], minlength=num_words)[order]
         chosen = order[: int((sizes.cumsum(0) < budget).sum()) + 1]
         return is_word & torch.isin(word_ids, chosen)
 
+    def _generator(self, feature: dict) -> torch.Generator | None:
+        if "index" not in feature:
+            return None
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + int(feature["index"]))
+
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         ids, multiple = [f["input_ids"] for f in features], self.pad_to_multiple_of
-        input_ids = pad_rows(ids, self.tokenizer.pad_token_id, multiple)
+        input_ids = pad_rows(ids, self.tokenizer.pad_token_id, multiple).clone()
         word_ids = pad_rows([f["word_ids"] for f in features], NOT_A_WORD, multiple)
-        attention_mask = attention_mask_for(ids, multiple)
-        masked = torch.stack([self.mask_row(row) for row in word_ids])
-        labels = torch.where(masked, input_ids, torch.full_like(input_ids, -100))
-        roll = torch.rand(input_ids.shape)
-        input_ids = input_ids.clone()
-        input_ids[masked & (roll < 0.8)] = self.tokenizer.mask_token_id
-        random_positions = masked & (roll >= 0.8) & (roll < 0.9)
-        input_ids[random_positions] = torch.randint(len(self.tokenizer), (int(random_positions.sum()),))
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        labels = torch.full_like(input_ids, -100)
+        for row, feature in enumerate(features):
+            generator = self._generator(feature)
+            masked = self.mask_row(word_ids[row], generator)
+            labels[row, masked] = input_ids[row, masked]
+            roll = torch.rand(input_ids.shape[1], generator=generator)
+            input_ids[row, masked & (roll < 0.8)] = self.tokenizer.mask_token_id
+            random_positions = masked & (roll >= 0.8) & (roll < 0.9)
+            input_ids[row, random_positions] = torch.randint(
+                len(self.tokenizer), (int(random_positions.sum()),), generator=generator
+            )
+        return {"input_ids": input_ids, "attention_mask": attention_mask_for(ids, multiple), "labels": labels}
+
+
+class MaskingEpochCallback(TrainerCallback):
+    """Tells a `WholeWordMaskCollator` which epoch begins, so that each epoch masks its examples anew."""
+
+    def __init__(self, collator: WholeWordMaskCollator):
+        self.collator = collator
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.collator.epoch = int(state.epoch or 0)
 
 
 def continue_pretraining(
@@ -143,13 +171,16 @@ def continue_pretraining(
         output_dir: receives Trainer checkpoints (`checkpoint-N/`) and, at the end, the model and
             tokenizer, ready for `from_pretrained`.
         max_length: tokens per packed sequence.
-        resume: continue from the last checkpoint in `output_dir` if there is one.
+        resume: continue from the last complete checkpoint in `output_dir` if there is one
+            (`checkpoints.last_complete_checkpoint`).
         training_arguments: passed to `TrainingArguments` (`max_steps`, `per_device_train_batch_size`,
             `learning_rate`, `save_steps`, `gradient_accumulation_steps`, `bf16`, ...).
 
     Returns:
         Trainer's training metrics (`train_loss`, `train_runtime`, ...).
     """
+    # The output holds checkpoints and the final model: it may exist (a rerun resumes), but not be a source.
+    check_destination(output_dir, [model_path, *files], overwrite=True)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = NezhaForMaskedLM.from_pretrained(model_path)
     problems = []
@@ -166,11 +197,15 @@ def continue_pretraining(
     arguments = TrainingArguments(
         output_dir=str(output_dir), remove_unused_columns=False, **{**defaults, **training_arguments}
     )
-    trainer = Trainer(model=model, args=arguments, train_dataset=dataset,
-                      data_collator=WholeWordMaskCollator(tokenizer, mlm_probability))
-    last = get_last_checkpoint(str(output_dir)) if resume and Path(output_dir).is_dir() else None
-    result = trainer.train(resume_from_checkpoint=last)
-    trainer.save_model(str(output_dir))
-    tokenizer.save_pretrained(str(output_dir))
+    collator = WholeWordMaskCollator(tokenizer, mlm_probability, seed=arguments.seed)
+    trainer = Trainer(model=model, args=arguments, train_dataset=dataset, data_collator=collator,
+                      callbacks=[MaskingEpochCallback(collator)])
+    last = last_complete_checkpoint(output_dir) if resume else None
+    if last:
+        logger.warning(f"Resuming from {last}.")
+    result = trainer.train(resume_from_checkpoint=str(last) if last else None)
+    with staged_files_into(output_dir) as staging:  # the final model and tokenizer appear together, complete
+        trainer.save_model(str(staging))
+        tokenizer.save_pretrained(str(staging))
     return result.metrics
 

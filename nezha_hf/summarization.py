@@ -13,6 +13,7 @@ from `oracle_labels` when a record has none); `evaluate_summaries` scores agains
 
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,8 +23,10 @@ from transformers import AutoTokenizer, Trainer, TrainingArguments
 from transformers.utils import logging
 
 from .cail import Judgment, lead, oracle_labels, rouge_scores
+from .checkpoints import last_complete_checkpoint
 from .modeling_nezha import NezhaForSentenceExtraction, NezhaForUniLM
 from .padding import attention_mask_for, pad_rows
+from .safe_output import check_destination, staged_folder
 from .unilm import UniLMDataCollator, generate_text
 
 logger = logging.get_logger(__name__)
@@ -132,6 +135,9 @@ class Summarizer:
     def from_pretrained(cls, directory: str | Path, **settings) -> "Summarizer":
         """Load `directory/extractor`, `directory/generator` and the tokenizer (in `directory`)."""
         directory = Path(directory)
+        if not all((directory / part / "config.json").is_file() for part in (EXTRACTOR_DIR, GENERATOR_DIR)):
+            raise FileNotFoundError(f"{directory} is not a summariser folder (from train-summarizer): it needs "
+                                    f"{EXTRACTOR_DIR}/ and {GENERATOR_DIR}/ model folders.")
         saved = json.loads((directory / "summarizer.json").read_text()) if (directory / "summarizer.json").exists() else {}
         return cls(
             NezhaForSentenceExtraction.from_pretrained(directory / EXTRACTOR_DIR).eval(),
@@ -141,6 +147,7 @@ class Summarizer:
         )
 
     def save_pretrained(self, directory: str | Path) -> None:
+        """Write the two models, the tokenizer and the settings into `directory`."""
         directory = Path(directory)
         self.extractor.save_pretrained(directory / EXTRACTOR_DIR)
         self.generator.save_pretrained(directory / GENERATOR_DIR)
@@ -183,6 +190,7 @@ def train_summarizer(
     copy_mechanism: bool = False,
     seed: int = 42,
     show_progress: bool = True,
+    overwrite: bool = False,
     **training_arguments,
 ) -> dict:
     """Train both stages from judgments with reference summaries; save a `Summarizer` in `output_dir`.
@@ -190,12 +198,19 @@ def train_summarizer(
     `base_model` is a NEZHA checkpoint with its tokenizer (masked-LM or converted BERT). The
     extractor learns the file's labels (or oracle labels); the generator learns to write the
     summary from the labelled sentences, as in SPACES (at most `max_length` tokens of source plus
-    summary). A `validation_fraction` of the judgments is held out and evaluated after each stage;
-    Trainer checkpoints go to `output_dir/extractor-checkpoints` and `generator-checkpoints`.
+    summary). A `validation_fraction` of the judgments is held out and evaluated after each stage.
+    Trainer checkpoints go to the sibling folder `<output_dir>.checkpoints/` (`extractor/`,
+    `generator/`); a rerun resumes each stage from its last complete checkpoint. The summariser is
+    written beside `output_dir` and renamed into place at the end; an existing non-empty
+    `output_dir` is replaced only with `overwrite=True`, and it may not be the base model's folder.
     `copy_mechanism=True` gives the generator the SPACES copy head (`unilm_copy_tags`), trained
     jointly on `copy_tags` labels; its `generate()` then keeps copied spans on source n-grams.
     Returns the validation metrics.
     """
+    data_files = {re.sub(r":\d+$", "", j.source) for j in judgments if j.source}  # "file:line" -> file
+    output_dir = check_destination(output_dir, [base_model, *data_files], overwrite)
+    checkpoints = output_dir.with_name(output_dir.name + ".checkpoints")
+    check_destination(checkpoints, [base_model], overwrite=True)
     usable = [j for j in judgments if j.summary]
     if len(usable) < 2:
         raise ValueError("train_summarizer needs at least two judgments with a reference summary.")
@@ -205,7 +220,6 @@ def train_summarizer(
     held = max(1, round(len(labelled) * validation_fraction)) if validation_fraction > 0 else 0
     validation, train = labelled[:held], labelled[held:] or labelled[:held]
     tokenizer = AutoTokenizer.from_pretrained(base_model)
-    output_dir = Path(output_dir)
 
     def examples_for_extraction(items):
         return [{**encode_document(tokenizer, j.sentences), "labels": labels} for j, labels in items]
@@ -222,9 +236,10 @@ def train_summarizer(
     def train_stage(name, model, collator, make_examples, steps):
         trainer = Trainer(model=model, data_collator=collator, train_dataset=make_examples(train),
                           eval_dataset=make_examples(validation) if validation else None,
-                          args=TrainingArguments(str(output_dir / f"{name}-checkpoints"), max_steps=steps,
+                          args=TrainingArguments(str(checkpoints / name), max_steps=steps,
                                                  **{**defaults, **training_arguments}))
-        trainer.train()
+        last = last_complete_checkpoint(checkpoints / name)
+        trainer.train(resume_from_checkpoint=str(last) if last else None)
         if validation:
             metrics[f"{name}_eval_loss"] = trainer.evaluate()["eval_loss"]
         return model
@@ -238,8 +253,9 @@ def train_summarizer(
     generator.generation_config.eos_token_id = tokenizer.sep_token_id
     generator.generation_config.pad_token_id = tokenizer.pad_token_id
     generator.generation_config.bos_token_id = tokenizer.cls_token_id  # never a copy candidate
-    Summarizer(extractor.eval(), generator.eval(), tokenizer, token_budget=max_length // 2).save_pretrained(output_dir)
-    (output_dir / "validation_ids.json").write_text(json.dumps([j.id for j, _ in validation]))
+    with staged_folder(output_dir) as staging:
+        Summarizer(extractor.eval(), generator.eval(), tokenizer, token_budget=max_length // 2).save_pretrained(staging)
+        (staging / "validation_ids.json").write_text(json.dumps([j.id for j, _ in validation]))
     return metrics
 
 
@@ -254,6 +270,8 @@ def evaluate_summaries(judgments: list[Judgment], predictions: dict[str, str] | 
     `labelled` (the file's own labels, when present) and, if given, `predictions` (id -> summary).
     """
     scored = [j for j in judgments if j.summary]
+    if not scored:
+        raise ValueError(f"None of the {len(judgments)} judgment(s) has a reference summary to score against.")
     systems = {f"lead-{lead_count}": {j.id: lead(j.sentences, lead_count) for j in scored},
                "oracle": {j.id: "".join(s for s, k in zip(j.sentences, oracle_labels(j.sentences, j.summary)) if k)
                           for j in scored}}

@@ -3,10 +3,13 @@
 import ipaddress
 import os
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import make_tokenizer
+
+from nezha_hf import cli
 
 # Tests never reach the network: offline mode for everything transformers and huggingface_hub do
 # (inherited by subprocesses), and a guard that refuses any connection that is not loopback.
@@ -37,3 +40,19 @@ def seed():
 @pytest.fixture
 def tokenizer(tmp_path):
     return make_tokenizer(tmp_path / "tokenizer")
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """`nezha-hf ARGS` in this process: returns (exit status, stdout, stderr)."""
+
+    def run(*args):
+        capsys.readouterr()
+        try:
+            code = cli.main(list(map(str, args)))
+        except SystemExit as exit:  # argparse's own errors
+            code = exit.code
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run

@@ -2,13 +2,16 @@
 cases, small BERTs in every layout, and labelled batches for every head."""
 
 import json
+import re
 from pathlib import Path
 
+import pytest
 import reference
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+import nezha_hf
 from nezha_hf import (
     NezhaConfig,
     NezhaForMaskedLM,
@@ -59,6 +62,16 @@ def record_paths(monkeypatch) -> list:
 
     monkeypatch.setattr(ra, "_report", report)
     return calls
+
+
+# Each attention path with a length where it really runs (three regions only above 512 tokens, and
+# above K), for tests that compare every path with the reference and check which path ran.
+PATH_CASES = [
+    pytest.param("eager", 40, "the gather path", id="gather"),
+    pytest.param(nezha_hf.FAST_ATTENTION, 40, "the compiled kernel", id="kernel"),
+    pytest.param(nezha_hf.CHUNKED_ATTENTION, 40, "the chunked path", id="chunked"),
+    pytest.param(nezha_hf.THREE_REGION_ATTENTION, 600, "three regions", id="three-regions"),
+]
 
 
 def count_calls(monkeypatch, function) -> list:
@@ -165,7 +178,8 @@ def small_bert(cls=transformers.BertForPreTraining, **overrides):
 
 
 def save_layout(model, directory, layout):
-    """Write `model` as Hugging Face would in `layout`: safetensors, a v4-style .bin, or without the prefix."""
+    """Write `model` as Hugging Face would in `layout`: safetensors, a v4-style .bin, a pre-transformers .bin with
+    LayerNorm `gamma` / `beta`, or without the prefix."""
     directory.mkdir(parents=True)
     model.config.save_pretrained(directory)
     make_tokenizer(directory)
@@ -176,6 +190,10 @@ def save_layout(model, directory, layout):
     if layout == "bin-with-buffers":  # older transformers also saved the position_ids buffer and tied copies
         state["bert.embeddings.position_ids"] = torch.arange(64)[None]
         torch.save(state, directory / "pytorch_model.bin")
+    elif layout == "gamma-beta":  # pytorch-pretrained-bert, before transformers: LayerNorm.gamma / .beta
+        renamed = {re.sub(r"LayerNorm\.weight$", "LayerNorm.gamma", re.sub(r"LayerNorm\.bias$", "LayerNorm.beta", name)): tensor
+                   for name, tensor in state.items()}
+        torch.save(renamed, directory / "pytorch_model.bin")
     elif layout == "no-prefix":
         base = {name.removeprefix("bert."): tensor for name, tensor in state.items() if name.startswith("bert.")}
         model.config.architectures = ["BertModel"]

@@ -113,3 +113,16 @@ def nezha_forward(model, input_ids, token_type_ids=None, attention_mask=None, ca
         hidden = torch.nn.functional.gelu(lin(x, p + "intermediate.dense"))
         x = ln(lin(hidden, p + "output.dense") + x, p + "output.LayerNorm")
     return x
+
+
+def lm_logits(model, hidden):
+    """Masked-LM logits from a last hidden state: dense, GELU, LayerNorm, then the word embeddings
+    (tied, as in BERT) plus the output bias `cls.predictions.bias`. Float64."""
+    sd = {k: v.double() for k, v in model.state_dict().items()}
+    p = "cls.predictions."
+    x = hidden.double() @ sd[p + "transform.dense.weight"].T + sd[p + "transform.dense.bias"]
+    x = torch.nn.functional.gelu(x)
+    x = torch.nn.functional.layer_norm(
+        x, x.shape[-1:], sd[p + "transform.LayerNorm.weight"], sd[p + "transform.LayerNorm.bias"], model.config.layer_norm_eps
+    )
+    return x @ sd["nezha.embeddings.word_embeddings.weight"].T + sd[p + "bias"]

@@ -50,3 +50,56 @@ def test_reader_reports_malformed_lines_and_goes_on(tmp_path):
     assert [j.id for j in judgments] == ["doc0", "y"]
     assert [(p.line, "data.jsonl" in p.path) for p in problems] == [(2, True), (3, True)]
     assert judgments[1].sentences == ["原告起诉。", "被告答辩。"] and judgments[1].labels is None
+
+
+def test_rouge_l_is_the_rouge_packages_definition_without_its_recursion():
+    from rouge import Rouge
+
+    from nezha_hf.cail import rouge_l
+
+    rng = random.Random(5)
+    compared = 0
+    for _ in range(300):
+        vocabulary = [chr(0x4E00 + i) for i in range(rng.randint(2, 10))] + ["."]
+        candidate = " ".join(rng.choice(vocabulary) for _ in range(rng.randint(1, 30)))
+        reference = " ".join(rng.choice(vocabulary) for _ in range(rng.randint(1, 30)))
+        try:
+            expected = Rouge(metrics=["rouge-l"]).get_scores(candidate, reference)[0]["rouge-l"]["f"]
+        except (ValueError, ZeroDivisionError):  # the package refuses texts with no sentence
+            continue
+        compared += 1
+        assert rouge_l(candidate, reference) == pytest.approx(expected, abs=1e-12), (candidate, reference)
+    assert compared > 250
+    # 1,481 characters: the package's recursive backtrack fails here.
+    long = "".join(rng.choice("原告被告法院判决") for _ in range(1481))
+    with pytest.raises(RecursionError):
+        Rouge(metrics=["rouge-l"]).get_scores(" ".join(long), " ".join(long[:300]))
+    assert 0 < rouge_scores(long, long[:300])["rouge-l"] <= 1
+
+
+def test_unequal_lengths_f_is_neither_recall_nor_precision():
+    # Candidate 原告胜诉了 (5 characters) against 原告败诉 (4): unigrams 原 告 诉 shared: P = 3/5, R = 3/4,
+    # F = 2PR / (P + R) = 2/3. Bigrams: only 原告: P = 1/4, R = 1/3, F = 2/7. LCS 原告诉: P = 3/5, R = 3/4, F = 2/3.
+    scores = rouge_scores("原告胜诉了", "原告败诉", unit="char")
+    assert scores["rouge-1"] == pytest.approx(2 / 3, abs=1e-6)
+    assert scores["rouge-2"] == pytest.approx(2 / 7, abs=1e-6)
+    assert scores["rouge-l"] == pytest.approx(2 / 3, abs=1e-6)
+    assert scores["cail"] == pytest.approx(0.2 * 2 / 3 + 0.4 * 2 / 7 + 0.4 * 2 / 3, abs=1e-6)
+
+
+def test_a_line_that_is_not_utf8_is_reported_and_the_others_are_read(tmp_path):
+    rng = random.Random(6)
+    good = [json.dumps(synthetic_judgment(rng, i), ensure_ascii=False).encode() for i in range(2)]
+    (tmp_path / "data.jsonl").write_bytes(good[0] + b"\n" + b'{"id": "x", "text": "\xff\xfe"}\n' + good[1] + b"\n")
+    problems = []
+    judgments = read_judgments([tmp_path / "data.jsonl"], problems)
+    assert [j.id for j in judgments] == ["doc0", "doc1"]
+    assert [(p.line, "UTF-8" in p.message, p.path.endswith("data.jsonl")) for p in problems] == [(2, True, True)]
+
+
+def test_scoring_without_any_reference_is_a_clear_error():
+    from nezha_hf.cail import Judgment
+    from nezha_hf.summarization import evaluate_summaries
+
+    with pytest.raises(ValueError, match="reference summary"):
+        evaluate_summaries([Judgment("a", ["原告起诉。"]), Judgment("b", ["被告答辩。"])])

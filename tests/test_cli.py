@@ -36,13 +36,25 @@ def test_cli_trains_summarizes_and_evaluates_end_to_end(tmp_path, tokenizer):
         "--generator-steps", 30, "--learning-rate", 3e-3, "--max-length", 256, "--copy")
     generator_config = json.loads((tmp_path / "model" / "generator" / "config.json").read_text())
     assert generator_config["unilm_copy_tags"] is True  # the SPACES copy head was trained and is used below
+    # A rerun into the finished folder is refused (nothing is lost); with --overwrite it resumes from the kept
+    # checkpoints (no step is trained again) and replaces the folder whole.
+    trained = (tmp_path / "model" / "extractor" / "model.safetensors").read_bytes()
+    refused = subprocess.run([sys.executable, "-m", "nezha_hf.cli", "train-summarizer", str(data), "--base", str(base),
+                              "--output", str(tmp_path / "model")], capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "--overwrite" in refused.stderr
+    assert (tmp_path / "model" / "extractor" / "model.safetensors").read_bytes() == trained
+    cli("train-summarizer", data, "--base", base, "--output", tmp_path / "model", "--extractor-steps", 30,
+        "--generator-steps", 30, "--learning-rate", 3e-3, "--max-length", 256, "--copy", "--overwrite")
+    assert (tmp_path / "model" / "extractor" / "model.safetensors").read_bytes() == trained
     inputs = tmp_path / "inputs"
     inputs.mkdir()
     (inputs / "a.txt").write_text("原告起诉被告。判决被告还钱。", encoding="utf-8")
     (inputs / "b.txt").write_text("被告答辩。法院认为。", encoding="utf-8")
     more = write_jsonl(tmp_path / "more.jsonl", [synthetic_judgment(rng, 50)], extra_lines=["{oops"])
+    with open(more, "ab") as handle:  # and a line that is not UTF-8: reported, the others still summarised
+        handle.write(b'{"id": "bad", "text": "\xff\xfe"}\n')
     done = cli("summarize", tmp_path / "model", inputs, more, "--output", tmp_path / "out.jsonl", "--max-new-tokens", 20)
-    assert "more.jsonl:2" in done.stderr
+    assert "more.jsonl:2" in done.stderr and "more.jsonl:3" in done.stderr and "UTF-8" in done.stderr
     results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [r["id"] for r in results] == ["a", "b", "doc50"] and all(isinstance(r["summary"], str) for r in results)
     extracted = cli("summarize", tmp_path / "model", more, "--extract-only")
@@ -55,3 +67,59 @@ def test_cli_trains_summarizes_and_evaluates_end_to_end(tmp_path, tokenizer):
     assert set(scores["systems"]) == {"lead-3", "oracle", "labelled", "predictions"}
     assert scores["systems"]["oracle"]["char"]["cail"] == pytest.approx(1.0, abs=1e-6)
     assert "| oracle | word |" in done.stdout
+
+
+# --- bad input: one line, exit 2, before any work (issue: nothing lost, nothing silent) -----------------------
+
+
+def one_line_failure(done, *needles):
+    assert done.returncode == 2, (done.returncode, done.stdout[-500:], done.stderr[-2000:])
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def test_summarize_checks_its_arguments_and_output_before_any_work(tmp_path, run_cli):
+    fake = tmp_path / "summarizer"  # enough to pass the first check; loading it would fail differently
+    fake.mkdir()
+    (fake / "summarizer.json").write_text("{}")
+    data = write_jsonl(tmp_path / "data.jsonl", [synthetic_judgment(random.Random(0), 0)])
+    one_line_failure(run_cli("summarize", fake, data, "--batch-size", "-1"), "--batch-size", "at least 1")
+    one_line_failure(run_cli("summarize", fake, data, "--num-beams", "0"), "--num-beams")
+    (tmp_path / "results").mkdir()
+    one_line_failure(run_cli("summarize", fake, data, "--output", tmp_path / "results"), "is a folder")
+    one_line_failure(run_cli("summarize", fake, data, "--output", tmp_path / "missing" / "out.jsonl"), "does not exist")
+    one_line_failure(run_cli("summarize", tmp_path / "nowhere", data), "not a model folder")
+    (tmp_path / "kept.jsonl").write_text("old results\n")
+    one_line_failure(run_cli("summarize", fake, data, "--output", tmp_path / "kept.jsonl"), "--overwrite")
+    assert (tmp_path / "kept.jsonl").read_text() == "old results\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl", "kept.jsonl", "results", "summarizer"]
+
+
+def test_debug_shows_the_traceback(tmp_path, run_cli):
+    with pytest.raises(FileNotFoundError, match="not a model folder"):
+        run_cli("summarize", tmp_path / "nowhere", "x.jsonl", "--debug")
+    done = subprocess.run([sys.executable, "-m", "nezha_hf.cli", "summarize", str(tmp_path / "nowhere"), "x.jsonl",
+                           "--debug"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" in done.stderr and "FileNotFoundError" in done.stderr
+
+
+def test_evaluate_long_predictions_long_leads_bad_lines_and_no_references(tmp_path, run_cli):
+    rng = random.Random(1)
+    records = [synthetic_judgment(rng, i, sentences=60) for i in range(2)]
+    data = write_jsonl(tmp_path / "data.jsonl", records)
+    long_prediction = "".join(item["sentence"] for item in records[0]["text"])[:1481]
+    predictions = tmp_path / "predictions.jsonl"
+    predictions.write_bytes(
+        json.dumps({"id": "doc0", "summary": long_prediction}, ensure_ascii=False).encode() + b"\n"
+        + b'{"id": "doc9", "summary": "\xff"}\n'
+        + json.dumps({"id": "doc1", "summary": "判决"}, ensure_ascii=False).encode() + b"\n")
+    done = run_cli("evaluate", data, "--predictions", predictions, "--lead", "40", "--output", tmp_path / "scores.json")
+    assert done.returncode == 0, done.stderr[-2000:]  # the rouge package's recursion failed on both
+    assert "predictions.jsonl:2" in done.stderr and "UTF-8" in done.stderr
+    scores = json.loads((tmp_path / "scores.json").read_text())
+    assert set(scores["systems"]) == {"lead-40", "oracle", "labelled", "predictions"}
+    no_summaries = write_jsonl(tmp_path / "plain.jsonl", [{"id": "a", "text": "原告起诉。被告答辩。"}])
+    one_line_failure(run_cli("evaluate", no_summaries), "reference summary")

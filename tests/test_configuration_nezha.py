@@ -12,9 +12,17 @@ import nezha_hf
     (dict(max_relative_position=0), "max_relative_position"),
     (dict(hidden_size=30, num_attention_heads=4), "multiple"),
     (dict(hidden_size=12, num_attention_heads=4), "even"),
+    (dict(num_attention_heads=0), "num_attention_heads must be at least 1"),  # was a ZeroDivisionError
+    (dict(num_hidden_layers=-1), "num_hidden_layers"),  # was a 0-layer model
+    (dict(hidden_size=-32, num_attention_heads=4), "hidden_size must be at least 1"),
+    (dict(intermediate_size=0), "intermediate_size"),
+    (dict(layer_norm_eps=0.0), "layer_norm_eps must be positive"),  # was NaN outputs
+    (dict(attention_probs_dropout_prob=1.0), "attention_probs_dropout_prob"),
+    (dict(hidden_dropout_prob=-0.1), "hidden_dropout_prob"),
+    (dict(classifier_dropout=1.5), "classifier_dropout"),
 ])
 def test_bad_config_values_are_rejected(overrides, message):
-    with pytest.raises(Exception, match=message):
+    with pytest.raises(ValueError, match=message):
         tiny_config(**overrides)
 
 

@@ -16,7 +16,7 @@ from helpers import (
     save_layout,
     small_bert,
 )
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModel,
     AutoModelForMaskedLM,
@@ -40,20 +40,44 @@ POSITION_TENSORS = {"embeddings.position_embeddings.weight", "embeddings.positio
 
 
 def source_value(model, source_name):
+    """The tensor `model` holds under a saved name (without `bert.`, or with the gamma/beta of `save_layout`)."""
     state = model.state_dict()
-    return state.get(source_name, state.get("bert." + source_name))
+    name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", source_name))
+    return state.get(name, state.get("bert." + name))
 
 
-@pytest.mark.parametrize("layout", ["safetensors", "bin-with-buffers", "no-prefix"])
+def expected_names(bert, layout):
+    """Saved BERT name -> NEZHA name, from the two models' naming rules (not from the converter): the
+    `bert.` prefix becomes `nezha.`, heads keep their names, and a bare encoder (no prefix) becomes a
+    bare `NezhaModel`; the absolute position table and the decoder (tied to the word embeddings) have
+    no NEZHA counterpart."""
+    names = {}
+    for name in bert.state_dict():
+        if "position_embeddings" in name or name.startswith("cls.predictions.decoder."):
+            continue
+        if layout == "no-prefix":
+            if name.startswith("bert."):
+                names[name.removeprefix("bert.")] = name.removeprefix("bert.")
+        else:
+            names[name] = re.sub(r"^bert\.", "nezha.", name)
+    if layout == "gamma-beta":
+        names = {re.sub(r"LayerNorm\.weight$", "LayerNorm.gamma", re.sub(r"LayerNorm\.bias$", "LayerNorm.beta", source)):
+                 target for source, target in names.items()}
+    return names
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "bin-with-buffers", "gamma-beta", "no-prefix"])
 def test_bert_converts_bit_identically(tmp_path, layout):
     bert = small_bert()
     save_layout(bert, tmp_path / "bert", layout)
     report = convert_bert(tmp_path / "bert", tmp_path / "nezha")
 
     converted = load_file(tmp_path / "nezha" / "model.safetensors")
-    assert set(converted) == set(report.mapped.values())
-    for source_name, target in report.mapped.items():
-        assert torch.equal(converted[target], source_value(bert, source_name)), source_name
+    expected = expected_names(bert, layout)
+    assert set(converted) == set(expected.values())
+    for source_name, target in expected.items():
+        assert torch.equal(converted[target], source_value(bert, source_name)), f"{source_name} -> {target}"
+    assert report.mapped == expected
     # Every kind of tensor came across.
     for part in ("word_embeddings", "token_type_embeddings", "embeddings.LayerNorm", "attention.self.query",
                  "attention.output.dense", "intermediate.dense", "output.LayerNorm", "pooler.dense"):
@@ -65,7 +89,8 @@ def test_bert_converts_bit_identically(tmp_path, layout):
     expected_dropped = POSITION_TENSORS if layout == "bin-with-buffers" else {"embeddings.position_embeddings.weight"}
     assert dropped == expected_dropped
     tied = {item["name"] for item in report.dropped if item["reason"].startswith("tied")}
-    assert tied == ({"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"} if layout == "bin-with-buffers" else set())
+    saved_tied = layout in ("bin-with-buffers", "gamma-beta")  # .bin files hold the tied decoder as well
+    assert tied == ({"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"} if saved_tied else set())
 
     saved_report = json.loads((tmp_path / "nezha" / REPORT_NAME).read_text())
     assert saved_report["dropped"] == report.dropped and saved_report["mapped"] == report.mapped
@@ -151,7 +176,7 @@ def test_cli_convert_prints_the_report(tmp_path):
         [sys.executable, "-m", "nezha_hf.cli", "convert", "bert", str(tmp_path / "nowhere"), str(tmp_path / "x")],
         capture_output=True, text=True, timeout=300,
     )
-    assert failed.returncode == 1 and "nowhere" in failed.stderr
+    assert failed.returncode == 2 and "nowhere" in failed.stderr
 
 
 def tf_variables(bert, naming):
@@ -253,3 +278,127 @@ def test_an_unknown_architecture_lists_the_valid_ones(tmp_path):
     save_layout(small_bert(), tmp_path / "bert", "safetensors")
     with pytest.raises(ConversionError, match=r"'NezhaEmbeddings' is not a NEZHA model class; choose from .*NezhaForSentenceExtraction"):
         convert_bert(tmp_path / "bert", tmp_path / "nezha", architecture="NezhaEmbeddings")
+
+
+# --- nothing lost (issue: safe outputs) -------------------------------------------------------------------
+
+
+def snapshot(folder):
+    """Every file below `folder` with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("with_vocab", [False, True])
+def test_converting_onto_the_source_is_refused_and_the_source_is_untouched(tmp_path, with_vocab, run_cli):
+    save_layout(small_bert(), tmp_path / "bert", "safetensors")
+    if not with_vocab:
+        for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (tmp_path / "bert" / name).unlink(missing_ok=True)
+    before = snapshot(tmp_path / "bert")
+    for destination in (tmp_path / "bert", tmp_path / "bert" / "inside", tmp_path):
+        done = run_cli("convert", "bert", tmp_path / "bert", destination)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "source is never written" in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert snapshot(tmp_path / "bert") == before
+
+
+def test_an_existing_model_folder_is_kept_unless_overwrite_and_then_replaced_whole(tmp_path):
+    save_layout(small_bert(), tmp_path / "bert", "safetensors")
+    other = tmp_path / "other"
+    save_layout(small_bert(BertModel), other, "bin-with-buffers")  # a different model, as pytorch_model.bin
+    before = snapshot(other)
+    with pytest.raises(FileExistsError, match="overwrite"):
+        convert_bert(tmp_path / "bert", other)
+    assert snapshot(other) == before
+    # A conversion that fails half-way (no such head) leaves the folder as it was, vocab.txt included.
+    with pytest.raises(ConversionError):
+        convert_bert(tmp_path / "bert", other, architecture="NezhaForQuestionAnswering", overwrite=True)
+    assert snapshot(other) == before
+    convert_bert(tmp_path / "bert", other, overwrite=True)
+    assert not (other / "pytorch_model.bin").exists()  # nothing of the old model is left beside the new one
+    assert (other / "model.safetensors").exists() and not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
+def test_non_bert_sources_are_refused_whatever_allow_missing_says(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=99)).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ConversionError, match="gpt2"):
+        convert_bert(tmp_path / "gpt2", tmp_path / "out", architecture="NezhaModel", allow_missing=["*"])
+    # A BERT-like config whose weights lack the encoder: allow_missing cannot cover core weights either.
+    save_layout(small_bert(), tmp_path / "bert", "safetensors")
+    state = load_file(tmp_path / "bert" / "model.safetensors")
+    save_file({k: v for k, v in state.items() if "encoder.layer.1." not in k}, tmp_path / "bert" / "model.safetensors")
+    with pytest.raises(ConversionError, match="encoder.layer.1"):
+        convert_bert(tmp_path / "bert", tmp_path / "out", allow_missing=["*"])
+    assert not (tmp_path / "out").exists()
+
+
+# --- the command-line converters end to end ------------------------------------------------------------
+
+
+def test_cli_convert_nezha_gives_the_v4_outputs(tmp_path, run_cli):
+    done = run_cli("convert", "nezha", FIXTURES / "legacy-mlm-bert-prefix", tmp_path / "nezha")
+    assert done.returncode == 0, done.stderr
+    assert "positions_encoding" in done.stdout  # the persisted buffers are reported as dropped
+    assert run_case("legacy-mlm-bert-prefix", None, model_folder=tmp_path / "nezha") == {"the compiled kernel"}
+
+
+def test_cli_convert_tf_with_huawei_naming(tmp_path, run_cli):
+    bert = small_bert()
+    write_tf_checkpoint(tf_variables(bert, "nezha"), tmp_path / "tf" / "model.ckpt-900000")
+    config = {k: v for k, v in bert.config.to_dict().items() if k in (*SMALL_BERT, "type_vocab_size")}
+    (tmp_path / "bert_config.json").write_text(json.dumps(config))
+    make_tokenizer(tmp_path / "vocab")
+    done = run_cli("convert", "tf", tmp_path / "tf" / "model.ckpt-900000", tmp_path / "nezha",
+                   "--config", tmp_path / "bert_config.json", "--vocab", tmp_path / "vocab" / "vocab.txt")
+    assert done.returncode == 0, done.stderr
+    assert "optimizer state" in done.stdout and "training counter" in done.stdout
+    converted = load_file(tmp_path / "nezha" / "model.safetensors")
+    expected = expected_names(bert, "safetensors")
+    assert set(converted) == set(expected.values())
+    for source_name, target in expected.items():
+        assert torch.equal(converted[target], source_value(bert, source_name)), f"{source_name} -> {target}"
+    assert (tmp_path / "nezha" / "vocab.txt").exists()
+
+
+def save_sharded(model, directory, weight_format):
+    """`model` in several shards with an index, as `save_pretrained(max_shard_size=...)` writes (or v4 did for .bin)."""
+    directory.mkdir(parents=True)
+    model.config.save_pretrained(directory)
+    make_tokenizer(directory)
+    state = {name: tensor.clone().contiguous() for name, tensor in model.state_dict().items()
+             if not name.startswith("cls.predictions.decoder.")}
+    names = sorted(state)
+    shards = {f"model-0000{n + 1}-of-00003.{weight_format}": names[n::3] for n in range(3)}
+    for file, members in shards.items():
+        part = {name: state[name] for name in members}
+        if weight_format == "safetensors":
+            save_file(part, directory / file)
+        else:
+            torch.save(part, directory / file)
+    index_name = "model.safetensors.index.json" if weight_format == "safetensors" else "pytorch_model.bin.index.json"
+    weight_map = {name: file for file, members in shards.items() for name in members}
+    (directory / index_name).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("weight_format", ["safetensors", "bin"])
+def test_cli_convert_bert_from_shards_then_load_and_save_nezha_in_shards(tmp_path, run_cli, weight_format):
+    bert = small_bert()
+    save_sharded(bert, tmp_path / "bert", weight_format)
+    done = run_cli("convert", "bert", tmp_path / "bert", tmp_path / "nezha")
+    assert done.returncode == 0, done.stderr
+    converted = load_file(tmp_path / "nezha" / "model.safetensors")
+    expected = expected_names(bert, "safetensors")
+    assert set(converted) == set(expected.values())
+    for source_name, target in expected.items():
+        assert torch.equal(converted[target], source_value(bert, source_name)), f"{source_name} -> {target}"
+    # A NEZHA checkpoint saved in shards loads back to the same weights.
+    model = AutoModelForPreTraining.from_pretrained(tmp_path / "nezha")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
+    again, info = AutoModelForPreTraining.from_pretrained(tmp_path / "sharded", output_loading_info=True)
+    assert not any(info.values()), info
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name

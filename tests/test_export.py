@@ -56,6 +56,10 @@ def test_export_refuses_what_it_cannot_do_and_writes_nothing(tmp_path):
         export_onnx(tmp_path / "model", tmp_path / "old.onnx")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         export_onnx(tmp_path / "nowhere", tmp_path / "x.onnx")
+    saved = sorted(p.name for p in (tmp_path / "model").iterdir())
+    with pytest.raises(ValueError, match="source"):  # never written into its source
+        export_onnx(tmp_path / "model", tmp_path / "model" / "model.onnx")
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == saved
     assert (tmp_path / "old.onnx").read_bytes() == b"keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "old.onnx", "unilm"]
 

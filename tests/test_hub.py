@@ -162,3 +162,19 @@ def test_remote_code_loads_without_nezha_hf(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.split("max difference ")[1].split()[0]) < 1e-6
     assert "generates 8" in done.stdout
+
+
+def test_a_save_that_fails_half_way_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)).save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "checkpoint-5").mkdir()  # e.g. a Trainer's output folder
+    before = {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir() if p.is_file()}
+
+    def broken_card(*args, **kwargs):
+        raise RuntimeError("the card template failed")
+
+    monkeypatch.setattr(hub, "build_model_card", broken_card)
+    with pytest.raises(RuntimeError, match="card template"):
+        NezhaForMaskedLM(tiny_config(vocab_size=VOCAB, hidden_size=64)).save_pretrained(tmp_path / "model")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir() if p.is_file()} == before
+    assert (tmp_path / "model" / "checkpoint-5").is_dir() and [p.name for p in tmp_path.iterdir()] == ["model"]

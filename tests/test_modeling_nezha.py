@@ -9,7 +9,14 @@ import pytest
 import reference
 import torch
 import transformers
-from helpers import FIXTURE_CASES, FIXTURES, run_case, tiny_config
+from helpers import (
+    FIXTURE_CASES,
+    FIXTURES,
+    PATH_CASES,
+    record_paths,
+    run_case,
+    tiny_config,
+)
 from safetensors.torch import load_file
 
 import nezha_hf
@@ -75,17 +82,24 @@ def test_model_matches_independent_reference(length, attn_implementation, seed):
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
 
 
-def test_causal_decoder_matches_reference(seed):
-    model = NezhaModel(tiny_config(is_decoder=True)).eval()
-    input_ids, token_type_ids, attention_mask = padded_batch(40)
+@pytest.mark.parametrize("attn_implementation, length, path", PATH_CASES)
+def test_causal_decoder_matches_reference(attn_implementation, length, path, seed, monkeypatch):
+    model = NezhaModel(tiny_config(is_decoder=True, max_relative_position=K)).eval()
+    model.set_attn_implementation(attn_implementation)
+    input_ids, token_type_ids, attention_mask = padded_batch(length)
+    paths = record_paths(monkeypatch)
     with torch.no_grad():
         got = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, use_cache=False)
+    assert {ran for _, ran in paths} == {path}
     expected = reference.nezha_forward(model, input_ids, token_type_ids, attention_mask, causal=True)
-    torch.testing.assert_close(got.last_hidden_state.double(), expected, atol=1e-5, rtol=0)
+    valid = attention_mask.bool()
+    torch.testing.assert_close(got.last_hidden_state[valid].double(), expected[valid], atol=1e-5, rtol=0)
 
 
-def test_cached_decoding_equals_full_pass(seed):
+@pytest.mark.parametrize("attn_implementation", ["eager", nezha_hf.FAST_ATTENTION, nezha_hf.CHUNKED_ATTENTION])
+def test_cached_decoding_equals_full_pass(attn_implementation, seed):
     model = NezhaModel(tiny_config(is_decoder=True)).eval()
+    model.set_attn_implementation(attn_implementation)
     input_ids, token_type_ids, _ = padded_batch(30)
     with torch.no_grad():
         full = model(input_ids, token_type_ids=token_type_ids, use_cache=False).last_hidden_state
@@ -408,3 +422,34 @@ def test_encoder_decoder_model_with_nezha_on_both_sides_trains_and_generates():
     cached = model.generate(source, **settings)
     assert torch.equal(cached, model.generate(source, use_cache=False, **settings))
     assert (cached[:, 1:7] == source).all(1).float().mean() >= 0.75, cached
+
+
+# --- bad input: a clear error, never a crash deep inside (issue: nothing silent) ------------------------------
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_an_empty_or_truncated_bin_names_the_folder(tmp_path, damage):
+    shutil.copy(FIXTURES / "pretraining-bin" / "config.json", tmp_path)
+    data = (FIXTURES / "pretraining-bin" / "pytorch_model.bin").read_bytes()
+    (tmp_path / "pytorch_model.bin").write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    with pytest.raises(ValueError, match=f"Could not read the checkpoint at {tmp_path}"):
+        NezhaForPreTraining.from_pretrained(tmp_path)
+
+
+def test_a_missing_local_folder_is_named_not_looked_up_on_the_hub(tmp_path):
+    with pytest.raises(FileNotFoundError, match="No such model folder"):
+        NezhaForMaskedLM.from_pretrained(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (0, 5)])
+def test_empty_input_is_a_clear_error(shape):
+    with pytest.raises(ValueError, match="input is empty"):
+        NezhaModel(tiny_config())(torch.zeros(shape, dtype=torch.long))
+
+
+def test_a_forward_on_the_meta_device_gives_shapes():
+    with torch.device("meta"):
+        model = NezhaForMaskedLM(tiny_config())
+    ids = torch.zeros(2, 700, dtype=torch.long, device="meta")
+    logits = model(ids, attention_mask=torch.ones(2, 700, device="meta")).logits
+    assert logits.shape == (2, 700, 99) and logits.device.type == "meta"

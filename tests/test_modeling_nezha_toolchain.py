@@ -112,7 +112,7 @@ def test_exported_program_with_dynamic_batch_and_length(cls, implementation):
     example = padded_batch(40, rows=2)
     batch, length = torch.export.Dim("batch", min=1), torch.export.Dim("length", min=2)
     program = torch.export.export(model, (), example, dynamic_shapes={name: {0: batch, 1: length} for name in example})
-    for size in (16, 600):
+    for size in (16, 600, 3000):
         inputs = padded_batch(size, rows=3, seed=size)
         with torch.no_grad():
             expected = main_output(model(**inputs))

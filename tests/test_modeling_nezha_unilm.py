@@ -3,7 +3,7 @@
 import pytest
 import reference
 import torch
-from helpers import FIXTURES, tiny_config
+from helpers import FIXTURES, PATH_CASES, record_paths, tiny_config
 from transformers import AutoModelForCausalLM
 
 from nezha_hf import NezhaForMaskedLM, NezhaForUniLM
@@ -47,23 +47,25 @@ def left_padded_prompts(lengths, vocab=99, seed=1):
     return prompts, input_ids, attention_mask
 
 
-@pytest.mark.parametrize("source_length", [12, 700])  # the gather path, and three regions (> 512 tokens)
-def test_prefix_mask_matches_independent_reference(source_length):
+@pytest.mark.parametrize("attn_implementation, length, path", PATH_CASES)
+def test_head_logits_match_independent_reference(attn_implementation, length, path, monkeypatch):
+    """The head's own forward (prefix mask from token types, encoder, LM head) against the reference."""
     model = tiny_unilm()
-    batch = unilm_batch([source_length, source_length - 5], target_length=9)
+    model.set_attn_implementation(attn_implementation)
     with torch.no_grad():
-        got = model.nezha(
-            batch["input_ids"],
-            attention_mask=model.nezha.build_attention_mask(
-                batch["attention_mask"], *batch["input_ids"].shape, source_mask=batch["token_type_ids"] == 0
-            ),
-            token_type_ids=batch["token_type_ids"],
-        ).last_hidden_state
-    expected = reference.nezha_forward(
+        model.cls.predictions.bias.normal_()  # so that a head that ignored its bias would differ
+    target_length = 9
+    batch = unilm_batch([length - target_length - 3, length - target_length - 8], target_length)
+    paths = record_paths(monkeypatch)
+    with torch.no_grad():
+        got = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+                    token_type_ids=batch["token_type_ids"]).logits
+    assert {ran for _, ran in paths} == {path}
+    hidden = reference.nezha_forward(
         model.nezha, batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], prefix_lm=True
     )
     valid = batch["attention_mask"].bool()
-    torch.testing.assert_close(got[valid].double(), expected[valid], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[valid].double(), reference.lm_logits(model, hidden)[valid], atol=1e-5, rtol=0)
 
 
 def test_source_ignores_targets_and_targets_ignore_later_targets():

@@ -5,6 +5,7 @@ import random
 import subprocess
 import sys
 
+import pytest
 import torch
 from helpers import CHARACTERS
 from transformers import AutoTokenizer
@@ -71,11 +72,102 @@ def test_pretrain_lowers_the_loss_and_resumes(tmp_path, tokenizer):
     assert (tmp_path / "out" / "checkpoint-60").is_dir()
     assert len(AutoTokenizer.from_pretrained(tmp_path / "out")) == len(tokenizer)
     # Rerun with more steps: continues from checkpoint-60 instead of starting over.
+    checkpoint = tmp_path / "out" / "checkpoint-60"
+    saved = {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()}
     again = subprocess.run(
         [sys.executable, "-m", "nezha_hf.cli", "pretrain", str(start), str(corpus), "--output", str(tmp_path / "out"),
          "--max-length", "128", "--max-steps", "70", "--batch-size", "8", "--save-steps", "30"],
         capture_output=True, text=True, timeout=600,
     )
     assert again.returncode == 0, again.stderr[-3000:]
-    state = json.loads((tmp_path / "out" / "checkpoint-70" / "trainer_state.json").read_text())
-    assert state["global_step"] == 70 and len(state["log_history"]) >= 1
+    assert f"Resuming from {checkpoint}" in again.stderr
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()} == saved
+    before = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
+    after = json.loads((tmp_path / "out" / "checkpoint-70" / "trainer_state.json").read_text())
+    # The first 60 steps' logs (learning rates of the first run's schedule) are carried over, not re-run.
+    assert after["global_step"] == 70 and after["log_history"][: len(before)] == before and before
+
+
+# --- resuming after a run died while saving (issue: resumable training) --------------------------------------
+
+
+def pretraining_start(tmp_path, tokenizer):
+    corpus = chinese_corpus(tmp_path / "corpus")
+    torch.manual_seed(0)
+    start = tmp_path / "start"
+    NezhaForMaskedLM(NezhaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=64, max_relative_position=16)).save_pretrained(start)
+    tokenizer.save_pretrained(start)
+    return start, corpus
+
+
+def run(start, corpus, output):
+    from nezha_hf.pretraining import continue_pretraining
+
+    return continue_pretraining(start, [corpus], output, max_length=64, max_steps=30, save_steps=10, logging_steps=5,
+                                per_device_train_batch_size=4, learning_rate=2e-3, show_progress=False)
+
+
+def weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("damage", ["killed while saving trainer_state.json", "truncated weights"])
+def test_resume_skips_an_incomplete_checkpoint_and_reaches_the_uninterrupted_weights(tmp_path, tokenizer, damage,
+                                                                                     monkeypatch, caplog):
+    from transformers import Trainer
+    from transformers.utils import logging as hf_logging
+
+    start, corpus = pretraining_start(tmp_path, tokenizer)
+    run(start, corpus, tmp_path / "uninterrupted")
+    interrupted = tmp_path / "interrupted"
+    run(start, corpus, interrupted)
+    newest = interrupted / "checkpoint-30"
+    if damage.startswith("killed"):
+        (newest / "trainer_state.json").unlink()
+    else:
+        data = (newest / "model.safetensors").read_bytes()
+        (newest / "model.safetensors").write_bytes(data[: len(data) // 2])
+    earlier = {p.name: p.read_bytes() for p in (interrupted / "checkpoint-20").iterdir()}
+    steps = []
+    original = Trainer.training_step
+    monkeypatch.setattr(Trainer, "training_step", lambda *a, **k: steps.append(1) or original(*a, **k))
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            run(start, corpus, interrupted)
+    finally:
+        hf_logging.disable_propagation()
+    assert f"Skipping the incomplete checkpoint {newest}" in caplog.text
+    assert len(steps) == 10  # only the steps after checkpoint-20
+    assert {p.name: p.read_bytes() for p in (interrupted / "checkpoint-20").iterdir()} == earlier
+    expected, got = weights(tmp_path / "uninterrupted"), weights(interrupted)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_pretraining_refuses_to_write_into_its_sources(tmp_path, tokenizer):
+    start, corpus = pretraining_start(tmp_path, tokenizer)
+    before = {p: p.read_bytes() for p in start.iterdir()}
+    from nezha_hf.pretraining import continue_pretraining
+
+    for output in (start, start / "out", corpus):
+        with pytest.raises(ValueError, match="never written"):
+            continue_pretraining(start, [corpus], output, max_steps=1)
+    assert {p: p.read_bytes() for p in start.iterdir()} == before
+
+
+def test_a_line_that_is_not_utf8_is_reported_and_the_rest_is_read(tmp_path):
+    from nezha_hf.documents import read_documents
+
+    (tmp_path / "corpus.jsonl").write_bytes(b'{"text": "\xe5\x8e\x9f\xe5\x91\x8a"}\n{"text": "bad \xff\xfe"}\n{"text": "ok"}\n')
+    (tmp_path / "notes.txt").write_bytes("原告\n".encode() + b"\xc3\x28 broken\n" + "被告\n".encode())
+    problems = []
+    documents = list(read_documents([tmp_path], txt_split="lines", problems=problems))
+    assert [d.text for d in documents] == ["原告", "ok", "原告", "被告"]
+    assert [(p.path.endswith(name), p.line) for p, name in zip(problems, ("corpus.jsonl", "notes.txt"))] == [
+        (True, 2), (True, 2)]
+    assert all("UTF-8" in p.message for p in problems)

@@ -88,6 +88,7 @@ def is_subsequence(needle, haystack):
 def test_copy_tags_hand_example_and_properties():
     assert copy_tags([1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 8, 6]) == [0, 1, 2, 2, 0, 1]
     assert copy_tags([7, 8], [8, 7, 8]) == [0, 1, 2]
+    assert copy_tags([1, 2], [1, 9, 2]) == [1, 0, 1]  # adjacent in the source, not in the target: two spans
     assert copy_tags([], [1, 2]) == [0, 0] and copy_tags([1], []) == []
     generator = torch.Generator().manual_seed(0)
     for _ in range(200):
@@ -98,6 +99,7 @@ def test_copy_tags_hand_example_and_properties():
         assert len(copied) == lcs_length(source, target)
         assert is_subsequence(copied, source)
         assert not tags or tags[0] != 2  # a span starts with 1
+        assert all(tags[t - 1] != 0 for t in range(1, len(tags)) if tags[t] == 2)  # 2 continues a copied token
         spans, current = [], []
         for token, tag in zip(target, tags):
             if tag != 2 and current:

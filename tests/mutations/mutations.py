@@ -1,0 +1,137 @@
+"""Plausible one-line bugs the test suite must catch, each with the tests that should catch it.
+
+Every entry replaces `original` (which must occur exactly once in `file`) by `mutant` in a temporary
+copy of the repository and runs `tests` there; the bug is caught when at least one test fails.
+Add an entry whenever a bug slips past the tests: first the entry (it survives), then the test.
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    original: str
+    mutant: str
+    tests: list[str] = field(default_factory=list)
+
+
+ATTENTION_TESTS = ["tests/test_relative_attention.py", "tests/test_modeling_nezha.py", "-m", "not slow"]
+KERNEL_TESTS = ["tests/test_attention_kernel.py", "-m", "not slow"]
+CHUNKED_TESTS = ["tests/test_chunked_attention.py", "-m", "not slow"]
+SAFE_OUTPUT_TESTS = ["tests/test_safe_output.py", "tests/test_conversion.py", "tests/test_hub.py", "-m", "not slow"]
+UNILM_TESTS = ["tests/test_modeling_nezha_unilm.py", "tests/test_unilm.py", "-m", "not slow"]
+
+MUTATIONS = [
+    # --- relative positions (one place: relative_attention.py) ---
+    Mutation("relative index clipped at -K + 1 instead of -K", "nezha_hf/relative_attention.py",
+             "distance.clamp(-max_relative_position, max_relative_position)",
+             "distance.clamp(-max_relative_position + 1, max_relative_position)", ATTENTION_TESTS),
+    Mutation("relative index not shifted by K", "nezha_hf/relative_attention.py",
+             "max_relative_position) + max_relative_position\n",
+             "max_relative_position) + max_relative_position - 1\n", ATTENTION_TESTS),
+    Mutation("sin and cos columns of the table swapped", "nezha_hf/relative_attention.py",
+             "table[:, 0::2] = torch.sin(position * div_term)", "table[:, 0::2] = torch.cos(position * div_term)",
+             ATTENTION_TESTS),
+    Mutation("cached queries start at position 0", "nezha_hf/relative_attention.py",
+             "query_position = torch.arange(query_length, device=device) + query_offset",
+             "query_position = torch.arange(query_length, device=device)",
+             ["tests/test_modeling_nezha.py", "-m", "not slow", "-k", "cache or cached"]),
+    # --- the chunked path: tail constants and boundaries ---
+    Mutation("chunked left tail shifted by table row 1, not row 0", "nezha_hf/chunked_attention.py",
+             "first, last = table[0].to(key.dtype), table[-1].to(key.dtype)",
+             "first, last = table[1].to(key.dtype), table[-1].to(key.dtype)", CHUNKED_TESTS),
+    Mutation("chunked right tail shifted by table row 2K - 1, not 2K", "nezha_hf/chunked_attention.py",
+             "first, last = table[0].to(key.dtype), table[-1].to(key.dtype)",
+             "first, last = table[0].to(key.dtype), table[-2].to(key.dtype)", CHUNKED_TESTS),
+    Mutation("chunked left tail takes one key of the band", "nezha_hf/chunked_attention.py",
+             "left_end = min(max(self.first - K + 1, 0), self.keys)",
+             "left_end = min(max(self.first - K + 2, 0), self.keys)", CHUNKED_TESTS),
+    Mutation("chunked value term's bucket sums over the wrong rows", "nezha_hf/chunked_attention.py",
+             "bucket.scatter_add_(-1, index.expand(*weights.shape), weights)",
+             "bucket.scatter_add_(-1, (2 * chunk.K - index).expand(*weights.shape), weights)", CHUNKED_TESTS),
+    Mutation("chunked causal mask lets each query see the next key", "nezha_hf/chunked_attention.py",
+             "future = later > self.first + torch.arange(rows, device=scores.device)[:, None]",
+             "future = later > self.first + 1 + torch.arange(rows, device=scores.device)[:, None]", CHUNKED_TESTS),
+    # --- three regions ---
+    Mutation("three regions: right tail at table row 2K - 1", "nezha_hf/three_regions.py",
+             'self.row = 0 if side == "left" else 2 * K', 'self.row = 0 if side == "left" else 2 * K - 1',
+             ["tests/test_three_regions.py", "-m", "not slow"]),
+    # --- the compiled kernel: band rows, tails, bucket sums ---
+    Mutation("kernel band reads the table one row early", "nezha_hf/csrc/relative_attention.cpp",
+             "body(left, right, n - i + K, std::integral_constant<int64_t, 1>());",
+             "body(left, right, n - i + K - 1, std::integral_constant<int64_t, 1>());", KERNEL_TESTS),
+    Mutation("kernel left tail takes one key of the band", "nezha_hf/csrc/relative_attention.cpp",
+             "const int64_t left = std::min(std::max(i - K + 1 - n, int64_t(0)), kb);",
+             "const int64_t left = std::min(std::max(i - K + 2 - n, int64_t(0)), kb);", KERNEL_TESTS),
+    Mutation("kernel forward forgets to rescale the bucket sums when the row maximum grows",
+             "nezha_hf/csrc/relative_attention.cpp",
+             "for (int64_t x = 0; x < R; ++x) row_bucket[x] *= correction;",
+             "for (int64_t x = 0; x < R; ++x) row_bucket[x] *= 1.0f;", KERNEL_TESTS),
+    Mutation("kernel backward drops the tails' bucket sums", "nezha_hf/csrc/relative_attention.cpp",
+             "add_to_bucket(grad_bucket.data() + r * R, grad, start, stop, first, step, range_sum);",
+             "add_to_bucket(grad_bucket.data() + r * R, grad, start, stop, first, step, 0.0f);", KERNEL_TESTS),
+    Mutation("kernel dropout scales the value term before dropping", "nezha_hf/csrc/relative_attention.cpp",
+             "                row[c] *= p.keep_factor(key, n + c);\n                range_sum += row[c];",
+             "                range_sum += row[c];\n                row[c] *= p.keep_factor(key, n + c);", KERNEL_TESTS),
+    # --- the UniLM head and generation ---
+    Mutation("UniLM head drops its token types", "nezha_hf/modeling_nezha.py",
+             "            attention_mask=mask,\n            token_type_ids=token_type_ids,",
+             "            attention_mask=mask,\n            token_type_ids=None,", UNILM_TESTS),
+    Mutation("generation gives the first generated token the source type", "nezha_hf/modeling_nezha.py",
+             "torch.where(position >= source_length, torch.ones_like(types), types)",
+             "torch.where(position > source_length, torch.ones_like(types), types)", UNILM_TESTS),
+    Mutation("prefix mask ignores which keys are source", "nezha_hf/modeling_nezha.py",
+             "attention_mask, batch_size, length, past_key_values, source_mask=token_type_ids == 0",
+             "attention_mask, batch_size, length, past_key_values, source_mask=None", UNILM_TESTS),
+    Mutation("copy tags: a continuation only has to follow in the source", "nezha_hf/unilm.py",
+             "tags[t] = 2 if (i, t) == (previous[0] + 1, previous[1] + 1) else 1",
+             "tags[t] = 2 if i == previous[0] + 1 else 1", UNILM_TESTS),
+    Mutation("copy decoding: a continued span restarts at length 1", "nezha_hf/modeling_nezha.py",
+             "span = tag if tag < 2 else span + 1", "span = tag if tag < 2 else 1", UNILM_TESTS),
+    # --- converters ---
+    Mutation("converter swaps query and key", "nezha_hf/conversion.py",
+             'name = re.sub(r"^(bert|nezha)\\.", "", source_name)',
+             'name = re.sub(r"^(bert|nezha)\\.", "", source_name).replace(".query.", ".QUERY.")'
+             '.replace(".key.", ".query.").replace(".QUERY.", ".key.")',
+             ["tests/test_conversion.py", "-m", "not slow"]),
+    Mutation("TF kernels not transposed", "nezha_hf/conversion.py",
+             "value = value.T.contiguous()", "value = value.contiguous()",
+             ["tests/test_conversion.py", "-m", "not slow"]),
+    Mutation("LayerNorm gamma renamed to bias", "nezha_hf/conversion.py",
+             'name = re.sub(r"LayerNorm\\.gamma$", "LayerNorm.weight", name)',
+             'name = re.sub(r"LayerNorm\\.gamma$", "LayerNorm.bias", name)',
+             ["tests/test_conversion.py", "-m", "not slow"]),
+    # --- the CAIL score ---
+    Mutation("ROUGE-L recall instead of F", "nezha_hf/cail.py",
+             "return 2.0 * ((precision * recall) / (precision + recall + 1e-8))", "return recall",
+             ["tests/test_cail.py"]),
+    Mutation("ROUGE-1/2 recall instead of F", "nezha_hf/cail.py",
+             'result[name]["f"] if name != "rouge-l"', 'result[name]["r"] if name != "rouge-l"',
+             ["tests/test_cail.py"]),
+    Mutation("CAIL weights of ROUGE-1 and ROUGE-2 swapped", "nezha_hf/cail.py",
+             'return 0.2 * scores["rouge-1"] + 0.4 * scores["rouge-2"]',
+             'return 0.4 * scores["rouge-1"] + 0.2 * scores["rouge-2"]', ["tests/test_cail.py"]),
+    # --- resuming training ---
+    Mutation("pretraining ignores its checkpoint", "nezha_hf/pretraining.py",
+             "result = trainer.train(resume_from_checkpoint=str(last) if last else None)",
+             "result = trainer.train(resume_from_checkpoint=None)",
+             ["tests/test_pretraining.py", "-k", "resume"]),
+    Mutation("resume takes an incomplete checkpoint", "nezha_hf/checkpoints.py",
+             "        problem = checkpoint_problem(folder)\n", "        problem = None\n",
+             ["tests/test_pretraining.py", "-k", "resume"]),
+    Mutation("masks drawn from the global random state (not reproducible on resume)", "nezha_hf/pretraining.py",
+             'manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + int(feature["index"]))',
+             "manual_seed(int(torch.randint(1 << 62, ())))",
+             ["tests/test_pretraining.py", "-k", "resume"]),
+    # --- safe outputs ---
+    Mutation("a destination inside its source is allowed", "nezha_hf/safe_output.py",
+             "if resolved == source or source in resolved.parents or resolved in source.parents:",
+             "if resolved == source:", SAFE_OUTPUT_TESTS),
+    Mutation("a failed write leaves its half-written folder", "nezha_hf/safe_output.py",
+             "    except BaseException:\n        shutil.rmtree(staging, ignore_errors=True)\n        raise\n    if destination",
+             "    except BaseException:\n        raise\n    if destination", SAFE_OUTPUT_TESTS),
+    Mutation("a new save leaves the old model's weight shards", "nezha_hf/safe_output.py",
+             "                    old.unlink()", "                    pass", SAFE_OUTPUT_TESTS),
+]

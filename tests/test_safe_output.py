@@ -1,0 +1,60 @@
+"""nezha_hf.safe_output: destinations checked first, outputs renamed into place only when complete."""
+
+import pytest
+
+from nezha_hf.safe_output import (
+    check_destination,
+    staged_file,
+    staged_files_into,
+    staged_folder,
+)
+
+
+def test_a_failed_write_leaves_the_old_folder_as_it_was(tmp_path):
+    old = tmp_path / "model"
+    old.mkdir()
+    (old / "config.json").write_text("old")
+    with pytest.raises(RuntimeError), staged_folder(old) as staging:
+        (staging / "config.json").write_text("new")
+        raise RuntimeError("verification failed")
+    assert [p.name for p in tmp_path.iterdir()] == ["model"] and (old / "config.json").read_text() == "old"
+    with staged_folder(old) as staging:
+        (staging / "model.safetensors").write_text("new")
+    assert sorted(p.name for p in old.iterdir()) == ["model.safetensors"]  # replaced whole
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_files_move_in_beside_what_the_folder_already_holds(tmp_path):
+    folder = tmp_path / "run"
+    (folder / "checkpoint-10").mkdir(parents=True)
+    (folder / "model-00001-of-00002.safetensors").write_text("old shard")
+    with staged_files_into(folder) as staging:
+        (staging / "model.safetensors").write_text("new")
+        (staging / "config.json").write_text("{}")
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint-10", "config.json", "model.safetensors"]
+    with pytest.raises(KeyError), staged_files_into(folder) as staging:
+        (staging / "config.json").write_text("half")
+        raise KeyError("interrupted")
+    assert (folder / "config.json").read_text() == "{}" and [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+def test_destinations_that_would_lose_data_are_refused(tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "weights").write_text("x")
+    for destination in (source, source / "inside", tmp_path):
+        with pytest.raises(ValueError, match="never written"):
+            check_destination(destination, [source])
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "a").write_text("a")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        check_destination(full)
+    assert check_destination(full, overwrite=True) == full
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_destination(tmp_path / "missing" / "out.jsonl", kind="file")
+    with pytest.raises(IsADirectoryError):
+        check_destination(full, kind="file")
+    with staged_file(tmp_path / "out.json") as staging:
+        staging.write_text("done")
+    assert (tmp_path / "out.json").read_text() == "done"
