@@ -10,6 +10,7 @@ exact, but its scores are `L x L` per head (see the README for what that costs a
 Needs `pip install "nezha_hf[onnx]"` (onnx, onnxscript, onnxruntime).
 """
 
+import copy
 import os
 import tempfile
 from dataclasses import dataclass
@@ -74,7 +75,8 @@ def _example(model, batch: int, length: int, seed: int) -> dict[str, torch.Tenso
 
 def _load(model_or_path) -> NezhaPreTrainedModel:
     if isinstance(model_or_path, NezhaPreTrainedModel):
-        model = type(model_or_path)._from_config(model_or_path.config, attn_implementation="eager")
+        # A copy of the config: `_from_config` would otherwise switch the caller's model to eager too.
+        model = type(model_or_path)._from_config(copy.deepcopy(model_or_path.config), attn_implementation="eager")
         model.load_state_dict(model_or_path.state_dict())
         return model.eval()
     from transformers import AutoConfig

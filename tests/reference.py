@@ -39,10 +39,11 @@ def allowed_mask(length, key_valid=None, causal=False, key_is_source=None, query
     return allowed
 
 
-def attention(q, k, v, max_relative_position, allowed=None, query_offset=0, table=None):
+def attention(q, k, v, max_relative_position, allowed=None, query_offset=0, table=None, keep=None, dropout=0.0):
     """softmax_j((q_i.k_j + q_i.a_ij)/sqrt(d)) (v_j + a_ij) with a_ij = T[clip(j - i, -K, K) + K].
 
-    Rows with every key masked give zeros.
+    Rows with every key masked give zeros. With a `keep` mask (`[..., Lq, Lk]`, 0 or 1), dropout as in
+    transformers 4.x: the probabilities times keep / (1 - dropout), into both value terms.
     """
     K, d = max_relative_position, q.shape[-1]
     table = relative_table(K, d, q.dtype) if table is None else table
@@ -53,7 +54,8 @@ def attention(q, k, v, max_relative_position, allowed=None, query_offset=0, tabl
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.nan_to_num(torch.softmax(scores, -1))
-    return probs @ v + torch.einsum("bhij,ijd->bhid", probs, a), probs
+    weights = probs if keep is None else probs * keep / (1 - dropout)
+    return weights @ v + torch.einsum("bhij,ijd->bhid", weights, a), probs
 
 
 def nezha_forward(model, input_ids, token_type_ids=None, attention_mask=None, causal=False, prefix_lm=False,

@@ -116,17 +116,6 @@ def kernel_keep_mask(seed, batch, heads, queries, keys, p, offset=0):
     return torch.from_numpy(bits >= np.uint32(min(math.ldexp(p, 32), 2**32 - 1))).view(batch, heads, queries, keys)
 
 
-def reference_with_keep(q, k, v, K, allowed, keep, p):
-    """The plain formula with dropout: softmax, times keep / (1 - p), into both value terms (transformers 4.x)."""
-    d = q.shape[-1]
-    table = reference.relative_table(K, d, q.dtype)
-    i, j = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
-    a = table[(j - i).clamp(-K, K) + K]
-    scores = (q @ k.transpose(-1, -2) + torch.einsum("bhid,ijd->bhij", q, a)) / math.sqrt(d)
-    probs = torch.nan_to_num(torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)) * keep / (1 - p)
-    return probs @ v + torch.einsum("bhij,ijd->bhid", probs, a)
-
-
 @pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
 def test_dropout_matches_the_reference_given_the_same_mask(mode, monkeypatch):
     monkeypatch.setattr(attention_kernel, "KERNEL_BLOCK_SIZES", (16, 32))  # several blocks each way
@@ -136,7 +125,7 @@ def test_dropout_matches_the_reference_given_the_same_mask(mode, monkeypatch):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     references = [t.clone().requires_grad_() for t in (q, k, v)]
     assert_matches(kernel(*leaves, mask, 6, dropout=p, seed=seed),
-                   reference_with_keep(*references, 6, allowed, keep, p), leaves, references)
+                   reference.attention(*references, 6, allowed, keep=keep, dropout=p)[0], leaves, references)
 
 
 def test_dropout_rate_and_mean_are_preserved():

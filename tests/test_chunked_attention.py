@@ -1,11 +1,10 @@
 """The chunked path: against the reference in any chunking, with caches, dropout and bfloat16, and in linear memory."""
 
-import math
 
 import pytest
 import reference
 import torch
-from helpers import make_case, tiny_config
+from helpers import make_case, record_paths, tiny_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -15,9 +14,11 @@ from nezha_hf import relative_attention as ra
 
 
 def run(q, k, v, mask, K, offset=0, dropout=0.0, seed=0):
-    table = ra.sinusoid_relative_table(K, q.shape[-1]).to(q.dtype)
+    table = ra.sinusoid_relative_table(K, q.shape[-1]).to(q.device, q.dtype)
+    key_is_valid, key_is_source = (None if t is None else t.to(q.device)
+                                   for t in (mask.key_is_valid, mask.key_is_source if mask.causal else None))
     return chunked_attention.chunked_attention(
-        q, k, v, table, q.shape[-1] ** -0.5, mask.causal, mask.key_is_valid, mask.key_is_source if mask.causal else None,
+        q, k, v, table, q.shape[-1] ** -0.5, mask.causal, key_is_valid, key_is_source,
         offset, dropout, torch.tensor(seed),
     ).transpose(1, 2)
 
@@ -49,17 +50,6 @@ def test_any_chunking_matches_the_reference(length, K, rows, new, mode, padded, 
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"d{name}")
 
 
-def reference_with_keep(q, k, v, K, allowed, keep, p):
-    """The plain formula with dropout: softmax, times keep / (1 - p), into both value terms."""
-    d = q.shape[-1]
-    table = reference.relative_table(K, d, q.dtype)
-    i, j = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
-    a = table[(j - i).clamp(-K, K) + K]
-    scores = (q @ k.transpose(-1, -2) + torch.einsum("bhid,ijd->bhij", q, a)) / math.sqrt(d)
-    probs = torch.nan_to_num(torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)) * keep / (1 - p)
-    return probs @ v + torch.einsum("bhij,ijd->bhid", probs, a)
-
-
 def chunk_keep_mask(q, k, mask, K, p, seed):
     """The keep mask the chunked path draws, rebuilt chunk by chunk with the generators it seeds."""
     table = ra.sinusoid_relative_table(K, q.shape[-1])
@@ -82,7 +72,7 @@ def test_dropout_matches_the_reference_given_the_same_mask(mode, monkeypatch):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     got = run(*leaves, mask, 6, dropout=p, seed=seed)
     references = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = reference_with_keep(*references, 6, allowed, keep, p)
+    expected = reference.attention(*references, 6, allowed, keep=keep, dropout=p)[0]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     grad = torch.randn_like(got)
     for a, b in zip(torch.autograd.grad((got * grad).sum(), leaves), torch.autograd.grad((expected * grad).sum(), references)):
@@ -107,6 +97,38 @@ def test_bfloat16_forward_and_backward_close_to_float32():
                     torch.autograd.grad((expected * grad).sum(), references)):
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a.float(), b, atol=8e-2, rtol=0)
+
+
+# --- accelerators: run where one exists ----------------------------------------------------------
+
+
+def accelerator(name):
+    backend = getattr(torch, name, None)
+    available = backend is not None and backend.is_available()
+    return pytest.param(name, marks=pytest.mark.skipif(not available, reason=f"no {name} device on this machine"))
+
+
+@pytest.mark.parametrize("device", [accelerator("cuda"), accelerator("mps"), accelerator("xpu")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_an_accelerator_the_chunked_path_runs_and_matches_the_reference(device, dtype, monkeypatch):
+    """A model created on the device runs the chunked path (the kernel is CPU code); forward and gradients against the
+    reference computed on the CPU in float32."""
+    paths = record_paths(monkeypatch)
+    with torch.device(device):
+        model = NezhaModel(tiny_config(max_relative_position=6)).to(dtype).eval()
+    q, k, v, mask, allowed = make_case(2, 2, 300, 8, 6, "prefix", [300, 250], torch.float32, seed=9)
+    leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+    got = run(*leaves, mask, 6)
+    references = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = reference.attention(*references, 6, allowed)[0]
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float().cpu(), expected, atol=tolerance, rtol=0)
+    grad = torch.randn_like(expected)
+    for a, b in zip(torch.autograd.grad((got.float().cpu() * grad).sum(), leaves),
+                    torch.autograd.grad((expected * grad).sum(), references)):
+        torch.testing.assert_close(a.float().cpu(), b, atol=tolerance * 3, rtol=0)
+    model(torch.randint(0, 99, (2, 40), device=device))
+    assert {ran for _, ran in paths} == {"the chunked path"}, paths
 
 
 # --- linear memory ------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import record_paths, tiny_config
 
+import nezha_hf
 from nezha_hf import (
     NezhaForMaskedLM,
     NezhaForSequenceClassification,
@@ -43,6 +44,18 @@ def test_onnx_matches_pytorch_at_any_length_with_padding(cls, tmp_path):
         got = session.run(None, {name: value.numpy() for name, value in inputs.items()})
         for name, value in zip(report.outputs, got):
             np.testing.assert_allclose(value, expected[name].numpy(), atol=1e-4, rtol=0, err_msg=f"{name} at {length}")
+
+
+def test_exporting_a_model_object_leaves_its_attention_alone(tmp_path, monkeypatch):
+    """The export runs an eager copy; the caller's model must keep its linear-memory attention afterwards
+    (it used to share the config, so the model was silently switched to the L x L gather path)."""
+    model = NezhaForSequenceClassification(tiny_config()).eval()
+    export_onnx(model, tmp_path / "model.onnx")
+    paths = record_paths(monkeypatch)
+    with torch.no_grad():
+        model(**padded_batch(40))
+    assert model.config._attn_implementation == nezha_hf.FAST_ATTENTION
+    assert {ran for _, ran in paths} == {"the compiled kernel"}, paths
 
 
 def test_export_refuses_what_it_cannot_do_and_writes_nothing(tmp_path):

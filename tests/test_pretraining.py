@@ -45,12 +45,7 @@ def test_whole_word_masking_masks_every_token_of_a_word(tokenizer):
 
 
 def test_pretrain_lowers_the_loss_and_resumes(tmp_path, tokenizer):
-    corpus = chinese_corpus(tmp_path / "corpus")
-    torch.manual_seed(0)
-    start = tmp_path / "start"
-    NezhaForMaskedLM(NezhaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                 intermediate_size=64, max_relative_position=16)).save_pretrained(start)
-    tokenizer.save_pretrained(start)
+    start, corpus = pretraining_start(tmp_path, tokenizer)
     texts = (corpus / "corpus.txt").read_text(encoding="utf-8").split("\n\n")
     held_out = pack_documents(tokenizer, texts[:4], max_length=128, show_progress=False)
 

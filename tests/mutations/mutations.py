@@ -134,4 +134,8 @@ MUTATIONS = [
              "    except BaseException:\n        raise\n    if destination", SAFE_OUTPUT_TESTS),
     Mutation("a new save leaves the old model's weight shards", "nezha_hf/safe_output.py",
              "                    old.unlink()", "                    pass", SAFE_OUTPUT_TESTS),
+    # --- export ---
+    Mutation("exporting a model object switches the caller's model to the L x L gather path", "nezha_hf/export.py",
+             "_from_config(copy.deepcopy(model_or_path.config), ", "_from_config(model_or_path.config, ",
+             ["tests/test_export.py", "-m", "not slow"]),
 ]
