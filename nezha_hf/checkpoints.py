@@ -1,4 +1,7 @@
-"""Resuming Trainer runs only from checkpoints that were written completely.
+"""Model folders and Trainer checkpoints on disk: what is there, and what is complete.
+
+`model_folder` checks that a local model folder exists before any work starts (rather than letting
+`from_pretrained` treat a mistyped path as a model-hub id).
 
 A run killed while saving leaves a `checkpoint-N` folder without its `trainer_state.json` (Trainer
 writes it last) or with a truncated weights file. transformers' own `get_last_checkpoint` returns the
@@ -16,6 +19,14 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 TRAINER_STATE = "trainer_state.json"
+
+
+def model_folder(path, needs: str = "config.json") -> Path:
+    """`path` as a `Path` if it is a local folder holding `needs`; otherwise a `FileNotFoundError` naming it."""
+    path = Path(path)
+    if not (path / needs).is_file():
+        raise FileNotFoundError(f"{path} is not a model folder: it has no {needs}.")
+    return path
 
 
 def checkpoint_problem(folder: Path) -> str | None:
@@ -59,4 +70,4 @@ def last_complete_checkpoint(output_dir) -> Path | None:
     return None
 
 
-__all__ = ["checkpoint_problem", "last_complete_checkpoint"]
+__all__ = ["checkpoint_problem", "last_complete_checkpoint", "model_folder"]

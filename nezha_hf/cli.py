@@ -175,21 +175,14 @@ def _read_inputs(paths):
     return judgments
 
 
-def _model_folder(path, needs="config.json") -> Path:
-    """A local model folder holding `needs`; otherwise a clear error (not a model-hub lookup)."""
-    path = Path(path)
-    if not (path / needs).is_file():
-        raise FileNotFoundError(f"{path} is not a model folder: it has no {needs}.")
-    return path
-
-
 def _summarize(args) -> None:
     import json
 
+    from .checkpoints import model_folder
     from .safe_output import check_destination, write_text_atomically
     from .summarization import Summarizer
 
-    _model_folder(args.model, "summarizer.json")
+    model_folder(args.model, "summarizer.json")
     if args.output:
         check_destination(args.output, [args.model, *args.inputs], args.overwrite, kind="file")
     judgments = _read_inputs(args.inputs)
@@ -211,9 +204,10 @@ def _summarize(args) -> None:
 
 
 def _train_summarizer(args) -> None:
+    from .checkpoints import model_folder
     from .summarization import train_summarizer
 
-    _model_folder(args.base)
+    model_folder(args.base)
     metrics = train_summarizer(
         _read_inputs(args.data), args.base, args.output, validation_fraction=args.validation_fraction,
         extractor_steps=args.extractor_steps, generator_steps=args.generator_steps, max_length=args.max_length,
@@ -270,9 +264,10 @@ def _demo(args) -> None:
 
 
 def _pretrain(args) -> None:
+    from .checkpoints import model_folder
     from .pretraining import continue_pretraining
 
-    _model_folder(args.model)
+    model_folder(args.model)
     metrics = continue_pretraining(
         args.model, args.files, args.output, max_length=args.max_length, mlm_probability=args.mlm_probability,
         txt_split=args.txt_split, resume=not args.no_resume, max_steps=args.max_steps, num_train_epochs=args.epochs,

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .checkpoints import model_folder
 from .modeling_nezha import (
     NezhaForMultipleChoice,
     NezhaForSentenceExtraction,
@@ -83,9 +84,7 @@ def _load(model_or_path) -> NezhaPreTrainedModel:
 
     from .modeling_nezha import nezha_head
 
-    path = Path(model_or_path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a model folder: it has no config.json.")
+    path = model_folder(model_or_path)
     config = AutoConfig.from_pretrained(path)
     head = nezha_head((config.architectures or ["NezhaModel"])[0])
     return head.model_class.from_pretrained(path, attn_implementation="eager").eval()

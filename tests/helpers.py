@@ -74,6 +74,11 @@ PATH_CASES = [
 ]
 
 
+def snapshot(folder) -> dict[str, bytes]:
+    """Every file below `folder` with its bytes, to check that something was left exactly as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
 def count_calls(monkeypatch, function) -> list:
     """Record every call of an autograd Function's `apply` (the list grows by one per call)."""
     calls = []
@@ -108,13 +113,9 @@ def run_case(name, attn_implementation, model_folder=None):
     inputs = {k: expected[k] for k in FIXTURE_INPUTS if k in expected}
     eager = attn_implementation == "eager"
     wants_attentions = eager and any(k.startswith(("attentions.", "cross_attentions.")) for k in expected)
-    paths, original = [], ra._report
-    ra._report = lambda requested, ran, *args: paths.append(ran) or original(requested, ran, *args)
-    try:
-        with torch.no_grad():
-            outputs = model(**inputs, output_hidden_states=True, output_attentions=wants_attentions)
-    finally:
-        ra._report = original
+    with pytest.MonkeyPatch.context() as monkeypatch, torch.no_grad():
+        paths = record_paths(monkeypatch)
+        outputs = model(**inputs, output_hidden_states=True, output_attentions=wants_attentions)
     compared = 0
     for key, value in expected.items():
         name, _, index = key.partition(".")
@@ -125,7 +126,7 @@ def run_case(name, attn_implementation, model_folder=None):
         torch.testing.assert_close(got, value, atol=1e-5, rtol=0, msg=f"{name}{index} differs")
         compared += 1
     assert compared >= 3
-    return set(paths)
+    return {ran for _, ran in paths}
 
 
 # --- attention cases ------------------------------------------------------------------------------
@@ -177,6 +178,11 @@ def small_bert(cls=transformers.BertForPreTraining, **overrides):
     return model
 
 
+def gamma_beta_name(name: str) -> str:
+    """A BERT tensor name as pytorch-pretrained-bert (before transformers) saved it: LayerNorm `gamma` / `beta`."""
+    return re.sub(r"LayerNorm\.weight$", "LayerNorm.gamma", re.sub(r"LayerNorm\.bias$", "LayerNorm.beta", name))
+
+
 def save_layout(model, directory, layout):
     """Write `model` as Hugging Face would in `layout`: safetensors, a v4-style .bin, a pre-transformers .bin with
     LayerNorm `gamma` / `beta`, or without the prefix."""
@@ -191,9 +197,7 @@ def save_layout(model, directory, layout):
         state["bert.embeddings.position_ids"] = torch.arange(64)[None]
         torch.save(state, directory / "pytorch_model.bin")
     elif layout == "gamma-beta":  # pytorch-pretrained-bert, before transformers: LayerNorm.gamma / .beta
-        renamed = {re.sub(r"LayerNorm\.weight$", "LayerNorm.gamma", re.sub(r"LayerNorm\.bias$", "LayerNorm.beta", name)): tensor
-                   for name, tensor in state.items()}
-        torch.save(renamed, directory / "pytorch_model.bin")
+        torch.save({gamma_beta_name(name): tensor for name, tensor in state.items()}, directory / "pytorch_model.bin")
     elif layout == "no-prefix":
         base = {name.removeprefix("bert."): tensor for name, tensor in state.items() if name.startswith("bert.")}
         model.config.architectures = ["BertModel"]

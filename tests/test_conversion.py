@@ -11,10 +11,12 @@ import torch
 from helpers import (
     FIXTURES,
     SMALL_BERT,
+    gamma_beta_name,
     make_tokenizer,
     run_case,
     save_layout,
     small_bert,
+    snapshot,
 )
 from safetensors.torch import load_file, save_file
 from transformers import (
@@ -61,9 +63,18 @@ def expected_names(bert, layout):
         else:
             names[name] = re.sub(r"^bert\.", "nezha.", name)
     if layout == "gamma-beta":
-        names = {re.sub(r"LayerNorm\.weight$", "LayerNorm.gamma", re.sub(r"LayerNorm\.bias$", "LayerNorm.beta", source)):
-                 target for source, target in names.items()}
+        names = {gamma_beta_name(source): target for source, target in names.items()}
     return names
+
+
+def assert_converted_bit_identically(converted, bert, layout) -> dict[str, str]:
+    """`converted` (the NEZHA tensors) holds exactly the expected names, each the BERT tensor bit for bit;
+    returns the expected saved name -> NEZHA name map."""
+    expected = expected_names(bert, layout)
+    assert set(converted) == set(expected.values())
+    for source_name, target in expected.items():
+        assert torch.equal(converted[target], source_value(bert, source_name)), f"{source_name} -> {target}"
+    return expected
 
 
 @pytest.mark.parametrize("layout", ["safetensors", "bin-with-buffers", "gamma-beta", "no-prefix"])
@@ -73,10 +84,7 @@ def test_bert_converts_bit_identically(tmp_path, layout):
     report = convert_bert(tmp_path / "bert", tmp_path / "nezha")
 
     converted = load_file(tmp_path / "nezha" / "model.safetensors")
-    expected = expected_names(bert, layout)
-    assert set(converted) == set(expected.values())
-    for source_name, target in expected.items():
-        assert torch.equal(converted[target], source_value(bert, source_name)), f"{source_name} -> {target}"
+    expected = assert_converted_bit_identically(converted, bert, layout)
     assert report.mapped == expected
     # Every kind of tensor came across.
     for part in ("word_embeddings", "token_type_embeddings", "embeddings.LayerNorm", "attention.self.query",
@@ -283,11 +291,6 @@ def test_an_unknown_architecture_lists_the_valid_ones(tmp_path):
 # --- nothing lost (issue: safe outputs) -------------------------------------------------------------------
 
 
-def snapshot(folder):
-    """Every file below `folder` with its bytes."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 @pytest.mark.parametrize("with_vocab", [False, True])
 def test_converting_onto_the_source_is_refused_and_the_source_is_untouched(tmp_path, with_vocab, run_cli):
     save_layout(small_bert(), tmp_path / "bert", "safetensors")
@@ -355,11 +358,7 @@ def test_cli_convert_tf_with_huawei_naming(tmp_path, run_cli):
                    "--config", tmp_path / "bert_config.json", "--vocab", tmp_path / "vocab" / "vocab.txt")
     assert done.returncode == 0, done.stderr
     assert "optimizer state" in done.stdout and "training counter" in done.stdout
-    converted = load_file(tmp_path / "nezha" / "model.safetensors")
-    expected = expected_names(bert, "safetensors")
-    assert set(converted) == set(expected.values())
-    for source_name, target in expected.items():
-        assert torch.equal(converted[target], source_value(bert, source_name)), f"{source_name} -> {target}"
+    assert_converted_bit_identically(load_file(tmp_path / "nezha" / "model.safetensors"), bert, "safetensors")
     assert (tmp_path / "nezha" / "vocab.txt").exists()
 
 
@@ -389,11 +388,7 @@ def test_cli_convert_bert_from_shards_then_load_and_save_nezha_in_shards(tmp_pat
     save_sharded(bert, tmp_path / "bert", weight_format)
     done = run_cli("convert", "bert", tmp_path / "bert", tmp_path / "nezha")
     assert done.returncode == 0, done.stderr
-    converted = load_file(tmp_path / "nezha" / "model.safetensors")
-    expected = expected_names(bert, "safetensors")
-    assert set(converted) == set(expected.values())
-    for source_name, target in expected.items():
-        assert torch.equal(converted[target], source_value(bert, source_name)), f"{source_name} -> {target}"
+    assert_converted_bit_identically(load_file(tmp_path / "nezha" / "model.safetensors"), bert, "safetensors")
     # A NEZHA checkpoint saved in shards loads back to the same weights.
     model = AutoModelForPreTraining.from_pretrained(tmp_path / "nezha")
     model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from helpers import VOCAB, save_layout, small_bert, tiny_config
+from helpers import VOCAB, save_layout, small_bert, snapshot, tiny_config
 
 import nezha_hf
 from nezha_hf import (
@@ -168,7 +168,7 @@ def test_a_save_that_fails_half_way_leaves_the_folder_as_it_was(tmp_path, monkey
     torch.manual_seed(0)
     NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)).save_pretrained(tmp_path / "model")
     (tmp_path / "model" / "checkpoint-5").mkdir()  # e.g. a Trainer's output folder
-    before = {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir() if p.is_file()}
+    before = snapshot(tmp_path / "model")
 
     def broken_card(*args, **kwargs):
         raise RuntimeError("the card template failed")
@@ -176,5 +176,5 @@ def test_a_save_that_fails_half_way_leaves_the_folder_as_it_was(tmp_path, monkey
     monkeypatch.setattr(hub, "build_model_card", broken_card)
     with pytest.raises(RuntimeError, match="card template"):
         NezhaForMaskedLM(tiny_config(vocab_size=VOCAB, hidden_size=64)).save_pretrained(tmp_path / "model")
-    assert {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir() if p.is_file()} == before
+    assert snapshot(tmp_path / "model") == before
     assert (tmp_path / "model" / "checkpoint-5").is_dir() and [p.name for p in tmp_path.iterdir()] == ["model"]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import CHARACTERS
+from helpers import CHARACTERS, snapshot
 from transformers import AutoTokenizer
 
 from nezha_hf import NezhaConfig, NezhaForMaskedLM
@@ -68,7 +68,7 @@ def test_pretrain_lowers_the_loss_and_resumes(tmp_path, tokenizer):
     assert len(AutoTokenizer.from_pretrained(tmp_path / "out")) == len(tokenizer)
     # Rerun with more steps: continues from checkpoint-60 instead of starting over.
     checkpoint = tmp_path / "out" / "checkpoint-60"
-    saved = {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()}
+    saved = snapshot(checkpoint)
     again = subprocess.run(
         [sys.executable, "-m", "nezha_hf.cli", "pretrain", str(start), str(corpus), "--output", str(tmp_path / "out"),
          "--max-length", "128", "--max-steps", "70", "--batch-size", "8", "--save-steps", "30"],
@@ -76,7 +76,7 @@ def test_pretrain_lowers_the_loss_and_resumes(tmp_path, tokenizer):
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"Resuming from {checkpoint}" in again.stderr
-    assert {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()} == saved
+    assert snapshot(checkpoint) == saved
     before = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
     after = json.loads((tmp_path / "out" / "checkpoint-70" / "trainer_state.json").read_text())
     # The first 60 steps' logs (learning rates of the first run's schedule) are carried over, not re-run.
@@ -125,7 +125,7 @@ def test_resume_skips_an_incomplete_checkpoint_and_reaches_the_uninterrupted_wei
     else:
         data = (newest / "model.safetensors").read_bytes()
         (newest / "model.safetensors").write_bytes(data[: len(data) // 2])
-    earlier = {p.name: p.read_bytes() for p in (interrupted / "checkpoint-20").iterdir()}
+    earlier = snapshot(interrupted / "checkpoint-20")
     steps = []
     original = Trainer.training_step
     monkeypatch.setattr(Trainer, "training_step", lambda *a, **k: steps.append(1) or original(*a, **k))
@@ -137,7 +137,7 @@ def test_resume_skips_an_incomplete_checkpoint_and_reaches_the_uninterrupted_wei
         hf_logging.disable_propagation()
     assert f"Skipping the incomplete checkpoint {newest}" in caplog.text
     assert len(steps) == 10  # only the steps after checkpoint-20
-    assert {p.name: p.read_bytes() for p in (interrupted / "checkpoint-20").iterdir()} == earlier
+    assert snapshot(interrupted / "checkpoint-20") == earlier
     expected, got = weights(tmp_path / "uninterrupted"), weights(interrupted)
     assert expected.keys() == got.keys()
     for name in expected:
@@ -146,13 +146,13 @@ def test_resume_skips_an_incomplete_checkpoint_and_reaches_the_uninterrupted_wei
 
 def test_pretraining_refuses_to_write_into_its_sources(tmp_path, tokenizer):
     start, corpus = pretraining_start(tmp_path, tokenizer)
-    before = {p: p.read_bytes() for p in start.iterdir()}
+    before = snapshot(start)
     from nezha_hf.pretraining import continue_pretraining
 
     for output in (start, start / "out", corpus):
         with pytest.raises(ValueError, match="never written"):
             continue_pretraining(start, [corpus], output, max_steps=1)
-    assert {p: p.read_bytes() for p in start.iterdir()} == before
+    assert snapshot(start) == before
 
 
 def test_a_line_that_is_not_utf8_is_reported_and_the_rest_is_read(tmp_path):

@@ -22,6 +22,9 @@ KERNEL_TESTS = ["tests/test_attention_kernel.py", "-m", "not slow"]
 CHUNKED_TESTS = ["tests/test_chunked_attention.py", "-m", "not slow"]
 SAFE_OUTPUT_TESTS = ["tests/test_safe_output.py", "tests/test_conversion.py", "tests/test_hub.py", "-m", "not slow"]
 UNILM_TESTS = ["tests/test_modeling_nezha_unilm.py", "tests/test_unilm.py", "-m", "not slow"]
+CONVERSION_TESTS = ["tests/test_conversion.py", "-m", "not slow"]
+CAIL_TESTS = ["tests/test_cail.py"]
+RESUME_TESTS = ["tests/test_pretraining.py", "-k", "resume"]
 
 MUTATIONS = [
     # --- relative positions (one place: relative_attention.py) ---
@@ -95,36 +98,36 @@ MUTATIONS = [
              'name = re.sub(r"^(bert|nezha)\\.", "", source_name)',
              'name = re.sub(r"^(bert|nezha)\\.", "", source_name).replace(".query.", ".QUERY.")'
              '.replace(".key.", ".query.").replace(".QUERY.", ".key.")',
-             ["tests/test_conversion.py", "-m", "not slow"]),
+             CONVERSION_TESTS),
     Mutation("TF kernels not transposed", "nezha_hf/conversion.py",
              "value = value.T.contiguous()", "value = value.contiguous()",
-             ["tests/test_conversion.py", "-m", "not slow"]),
+             CONVERSION_TESTS),
     Mutation("LayerNorm gamma renamed to bias", "nezha_hf/conversion.py",
              'name = re.sub(r"LayerNorm\\.gamma$", "LayerNorm.weight", name)',
              'name = re.sub(r"LayerNorm\\.gamma$", "LayerNorm.bias", name)',
-             ["tests/test_conversion.py", "-m", "not slow"]),
+             CONVERSION_TESTS),
     # --- the CAIL score ---
     Mutation("ROUGE-L recall instead of F", "nezha_hf/cail.py",
              "return 2.0 * ((precision * recall) / (precision + recall + 1e-8))", "return recall",
-             ["tests/test_cail.py"]),
+             CAIL_TESTS),
     Mutation("ROUGE-1/2 recall instead of F", "nezha_hf/cail.py",
              'result[name]["f"] if name != "rouge-l"', 'result[name]["r"] if name != "rouge-l"',
-             ["tests/test_cail.py"]),
+             CAIL_TESTS),
     Mutation("CAIL weights of ROUGE-1 and ROUGE-2 swapped", "nezha_hf/cail.py",
              'return 0.2 * scores["rouge-1"] + 0.4 * scores["rouge-2"]',
-             'return 0.4 * scores["rouge-1"] + 0.2 * scores["rouge-2"]', ["tests/test_cail.py"]),
+             'return 0.4 * scores["rouge-1"] + 0.2 * scores["rouge-2"]', CAIL_TESTS),
     # --- resuming training ---
     Mutation("pretraining ignores its checkpoint", "nezha_hf/pretraining.py",
              "result = trainer.train(resume_from_checkpoint=str(last) if last else None)",
              "result = trainer.train(resume_from_checkpoint=None)",
-             ["tests/test_pretraining.py", "-k", "resume"]),
+             RESUME_TESTS),
     Mutation("resume takes an incomplete checkpoint", "nezha_hf/checkpoints.py",
              "        problem = checkpoint_problem(folder)\n", "        problem = None\n",
-             ["tests/test_pretraining.py", "-k", "resume"]),
+             RESUME_TESTS),
     Mutation("masks drawn from the global random state (not reproducible on resume)", "nezha_hf/pretraining.py",
              'manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + int(feature["index"]))',
              "manual_seed(int(torch.randint(1 << 62, ())))",
-             ["tests/test_pretraining.py", "-k", "resume"]),
+             RESUME_TESTS),
     # --- safe outputs ---
     Mutation("a destination inside its source is allowed", "nezha_hf/safe_output.py",
              "if resolved == source or source in resolved.parents or resolved in source.parents:",
