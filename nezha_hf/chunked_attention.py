@@ -2,18 +2,22 @@
 
 For a chunk of queries at positions `[p0, p1)`, every key left of `p0 - K + 1` is in each row's
 left tail, where its relative vector is the table's row 0, and every key from `p1 - 1 + K` on is in
-each row's right tail (row 2K). There the relative terms fold into the matrix products:
-`q_i . k_j + q_i . T[0] = q_i . (k_j + T[0])` and `p_ij (v_j + T[0])`, so the tails are plain
-attention against shifted keys and values. Only the `C x (C + 2K - 2)` middle block needs a
-per-entry lookup in `q T^T` and per-row bucket sums for the value term. A chunk holds its `C x L`
-scores in three pieces (left tail, middle, right tail) with one softmax across them; no tensor of
-`L x L` per head ever exists. `C` keeps a chunk's scores within `CHUNK_SCORES` numbers across batch
-and heads.
+each row's right tail (row 2K). There the relative terms are rank one, so they ride along in the
+matrix products as extra head dimensions: keys and values get indicator columns (in the chunk's
+left tail, in its right tail, and a column of ones) and a query gets `q . T[0]`, `q . T[2K]` and a
+per-row constant, so `[q, q.T[0], q.T[2K], c] . [k_j, 1, 0, 1] = q . (k_j + T[0]) + c`, and
+`p @ [v, left, right, 1]` gives `p @ v` and each tail's probability mass, which then takes `T[0]`
+and `T[2K]`. Only the `C x (C + 2K - 2)` middle block needs a per-entry lookup in `q T^T` and
+per-row bucket sums. A chunk's scores are `[batch, heads, C, keys]` float32 buffers, reused from
+chunk to chunk; no tensor of `L x L` per head ever exists. `C` keeps the buffers of a call within
+`CHUNK_SCORES` numbers. A chunk holds whole rows, so one fused softmax gives its probabilities.
 
-The backward recomputes each chunk's probabilities from the saved row log-sum-exp. Attention
-dropout draws each chunk's keep mask from a generator seeded with `(seed, first query)`, so the
-backward redraws exactly the forward's mask without storing it. Matrix products run in the inputs'
-dtype, scores and softmax in float32 (bfloat16 and float16 work).
+The backward recomputes each chunk's probabilities the same way, in chunks of about half as many
+queries (it holds two buffers: probabilities and their gradients). Attention dropout draws the
+keep mask of each group of `MIN_CHUNK_ROWS` queries from a generator seeded with `(seed, group)`,
+so the mask does not depend on the chunking and the backward redraws exactly the forward's without
+storing it. Matrix products run in the inputs' dtype, scores and softmax in float32 (bfloat16 and
+float16 work).
 
 The forward and backward are the `torch.library` ops `nezha_hf::chunked_forward` and
 `nezha_hf::chunked_backward` (any device): `torch.compile` and `torch.export` see one opaque node.
@@ -22,97 +26,159 @@ This module is an engine: `relative_attention.py` decides when it runs.
 
 import torch
 
-# Scores held at once per chunk, across batch and heads (float32: 16 MB); fastest on CPU in benchmarks/attention.py.
-CHUNK_SCORES = 1 << 22
-MIN_CHUNK_ROWS = 32
-LEFT, MIDDLE, RIGHT = "left tail", "middle", "right tail"
+# Scores a call holds at once, across batch and heads (float32: 64 MB): the forward in one chunk
+# buffer, the backward in two of half as many rows. Longer chunks make the matrix products faster
+# up to about MAX_CHUNK_ROWS queries on CPU (benchmarks/attention.py). Chunks are whole groups of
+# MIN_CHUNK_ROWS queries, which is also the unit dropout masks are drawn in.
+CHUNK_SCORES = 1 << 24
+MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 256
 
 
-def chunk_rows(batch: int, heads: int, queries: int, keys: int) -> int:
-    """Queries per chunk: as many as keep `batch * heads * rows * keys` within `CHUNK_SCORES`."""
-    rows = max(MIN_CHUNK_ROWS, CHUNK_SCORES // max(1, batch * heads * keys))
+def chunk_rows(batch: int, heads: int, queries: int, keys: int, buffers: int) -> int:
+    """Queries per chunk: the most that keep `buffers` buffers of `batch * heads * rows * keys` scores within
+    `CHUNK_SCORES`, at most `MAX_CHUNK_ROWS`, rounded down to whole groups of `MIN_CHUNK_ROWS` (at least one)."""
+    fit = min(MAX_CHUNK_ROWS, CHUNK_SCORES // max(1, buffers * batch * heads * keys))
+    rows = max(1, fit // MIN_CHUNK_ROWS) * MIN_CHUNK_ROWS
     return max(1, min(queries, rows))
 
 
 class _Chunk:
-    """The queries `[start, stop)` of one call (at positions `offset + start ..`) and the keys they see, in pieces."""
+    """The queries `[start, stop)` of one call (at positions `offset + start ..`), the keys they see
+    (`[0, keys)`), and where the middle block lies in them (`[left_end, right_start)`)."""
 
     def __init__(self, start, stop, offset, key_length, K, causal, source_end):
         self.rows = slice(start, stop)
-        self.first = offset + start  # position of the chunk's first query
+        self.size = stop - start
+        self.offset, self.first = offset, offset + start  # position of the call's and the chunk's first query
         last = offset + stop - 1
-        # Under a causal mask keys after the last query are invisible, except source keys (UniLM).
-        self.keys = min(key_length, max(last + 1, source_end)) if causal else key_length
-        left_end = min(max(self.first - K + 1, 0), self.keys)  # keys in every row's left tail
-        right_start = max(min(last + K, self.keys), left_end)  # keys in every row's right tail
-        pieces = ((LEFT, slice(0, left_end)), (MIDDLE, slice(left_end, right_start)),
-                  (RIGHT, slice(right_start, self.keys)))
-        self.pieces = [(kind, columns) for kind, columns in pieces if columns.stop > columns.start]
+        self.key_length, self.causal, self.source_end = key_length, causal, source_end
+        self.keys = self.visible_keys(last)
+        self.left_end = min(max(self.first - K + 1, 0), self.keys)  # keys in every row's left tail
+        self.right_start = max(min(last + K, self.keys), self.left_end)  # keys in every row's right tail
         self.K = K
 
-    def middle_index(self, columns: slice, device) -> torch.Tensor:
-        """Table rows `clip(j - i, -K, K) + K` of the middle block, `[rows, columns]`."""
-        query = self.first + torch.arange(self.rows.stop - self.rows.start, device=device)[:, None]
-        key = torch.arange(columns.start, columns.stop, device=device)[None, :]
+    def visible_keys(self, last: int) -> int:
+        """Keys `[0, n)` that queries up to position `last` can see: under a causal mask keys after the
+        last query are invisible, except source keys (UniLM)."""
+        return min(self.key_length, max(last + 1, self.source_end)) if self.causal else self.key_length
+
+    def middle_index(self, device) -> torch.Tensor:
+        """Table rows `clip(j - i, -K, K) + K` of the middle block, `[rows, right_start - left_end]`."""
+        query = self.first + torch.arange(self.size, device=device)[:, None]
+        key = torch.arange(self.left_end, self.right_start, device=device)[None, :]
         return (key - query).clamp(-self.K, self.K) + self.K
 
-    def mask(self, scores, columns: slice, key_is_valid, causal, key_is_source) -> None:
+    def mask(self, scores, key_is_valid, causal, key_is_source) -> None:
         """Set the scores of invisible keys (padding; later non-source keys under a causal mask) to -inf, in place."""
         if key_is_valid is not None:
-            scores.masked_fill_(~key_is_valid[:, None, None, columns], float("-inf"))
-        start = max(columns.start, self.first + 1)  # keys after the chunk's first query
-        if causal and start < columns.stop:
-            rows = self.rows.stop - self.rows.start
-            later = torch.arange(start, columns.stop, device=scores.device)[None, :]
-            future = later > self.first + torch.arange(rows, device=scores.device)[:, None]
+            scores.masked_fill_(~key_is_valid[:, None, None, : self.keys], float("-inf"))
+        start = self.first + 1  # keys after the chunk's first query
+        if causal and start < self.keys:
+            later = torch.arange(start, self.keys, device=scores.device)[None, :]
+            future = later > self.first + torch.arange(self.size, device=scores.device)[:, None]
             if key_is_source is not None:
-                future = future & ~key_is_source[:, None, None, start : columns.stop]
-            scores[..., start - columns.start :].masked_fill_(future, float("-inf"))
+                future = future & ~key_is_source[:, None, None, start : self.keys]
+            scores[..., start:].masked_fill_(future, float("-inf"))
 
-    def keep(self, shape, dropout: float, seed: int, device, part: int) -> torch.Tensor:
-        """Dropout factors `keep / (1 - p)` of one piece, from a generator seeded by (seed, first row, piece)."""
+    def keep(self, shape, dropout: float, seed: int, device) -> torch.Tensor:
+        """Dropout factors `keep / (1 - p)` of the chunk's scores `shape`. Each group of `MIN_CHUNK_ROWS` queries
+        draws its own keys' mask from a generator seeded by (seed, group), so the mask does not depend on how a
+        call is chunked and the backward (in smaller chunks) redraws the forward's."""
+        factors = torch.full(shape, 1.0 / (1.0 - dropout), device=device)  # keys a group cannot see: unused
         if device.type == "meta":
-            return torch.empty(shape, device=device)
+            return factors
         generator = torch.Generator(device=device)
-        generator.manual_seed((seed * 1_000_003 + self.rows.start * 3 + part) % (1 << 63))
-        return (torch.rand(shape, generator=generator, device=device) >= dropout).float().div_(1.0 - dropout)
+        for start in range(self.rows.start, self.rows.stop, MIN_CHUNK_ROWS):
+            stop = min(start + MIN_CHUNK_ROWS, self.rows.stop)
+            keys = self.visible_keys(self.offset + stop - 1)
+            generator.manual_seed((seed * 1_000_003 + start) % (1 << 63))
+            dropped = torch.rand(*shape[:2], stop - start, keys, generator=generator, device=device) < dropout
+            rows = slice(start - self.rows.start, stop - self.rows.start)
+            factors[..., rows, :keys].masked_fill_(dropped, 0.0)
+        return factors
+
+
+LEFT_TAIL, RIGHT_TAIL, ONES = -3, -2, -1  # the extra columns of keys and values
+
+
+def _with_extra_columns(tensor: torch.Tensor) -> torch.Tensor:
+    """`[..., L, d]` -> `[..., L, d + 3]`, contiguous; the new columns mark the current chunk's left tail
+    (nothing before the first chunk), its right tail (everything before the first chunk), and ones."""
+    out = tensor.new_zeros(*tensor.shape[:-1], tensor.shape[-1] + 3)
+    out[..., :-3] = tensor
+    out[..., [RIGHT_TAIL, ONES]] = 1
+    return out
 
 
 class _Operands:
-    """Per call: the table in float32, and the keys and values shifted by the tails' table rows."""
+    """Per call: keys and values with extra columns, the table in float32, and the chunk buffers."""
 
-    def __init__(self, key, value, table):
+    def __init__(self, key, value, table, rows: int, key_is_valid, buffers: int):
         self.table = table.float()
-        first, last = table[0].to(key.dtype), table[-1].to(key.dtype)
-        # Contiguous [batch, heads, keys, head_size]: the batched matrix products are much faster on them.
-        key, value = key.contiguous(), value.contiguous()
-        self.keys = {LEFT: key + first, MIDDLE: key, RIGHT: key + last}
-        self.values = {LEFT: value + first, MIDDLE: value, RIGHT: value + last}
+        # Every row sees key 0 unless it is padding, so only those examples can have a row with nothing visible.
+        known = key_is_valid is not None and key_is_valid.device.type != "meta"
+        self.key_0_padded = (~key_is_valid[:, 0]).nonzero().flatten().tolist() if known else []
+        self.keys, self.values = _with_extra_columns(key), _with_extra_columns(value)
+        self.left_end = self.right_start = 0
+        batch, heads, length, _ = key.shape
+        self.buffers = [torch.empty(batch * heads * rows * length, dtype=torch.float32, device=key.device)
+                        for _ in range(buffers)]
 
-    def scores(self, chunk, query, scaling, key_is_valid, causal, key_is_source):
-        """Masked float32 scores of the chunk's queries, one `[batch, heads, rows, columns]` tensor per piece."""
-        scaled = (query[..., chunk.rows, :] * scaling).contiguous()
-        pieces = []
-        for kind, columns in chunk.pieces:
-            scores = torch.matmul(scaled, self.keys[kind][..., columns, :].transpose(-1, -2)).float()
-            if kind == MIDDLE:  # + scale * q_i . T[r(i, j)]
-                per_row = torch.matmul(scaled.float(), self.table.T)
-                index = chunk.middle_index(columns, query.device)
-                scores += per_row.gather(-1, index.expand(*per_row.shape[:-1], -1))
-            chunk.mask(scores, columns, key_is_valid, causal, key_is_source)
-            pieces.append(scores)
-        return pieces
+    def enter(self, chunk: _Chunk) -> None:
+        """Move the tail columns to the chunk's tails. Both tails' starts only grow from chunk to chunk,
+        so this writes just the keys that changed sides."""
+        for tensor in (self.keys, self.values):
+            tensor[..., self.left_end : chunk.left_end, LEFT_TAIL] = 1
+            tensor[..., self.right_start : chunk.right_start, RIGHT_TAIL] = 0
+        self.left_end, self.right_start = chunk.left_end, chunk.right_start
 
-    def bucket_value(self, chunk, weights, kind_columns) -> torch.Tensor:
-        """`sum_j weights_ij T[r(i, j)]` over the middle block: `[batch, heads, rows, head_size]` float32."""
-        columns = kind_columns
-        index = chunk.middle_index(columns, weights.device)
-        bucket = weights.new_zeros(*weights.shape[:-1], self.table.shape[0])
-        bucket.scatter_add_(-1, index.expand(*weights.shape), weights)
-        return bucket @ self.table
+    def buffer(self, chunk: _Chunk, number: int) -> torch.Tensor:
+        """Chunk buffer `number` as a contiguous `[batch * heads, C, keys]` float32 tensor."""
+        batch, heads = self.keys.shape[:2]
+        return self.buffers[number][: batch * heads * chunk.size * chunk.keys].view(batch * heads, chunk.size, chunk.keys)
+
+    def products(self, chunk: _Chunk, rows: torch.Tensor, augmented: torch.Tensor, out: torch.Tensor,
+                 constant: torch.Tensor | None = None) -> torch.Tensor:
+        """`x_i . (y_j + T[r(i, j)]) + constant_i` for the chunk's `rows` x_i and its visible keys' y_j
+        (`augmented`: the keys or the values with extra columns), written into the chunk buffer `out` and
+        returned as `[batch, heads, C, keys]` float32."""
+        batch, heads, size, width = *rows.shape[:2], chunk.size, rows.shape[-1]
+        per_row = torch.matmul(rows.float(), self.table.T)  # x_i . T[r] for every r
+        extra = [per_row[..., [0, -1]], torch.zeros_like(per_row[..., :1]) if constant is None else constant.float()]
+        with_extra = torch.cat([rows, torch.cat(extra, -1).to(rows.dtype)], -1).reshape(batch * heads, size, width + 3)
+        keys = augmented.view(batch * heads, -1, width + 3)[:, : chunk.keys].transpose(1, 2)
+        if rows.dtype == out.dtype:
+            torch.bmm(with_extra, keys, out=out)
+        else:
+            out.copy_(torch.bmm(with_extra, keys))
+        out = out.view(batch, heads, size, chunk.keys)
+        index = chunk.middle_index(rows.device).expand(batch, heads, -1, -1)
+        out[..., chunk.left_end : chunk.right_start] += per_row.gather(-1, index)
+        return out
+
+    def weighted_sum(self, chunk: _Chunk, weights: torch.Tensor, augmented: torch.Tensor) -> torch.Tensor:
+        """`sum_j w_ij (y_j + T[r(i, j)])` over the chunk's visible keys: `[batch, heads, C, d]` float32."""
+        width = augmented.shape[-1] - 3
+        out = torch.matmul(weights.to(augmented.dtype), augmented[..., : chunk.keys, :]).float()
+        middle = weights[..., chunk.left_end : chunk.right_start]
+        bucket = weights.new_zeros(*weights.shape[:-1], self.table.shape[0])  # weight per table row
+        bucket.scatter_add_(-1, chunk.middle_index(weights.device).expand(*middle.shape), middle)
+        bucket[..., [0, -1]] += out[..., [LEFT_TAIL, RIGHT_TAIL]]  # the tails' masses
+        return out[..., :width] + bucket @ self.table
+
+    def probabilities(self, chunk: _Chunk, query_rows, scaling, key_is_valid, causal, key_is_source) -> torch.Tensor:
+        """The chunk's attention probabilities, `[batch, heads, C, keys]` float32 in chunk buffer 0 (a row
+        whose keys are all masked is all zeros)."""
+        scores = self.products(chunk, query_rows * scaling, self.keys, self.buffer(chunk, 0))
+        chunk.mask(scores, key_is_valid, causal, key_is_source)
+        probs = torch.softmax(scores, -1, out=scores)  # row by row, so in place is safe
+        for example in self.key_0_padded:  # softmax gives NaN for a row with nothing visible
+            probs[example].nan_to_num_(0.0)
+        return probs
 
 
-def _chunks(query, key, table, causal, key_is_source, query_offset):
+def _chunks(query, key, table, causal, key_is_source, query_offset, buffers: int) -> tuple[int, list[_Chunk]]:
+    """`(rows per chunk, the chunks in order)` of one call that holds `buffers` chunk buffers."""
     batch, heads, queries, _ = query.shape
     keys, K = key.shape[-2], (table.shape[0] - 1) // 2
     offset = int(query_offset) if query_offset.device.type != "meta" else 0
@@ -123,43 +189,33 @@ def _chunks(query, key, table, causal, key_is_source, query_offset):
         else:
             visible = key_is_source.any(0).nonzero()
             source_end = int(visible.max()) + 1 if len(visible) else 0
-    rows = chunk_rows(batch, heads, queries, keys)
-    return [_Chunk(start, min(start + rows, queries), offset, keys, K, causal, source_end)
-            for start in range(0, queries, rows)]
+    rows = chunk_rows(batch, heads, queries, keys, buffers)
+    return rows, [_Chunk(start, min(start + rows, queries), offset, keys, K, causal, source_end)
+                  for start in range(0, queries, rows)]
 
 
 def forward_chunks(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: torch.Tensor, scaling: float, causal: bool,
     key_is_valid: torch.Tensor | None, key_is_source: torch.Tensor | None, query_offset: torch.Tensor,
     dropout: float, seed: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """NEZHA attention forward: `(out [batch, queries, heads, head_size], lse [batch, heads, queries] float32)`.
+) -> torch.Tensor:
+    """NEZHA attention forward: `[batch, queries, heads, head_size]`.
 
     Arguments as `attention_kernel.kernel_forward`; any device and floating dtype. The op
     `nezha_hf::chunked_forward` runs this."""
     batch, heads, queries, size = query.shape
-    operands = _Operands(key, value, table)
+    rows, chunks = _chunks(query, key, table, causal, key_is_source, query_offset, buffers=1)
+    operands = _Operands(key, value, table, rows, key_is_valid, buffers=1)
     output = query.new_empty(batch, queries, heads, size)
-    lse = torch.empty(batch, heads, queries, dtype=torch.float32, device=query.device)
     seed_value = int(seed) if dropout > 0 else 0
-    for chunk in _chunks(query, key, table, causal, key_is_source, query_offset):
-        pieces = operands.scores(chunk, query, scaling, key_is_valid, causal, key_is_source)
-        row_max = torch.stack([piece.amax(-1) for piece in pieces]).amax(0).unsqueeze(-1)
-        row_max = row_max.masked_fill(torch.isinf(row_max), 0.0)  # rows with nothing visible
-        total = 0
-        for piece in pieces:
-            total = total + piece.sub_(row_max).exp_().sum(-1, keepdim=True)
-        lse[..., chunk.rows] = (row_max + torch.log(total)).squeeze(-1)  # -inf where nothing is visible
-        out = 0
-        for part, ((kind, columns), weights) in enumerate(zip(chunk.pieces, pieces)):
-            if dropout > 0:
-                weights = weights.mul_(chunk.keep(weights.shape, dropout, seed_value, query.device, part))
-            out = out + torch.matmul(weights.to(value.dtype), operands.values[kind][..., columns, :]).float()
-            if kind == MIDDLE:
-                out = out + operands.bucket_value(chunk, weights, columns)
-        out = out / total.clamp_min(torch.finfo(torch.float32).tiny)
+    for chunk in chunks:
+        operands.enter(chunk)
+        probs = operands.probabilities(chunk, query[..., chunk.rows, :], scaling, key_is_valid, causal, key_is_source)
+        if dropout > 0:
+            probs.mul_(chunk.keep(probs.shape, dropout, seed_value, query.device))
+        out = operands.weighted_sum(chunk, probs, operands.values)
         output[:, chunk.rows] = out.transpose(1, 2).to(output.dtype)
-    return output, lse
+    return output
 
 
 chunked_forward = torch.library.custom_op("nezha_hf::chunked_forward", forward_chunks, mutates_args=())
@@ -168,51 +224,53 @@ chunked_forward = torch.library.custom_op("nezha_hf::chunked_forward", forward_c
 @chunked_forward.register_fake
 def _(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed):
     batch, heads, queries, size = query.shape
-    return query.new_empty(batch, queries, heads, size), query.new_empty(batch, heads, queries, dtype=torch.float32)
+    return query.new_empty(batch, queries, heads, size)
+
+
+def _add_product(target: torch.Tensor, chunk: _Chunk, weights: torch.Tensor, rows: torch.Tensor) -> None:
+    """`target[..., :keys, :] += weights^T @ rows` (float32 target `[batch, heads, L, d]`), accumulated by the
+    matrix product itself when the dtypes allow, so no `[keys, d]` temporary per chunk."""
+    if rows.dtype != target.dtype:
+        target[..., : chunk.keys, :] += torch.matmul(weights.transpose(-1, -2).to(rows.dtype), rows).float()
+        return
+    batch, heads, length, size = target.shape
+    accumulated = target.view(batch * heads, length, size)[:, : chunk.keys]
+    accumulated.baddbmm_(weights.reshape(batch * heads, chunk.size, chunk.keys).transpose(1, 2),
+                         rows.reshape(batch * heads, chunk.size, size))
 
 
 def backward_chunks(
     grad_output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
-    lse: torch.Tensor, table: torch.Tensor, scaling: float, causal: bool, key_is_valid: torch.Tensor | None,
+    table: torch.Tensor, scaling: float, causal: bool, key_is_valid: torch.Tensor | None,
     key_is_source: torch.Tensor | None, query_offset: torch.Tensor, dropout: float, seed: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of query, key and value (`[batch, heads, length, head_size]`), recomputing each chunk.
 
     `grad_output` and `output` are `[batch, heads, queries, head_size]` (any strides). The op
     `nezha_hf::chunked_backward` runs this."""
-    operands = _Operands(key, value, table)
-    grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    rows, chunks = _chunks(query, key, table, causal, key_is_source, query_offset, buffers=2)
+    operands = _Operands(key, value, table, rows, key_is_valid, buffers=2)
+    grad_query = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     grad_key = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
     grad_value = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
-    row_dot = (grad_output.float() * output.float()).sum(-1, keepdim=True)  # D_i = dO_i . O_i
-    row_lse = lse.masked_fill(torch.isinf(lse), float("inf")).unsqueeze(-1)  # nothing visible: every probability 0
     seed_value = int(seed) if dropout > 0 else 0
-    for chunk in _chunks(query, key, table, causal, key_is_source, query_offset):
-        rows = chunk.rows
-        pieces = operands.scores(chunk, query, scaling, key_is_valid, causal, key_is_source)
-        grad_out = grad_output[..., rows, :]
-        q = query[..., rows, :]
-        grad_q = 0
-        for part, ((kind, columns), probs) in enumerate(zip(chunk.pieces, pieces)):
-            probs = probs.sub_(row_lse[..., rows, :]).exp_()
-            # dP~_ij = dO_i . (v_j + T[r(i, j)]): the tails' values are shifted already, the middle looks T up.
-            grad_probs = torch.matmul(grad_out, operands.values[kind][..., columns, :].transpose(-1, -2)).float()
-            if kind == MIDDLE:
-                per_row = torch.matmul(grad_out.float(), operands.table.T)
-                index = chunk.middle_index(columns, query.device)
-                grad_probs += per_row.gather(-1, index.expand(*per_row.shape[:-1], -1))
-            kept = probs
-            if dropout > 0:
-                keep = chunk.keep(probs.shape, dropout, seed_value, query.device, part)
-                grad_probs.mul_(keep)
-                kept = probs * keep
-            grad_value[..., columns, :] += torch.matmul(kept.transpose(-1, -2).to(grad_out.dtype), grad_out).float()
-            grad_scores = probs.mul_(grad_probs.sub_(row_dot[..., rows, :]))  # dS = P (dP - D)
-            grad_q = grad_q + torch.matmul(grad_scores.to(key.dtype), operands.keys[kind][..., columns, :]).float()
-            if kind == MIDDLE:
-                grad_q = grad_q + operands.bucket_value(chunk, grad_scores, columns)
-            grad_key[..., columns, :] += torch.matmul(grad_scores.transpose(-1, -2).to(q.dtype), q).float()
-        grad_query[..., rows, :] = grad_q
+    for chunk in chunks:
+        operands.enter(chunk)
+        query_rows, grad_out = query[..., chunk.rows, :], grad_output[..., chunk.rows, :]
+        row_dot = (grad_out.float() * output[..., chunk.rows, :].float()).sum(-1, keepdim=True)  # D_i = dO_i . O_i
+        probs = operands.probabilities(chunk, query_rows, scaling, key_is_valid, causal, key_is_source)
+        # dP_ij = dO_i . (v_j + T[r(i, j)]), and dS = P (dP - D); without dropout the gemm subtracts D itself.
+        constant = None if dropout > 0 else -row_dot
+        grad_scores = operands.products(chunk, grad_out, operands.values, operands.buffer(chunk, 1), constant)
+        kept = probs
+        if dropout > 0:
+            keep = chunk.keep(probs.shape, dropout, seed_value, query.device)
+            grad_scores.mul_(keep).sub_(row_dot)
+            kept = keep.mul_(probs)
+        _add_product(grad_value, chunk, kept, grad_out)
+        grad_scores.mul_(probs)
+        grad_query[..., chunk.rows, :] = operands.weighted_sum(chunk, grad_scores, operands.keys)
+        _add_product(grad_key, chunk, grad_scores, query_rows)
     grad_query.mul_(scaling)
     grad_key.mul_(scaling)
     return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
@@ -222,20 +280,20 @@ chunked_backward = torch.library.custom_op("nezha_hf::chunked_backward", backwar
 
 
 @chunked_backward.register_fake
-def _(grad_output, query, key, value, output, lse, table, scaling, causal, key_is_valid, key_is_source, query_offset,
+def _(grad_output, query, key, value, output, table, scaling, causal, key_is_valid, key_is_source, query_offset,
       dropout, seed):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)  # contiguous
 
 
 def _save_for_backward(ctx, inputs, output):
     query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed = inputs
-    ctx.save_for_backward(query, key, value, table, output[0], output[1], key_is_valid, key_is_source, query_offset, seed)
+    ctx.save_for_backward(query, key, value, table, output, key_is_valid, key_is_source, query_offset, seed)
     ctx.scaling, ctx.causal, ctx.dropout = scaling, causal, dropout
 
 
-def _backward(ctx, grad_output, grad_lse):
-    query, key, value, table, output, lse, key_is_valid, key_is_source, query_offset, seed = ctx.saved_tensors
-    grads = chunked_backward(grad_output.transpose(1, 2), query, key, value, output.transpose(1, 2), lse, table,
+def _backward(ctx, grad_output):
+    query, key, value, table, output, key_is_valid, key_is_source, query_offset, seed = ctx.saved_tensors
+    grads = chunked_backward(grad_output.transpose(1, 2), query, key, value, output.transpose(1, 2), table,
                              ctx.scaling, ctx.causal, key_is_valid, key_is_source, query_offset, ctx.dropout, seed)
     return (*grads, None, None, None, None, None, None, None, None)
 
@@ -259,6 +317,5 @@ def chunked_attention(query, key, value, table, scaling: float, causal: bool, ke
         query_offset = torch.tensor(query_offset, dtype=torch.int64)
     if seed is None:
         seed = torch.zeros((), dtype=torch.int64)
-    output, _ = chunked_forward(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
-                                float(dropout), seed)
-    return output
+    return chunked_forward(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
+                           float(dropout), seed)

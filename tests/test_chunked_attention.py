@@ -51,24 +51,28 @@ def test_any_chunking_matches_the_reference(length, K, rows, new, mode, padded, 
 
 
 def chunk_keep_mask(q, k, mask, K, p, seed):
-    """The keep mask the chunked path draws, rebuilt chunk by chunk with the generators it seeds."""
+    """The keep mask the chunked path draws, rebuilt chunk by chunk (as the forward chunks) with the generators it
+    seeds."""
     table = ra.sinusoid_relative_table(K, q.shape[-1])
     keep = torch.ones(*q.shape[:-1], k.shape[-2])  # keys a chunk never sees are masked anyway
-    for chunk in chunked_attention._chunks(q, k, table, mask.causal, mask.key_is_source, torch.tensor(0)):
-        for part, (_, columns) in enumerate(chunk.pieces):
-            shape = (*q.shape[:2], chunk.rows.stop - chunk.rows.start, columns.stop - columns.start)
-            keep[..., chunk.rows, columns] = chunk.keep(shape, p, seed, q.device, part) * (1 - p)
+    _, chunks = chunked_attention._chunks(q, k, table, mask.causal, mask.key_is_source, torch.tensor(0), buffers=1)
+    for chunk in chunks:
+        shape = (*q.shape[:2], chunk.size, chunk.keys)
+        keep[..., chunk.rows, : chunk.keys] = chunk.keep(shape, p, seed, q.device) * (1 - p)
     return keep
 
 
-@pytest.mark.parametrize("mode", ["bidirectional", "prefix"])
+@pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
 def test_dropout_matches_the_reference_given_the_same_mask(mode, monkeypatch):
-    monkeypatch.setattr(chunked_attention, "CHUNK_SCORES", 1)
+    """The forward runs chunks of two 7-query groups and the backward chunks of one (it holds two buffers), so the
+    gradients match only if the backward redraws the forward's mask in its own chunking."""
+    monkeypatch.setattr(chunked_attention, "CHUNK_SCORES", 14 * 2 * 2 * 50)
     monkeypatch.setattr(chunked_attention, "MIN_CHUNK_ROWS", 7)
+    assert [chunked_attention.chunk_rows(2, 2, 50, 50, buffers) for buffers in (1, 2)] == [14, 7]
     p, seed = 0.3, 1234
     q, k, v, mask, allowed = make_case(2, 2, 50, 8, 6, mode, [50, 41], torch.float32, seed=2)
     keep = chunk_keep_mask(q, k, mask, 6, p, seed)
-    assert 0.6 < keep.mean() < 0.8
+    assert 0.6 < keep[allowed.expand_as(keep)].mean() < 0.8  # of the entries a query can see
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     got = run(*leaves, mask, 6, dropout=p, seed=seed)
     references = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -83,6 +87,18 @@ def test_dropout_is_seeded_and_differs_across_seeds():
     q, k, v, mask, _ = make_case(1, 2, 64, 8, 4, "bidirectional", None, torch.float32, seed=0)
     first, again, other = (run(q, k, v, mask, 4, dropout=0.2, seed=s) for s in (7, 7, 8))
     assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+@pytest.mark.parametrize("mode", ["bidirectional", "causal"])
+def test_the_dropout_mask_does_not_depend_on_the_chunking(mode, monkeypatch):
+    q, k, v, mask, _ = make_case(2, 2, 90, 8, 4, mode, [90, 70], torch.float32, seed=4)
+    monkeypatch.setattr(chunked_attention, "MIN_CHUNK_ROWS", 8)
+    outputs = []
+    for scores in (1, 3 * 8 * 2 * 2 * 90, 1 << 30):  # chunks of 8, 24 and all 90 queries
+        monkeypatch.setattr(chunked_attention, "CHUNK_SCORES", scores)
+        outputs.append(run(q, k, v, mask, 4, dropout=0.3, seed=5))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(outputs[2], outputs[0], atol=1e-6, rtol=0)
 
 
 def test_bfloat16_forward_and_backward_close_to_float32():
@@ -174,12 +190,12 @@ def test_the_chunked_engine_itself_stays_linear_on_meta():
     table = torch.empty(129, size, device="meta")
     flags = dict(key_is_valid=torch.empty(1, LONG, dtype=torch.bool, device="meta"))
     with LargestAllocation() as mode:
-        out, lse = chunked_attention.forward_chunks(q, k, v, table, 0.125, False, flags["key_is_valid"], None,
-                                                    torch.tensor(0), 0.1, torch.tensor(3))
-        chunked_attention.backward_chunks(grad, q, k, v, out.transpose(1, 2), lse, table, 0.125, False,
+        out = chunked_attention.forward_chunks(q, k, v, table, 0.125, False, flags["key_is_valid"], None,
+                                               torch.tensor(0), 0.1, torch.tensor(3))
+        chunked_attention.backward_chunks(grad, q, k, v, out.transpose(1, 2), table, 0.125, False,
                                           flags["key_is_valid"], None, torch.tensor(0), 0.1, torch.tensor(3))
-    # The largest tensors are one chunk's scores and the keys shifted by a tail's table row (heads x L x d).
-    assert mode.largest <= max(chunked_attention.CHUNK_SCORES, heads * LONG * size), (mode.op, mode.largest)
+    # The largest tensors are a chunk buffer and the keys or values with their two tail columns (heads x L x (d + 3)).
+    assert mode.largest <= max(chunked_attention.CHUNK_SCORES, heads * LONG * (size + 3)), (mode.op, mode.largest)
 
 
 def test_model_on_the_chunked_path_matches_the_gather_path():

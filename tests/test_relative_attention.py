@@ -78,6 +78,32 @@ def test_fully_masked_rows_no_nan(path, small_blocks):
         assert not out[1].any(), f"{path.__name__}: a row with no visible key must be zero"
 
 
+@pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
+@pytest.mark.parametrize("path", PATHS[1:], ids=lambda path: path.__name__)
+def test_rows_that_see_nothing_are_zero_and_pass_no_gradient(path, mode, small_blocks):
+    """Left padding (under a causal mask the first rows then see no key) and an example that is all padding:
+    those rows give zeros, nothing is NaN, and every other row and all gradients match the reference."""
+    q, k, v, mask, _ = make_case(3, 2, 40, 8, 4, mode, None, torch.float32, seed=11)
+    valid = torch.ones(3, 40, dtype=torch.bool)
+    valid[1, :7] = False
+    valid[2] = False
+    source = mask.key_is_source
+    mask = ra.RelativeAttentionMask(key_is_valid=valid, causal=mask.causal, key_is_source=source)
+    allowed = reference.allowed_mask(40, valid, mask.causal, source)
+    sees_something = allowed.any(-1, keepdim=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = run_attention(path, *leaves, mask, 4)
+    references = [t.clone().requires_grad_() for t in (q, k, v)]
+    # The reference's empty rows would be NaN; let them see every key and then zero them.
+    expected = reference.attention(*references, 4, allowed | ~sees_something)[0] * sees_something
+    assert not sees_something.all() and not got[~sees_something.expand_as(got)].any()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    grad = torch.randn_like(got)
+    for name, a, b in zip("qkv", torch.autograd.grad((got * grad).sum(), leaves),
+                          torch.autograd.grad((expected * grad).sum(), references)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"d{name}")
+
+
 @pytest.mark.parametrize("path", PATHS, ids=lambda path: path.__name__)
 def test_bfloat16_close_to_float32(path, small_blocks):
     q, k, v, mask, _ = make_case(1, 2, 300, 16, 8, "bidirectional", [250], torch.float32, seed=4)
