@@ -93,9 +93,10 @@ def peak_memory_mb(kind, length, train, args) -> float:
     The model is built (which loads the compiled kernel) and run once on 16 tokens, so that
     one-time work of the first call (thread pools, lazy imports) is not counted as memory of the
     pass; that run's gradients are then freed, so that the pass's own `zero_grad` does not free
-    them inside the measurement (BERT's are 48 MB larger: position embeddings for 16,384 tokens). On the CPU the peak (VmHWM) is then reset (`/proc/self/clear_refs`) and the result is the
-    pass's peak minus the resident set before it; on a GPU, the allocator's peak minus what was
-    allocated before the pass.
+    them inside the measurement (BERT's are 48 MB larger: position embeddings for 16,384 tokens).
+    On the CPU the peak (VmHWM) is then reset (`/proc/self/clear_refs`) and the result is the pass's
+    peak minus the resident set before it; on a GPU, the allocator's peak minus what was allocated
+    before the pass.
     """
     root = str(Path(__file__).resolve().parents[1])
     code = f"""

@@ -111,9 +111,13 @@ def _with_extra_columns(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _Operands:
-    """Per call: keys and values with extra columns, the table in float32, and the chunk buffers."""
+    """Per call: its chunks and masks, keys and values with extra columns, the table in float32, and `buffers`
+    chunk buffers."""
 
-    def __init__(self, key, value, table, rows: int, key_is_valid, buffers: int):
+    def __init__(self, query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
+                 buffers: int):
+        self.chunks = _chunks(query, key, table, causal, key_is_source, query_offset, buffers)
+        self.scaling, self.causal, self.key_is_valid, self.key_is_source = scaling, causal, key_is_valid, key_is_source
         self.table = table.float()
         # Every row sees key 0 unless it is padding, so only those examples can have a row with nothing visible.
         known = key_is_valid is not None and key_is_valid.device.type != "meta"
@@ -121,6 +125,7 @@ class _Operands:
         self.keys, self.values = _with_extra_columns(key), _with_extra_columns(value)
         self.left_end = self.right_start = 0
         batch, heads, length, _ = key.shape
+        rows = self.chunks[0].size if self.chunks else 0
         self.buffers = [torch.empty(batch * heads * rows * length, dtype=torch.float32, device=key.device)
                         for _ in range(buffers)]
 
@@ -166,19 +171,19 @@ class _Operands:
         bucket[..., [0, -1]] += out[..., [LEFT_TAIL, RIGHT_TAIL]]  # the tails' masses
         return out[..., :width] + bucket @ self.table
 
-    def probabilities(self, chunk: _Chunk, query_rows, scaling, key_is_valid, causal, key_is_source) -> torch.Tensor:
+    def probabilities(self, chunk: _Chunk, query_rows: torch.Tensor) -> torch.Tensor:
         """The chunk's attention probabilities, `[batch, heads, C, keys]` float32 in chunk buffer 0 (a row
         whose keys are all masked is all zeros)."""
-        scores = self.products(chunk, query_rows * scaling, self.keys, self.buffer(chunk, 0))
-        chunk.mask(scores, key_is_valid, causal, key_is_source)
+        scores = self.products(chunk, query_rows * self.scaling, self.keys, self.buffer(chunk, 0))
+        chunk.mask(scores, self.key_is_valid, self.causal, self.key_is_source)
         probs = torch.softmax(scores, -1, out=scores)  # row by row, so in place is safe
         for example in self.key_0_padded:  # softmax gives NaN for a row with nothing visible
             probs[example].nan_to_num_(0.0)
         return probs
 
 
-def _chunks(query, key, table, causal, key_is_source, query_offset, buffers: int) -> tuple[int, list[_Chunk]]:
-    """`(rows per chunk, the chunks in order)` of one call that holds `buffers` chunk buffers."""
+def _chunks(query, key, table, causal, key_is_source, query_offset, buffers: int) -> list[_Chunk]:
+    """The chunks, in order, of one call that holds `buffers` chunk buffers."""
     batch, heads, queries, _ = query.shape
     keys, K = key.shape[-2], (table.shape[0] - 1) // 2
     offset = int(query_offset) if query_offset.device.type != "meta" else 0
@@ -190,8 +195,8 @@ def _chunks(query, key, table, causal, key_is_source, query_offset, buffers: int
             visible = key_is_source.any(0).nonzero()
             source_end = int(visible.max()) + 1 if len(visible) else 0
     rows = chunk_rows(batch, heads, queries, keys, buffers)
-    return rows, [_Chunk(start, min(start + rows, queries), offset, keys, K, causal, source_end)
-                  for start in range(0, queries, rows)]
+    return [_Chunk(start, min(start + rows, queries), offset, keys, K, causal, source_end)
+            for start in range(0, queries, rows)]
 
 
 def forward_chunks(
@@ -204,13 +209,13 @@ def forward_chunks(
     Arguments as `attention_kernel.kernel_forward`; any device and floating dtype. The op
     `nezha_hf::chunked_forward` runs this."""
     batch, heads, queries, size = query.shape
-    rows, chunks = _chunks(query, key, table, causal, key_is_source, query_offset, buffers=1)
-    operands = _Operands(key, value, table, rows, key_is_valid, buffers=1)
+    operands = _Operands(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
+                         buffers=1)
     output = query.new_empty(batch, queries, heads, size)
     seed_value = int(seed) if dropout > 0 else 0
-    for chunk in chunks:
+    for chunk in operands.chunks:
         operands.enter(chunk)
-        probs = operands.probabilities(chunk, query[..., chunk.rows, :], scaling, key_is_valid, causal, key_is_source)
+        probs = operands.probabilities(chunk, query[..., chunk.rows, :])
         if dropout > 0:
             probs.mul_(chunk.keep(probs.shape, dropout, seed_value, query.device))
         out = operands.weighted_sum(chunk, probs, operands.values)
@@ -248,17 +253,17 @@ def backward_chunks(
 
     `grad_output` and `output` are `[batch, heads, queries, head_size]` (any strides). The op
     `nezha_hf::chunked_backward` runs this."""
-    rows, chunks = _chunks(query, key, table, causal, key_is_source, query_offset, buffers=2)
-    operands = _Operands(key, value, table, rows, key_is_valid, buffers=2)
+    operands = _Operands(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
+                         buffers=2)
     grad_query = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     grad_key = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
     grad_value = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
     seed_value = int(seed) if dropout > 0 else 0
-    for chunk in chunks:
+    for chunk in operands.chunks:
         operands.enter(chunk)
         query_rows, grad_out = query[..., chunk.rows, :], grad_output[..., chunk.rows, :]
         row_dot = (grad_out.float() * output[..., chunk.rows, :].float()).sum(-1, keepdim=True)  # D_i = dO_i . O_i
-        probs = operands.probabilities(chunk, query_rows, scaling, key_is_valid, causal, key_is_source)
+        probs = operands.probabilities(chunk, query_rows)
         # dP_ij = dO_i . (v_j + T[r(i, j)]), and dS = P (dP - D); without dropout the gemm subtracts D itself.
         constant = None if dropout > 0 else -row_dot
         grad_scores = operands.products(chunk, grad_out, operands.values, operands.buffer(chunk, 1), constant)

@@ -55,8 +55,7 @@ def chunk_keep_mask(q, k, mask, K, p, seed):
     seeds."""
     table = ra.sinusoid_relative_table(K, q.shape[-1])
     keep = torch.ones(*q.shape[:-1], k.shape[-2])  # keys a chunk never sees are masked anyway
-    _, chunks = chunked_attention._chunks(q, k, table, mask.causal, mask.key_is_source, torch.tensor(0), buffers=1)
-    for chunk in chunks:
+    for chunk in chunked_attention._chunks(q, k, table, mask.causal, mask.key_is_source, torch.tensor(0), buffers=1):
         shape = (*q.shape[:2], chunk.size, chunk.keys)
         keep[..., chunk.rows, : chunk.keys] = chunk.keep(shape, p, seed, q.device) * (1 - p)
     return keep
