@@ -21,7 +21,9 @@ Memory is the resident set the operating system sees, so it includes what glibc'
 after frees: which 24 MB activations land in its heap and how they fragment changes from one run
 to the next, by up to 40 % for the same model. Running the command with
 `MALLOC_MMAP_THRESHOLD_=1048576` (every block of 1 MB or more mapped and unmapped on its own)
-removes that and leaves the memory the pass actually holds.
+removes that and leaves the memory the pass actually holds. `--memory-method tensors` instead counts
+the live tensors from the profiler's memory timeline (no heap at all, as a GPU's allocator counts;
+the profiled pass is slower, memory is unaffected).
 """
 
 import argparse
@@ -30,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,6 +90,21 @@ def time_models(kinds, length, train, repeats, args):
     return {kind: statistics.median(values) for kind, values in samples.items()}
 
 
+def tensor_peak_mb(model, input_ids, train: bool) -> float:
+    """Peak of the live tensors during one pass minus those alive before it (MB), from the profiler's
+    memory timeline: what a GPU's `max_memory_allocated` measures, free of the heap's noise."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        run_once(model, input_ids, train)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "timeline.json")
+        prof.export_memory_timeline(path, device="cpu")
+        _, sizes = json.loads(Path(path).read_text())
+    totals = [sum(by_category) for by_category in sizes]  # the first entry: what existed before the pass
+    return (max(totals) - totals[0]) / 2**20
+
+
 def peak_memory_mb(kind, length, train, args) -> float:
     """Extra memory of one pass, in a fresh process.
 
@@ -95,8 +113,8 @@ def peak_memory_mb(kind, length, train, args) -> float:
     pass; that run's gradients are then freed, so that the pass's own `zero_grad` does not free
     them inside the measurement (BERT's are 48 MB larger: position embeddings for 16,384 tokens).
     On the CPU the peak (VmHWM) is then reset (`/proc/self/clear_refs`) and the result is the pass's
-    peak minus the resident set before it; on a GPU, the allocator's peak minus what was allocated
-    before the pass.
+    peak minus the resident set before it, or with `--memory-method tensors` `tensor_peak_mb`; on a
+    GPU, the allocator's peak minus what was allocated before the pass.
     """
     root = str(Path(__file__).resolve().parents[1])
     code = f"""
@@ -112,7 +130,9 @@ model = b.build({kind!r}, {args.dropout!r}, {args.layers!r}, {args.attention!r},
 ids = torch.randint(1, 21128, (1, {length}), device=device)
 b.run_once(model, ids[:, :16], {train!r})
 model.zero_grad(set_to_none=True)  # the warm-up's gradients are not part of the pass
-if device == 'cpu':
+if device == 'cpu' and {args.memory_method!r} == 'tensors':
+    print(b.tensor_peak_mb(model, ids, {train!r}))
+elif device == 'cpu':
     open('/proc/self/clear_refs', 'w').write('5')
     before = status('VmRSS')
     b.run_once(model, ids, {train!r})
@@ -146,6 +166,8 @@ def main():
     parser.add_argument("--layers", type=int, default=12, help="layers of both models")
     parser.add_argument("--attention", default=None, help="NEZHA's attn_implementation (default: the default)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... (both models)")
+    parser.add_argument("--memory-method", choices=["resident", "tensors"], default="resident",
+                        help="on the CPU: the resident set, or the live tensors (the profiler's memory timeline)")
     args = parser.parse_args()
     if args.dropout and args.no_train:
         print("note: dropout only acts in training; with --no-train it changes nothing", flush=True)
@@ -208,8 +230,10 @@ def write_results(rows, memory, args):
             f"{r.get('ratio_train', float('nan')):.2f} | {eager} |"
         )
     if memory:
+        measured = ("live tensors (profiler memory timeline)" if args.memory_method == "tensors" and args.device == "cpu"
+                    else f"with MALLOC_MMAP_THRESHOLD_={malloc}" if malloc else "")
         lines += ["", f"Extra peak memory of one pass, median of {args.memory_runs} fresh processes per cell (MB)"
-                  + (f", with MALLOC_MMAP_THRESHOLD_={malloc}" if malloc else "") + ":", "",
+                  + (f", {measured}" if measured else "") + ":", "",
                   "| tokens | BERT-SDPA fwd | NEZHA fwd | ratio | BERT-SDPA fwd+bwd | NEZHA fwd+bwd | ratio |", "|---|---|---|---|---|---|---|"]
     for m in memory:
         lines.append(
