@@ -10,7 +10,8 @@ scores `dO . (v_j + T)` against values the same way). A weighted sum over keys i
 tail's probability mass (a row sum) times `T[0]` or `T[2K]`. Only the `C x (C + 2K - 2)` middle block
 needs a per-entry lookup in `q T^T` and per-row bucket sums. A chunk's scores are
 `[batch, heads, C, keys]` float32 buffers, reused from chunk to chunk; no tensor of `L x L` per head
-ever exists. `C` keeps the buffers of a call within `CHUNK_SCORES` numbers. A chunk holds whole rows, so one fused softmax gives its probabilities.
+ever exists. `C` keeps the buffers of a call within `CHUNK_SCORES` numbers. A chunk holds whole
+rows, so one fused softmax gives its probabilities.
 
 The backward recomputes each chunk's probabilities the same way, in chunks of about half as many
 queries (it holds two buffers: probabilities and their gradients). Attention dropout draws the
@@ -27,9 +28,10 @@ This module is an engine: `relative_attention.py` decides when it runs.
 import torch
 
 # Scores a call holds at once, across batch and heads (float32: 64 MB): the forward in one chunk
-# buffer, the backward in two of half as many rows. Longer chunks make the matrix products faster
-# up to about MAX_CHUNK_ROWS queries on CPU (benchmarks/attention.py). Chunks are whole groups of
-# MIN_CHUNK_ROWS queries, which is also the unit dropout masks are drawn in.
+# buffer, the backward in two of half as many rows (off the CPU the softmax's output is one more
+# chunk-sized tensor). Longer chunks make the matrix products faster up to about MAX_CHUNK_ROWS
+# queries on CPU (benchmarks/attention.py). Chunks are whole groups of MIN_CHUNK_ROWS queries,
+# which is also the unit dropout masks are drawn in.
 CHUNK_SCORES = 1 << 24
 MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 256
 
@@ -179,7 +181,10 @@ class _Operands:
         whose keys are all masked is all zeros)."""
         scores = self.products(chunk, query_rows * self.scaling, self.keys, self.buffer(chunk, 0))
         chunk.mask(scores, self.key_is_valid, self.causal, self.key_is_source)
-        probs = torch.softmax(scores, -1, out=scores)  # row by row, so in place is safe
+        # In place on the CPU, where the tests check that the kernel's row-by-row passes make that safe;
+        # on other devices, where nothing here has checked it, one more chunk-sized tensor instead.
+        inplace = scores.device.type == "cpu"
+        probs = torch.softmax(scores, -1, out=scores) if inplace else torch.softmax(scores, -1)
         for example in self.key_0_padded:  # softmax gives NaN for a row with nothing visible
             probs[example].nan_to_num_(0.0)
         return probs
