@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nezha_hf import attention_kernel, three_regions  # noqa: E402
+from nezha_hf import fused_attention, three_regions  # noqa: E402
 from nezha_hf import relative_attention as ra  # noqa: E402
 
 
@@ -57,14 +57,14 @@ def main():
     def three_regions_forward_backward():
         regions(*leaves, table, scale).backward(grad)
 
-    if attention_kernel.compiled_kernel() is None:
+    if fused_attention.fused_kernel() is None:
         raise SystemExit("the compiled kernel is unavailable here (see the logged error)")
 
     def kernel_forward():
-        return attention_kernel.kernel_attention(query, key, value, table, scale, False, None, None)
+        return fused_attention.fused_attention(query, key, value, table, scale, False, None, None)
 
     def kernel_forward_backward():
-        attention_kernel.kernel_attention(*leaves, table, scale, False, None, None).backward(grad)
+        fused_attention.fused_attention(*leaves, table, scale, False, None, None).backward(grad)
 
     def sdpa_forward():
         return torch.nn.functional.scaled_dot_product_attention(query, key, value)

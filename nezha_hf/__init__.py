@@ -11,12 +11,7 @@ from . import hub, modeling_nezha
 from .configuration_nezha import NezhaConfig
 from .modeling_nezha import *  # noqa: F403  (the classes and the heads table; see modeling_nezha.__all__)
 from .pipelines import register_pipelines
-from .relative_attention import (
-    CHUNKED_ATTENTION,
-    FAST_ATTENTION,
-    THREE_REGION_ATTENTION,
-    RelativeAttentionMask,
-)
+from .relative_attention import Engine, RelativeAttentionMask, recorded_attention_calls
 
 __version__ = "0.1.0"
 
@@ -28,10 +23,9 @@ register_pipelines()  # "extractive-question-answering", which transformers v5 r
 modeling_nezha.NezhaPreTrainedModel.hub_integration = hub  # model cards, remote code and uploads
 
 __all__ = [
-    "CHUNKED_ATTENTION",
-    "FAST_ATTENTION",
-    "THREE_REGION_ATTENTION",
+    "Engine",
     "NezhaConfig",
     "RelativeAttentionMask",
+    "recorded_attention_calls",
     *modeling_nezha.__all__,
 ]

@@ -21,11 +21,13 @@ storing it. Matrix products run in the inputs' dtype, scores and softmax in floa
 float16 work).
 
 The forward and backward are the `torch.library` ops `nezha_hf::chunked_forward` and
-`nezha_hf::chunked_backward` (any device): `torch.compile` and `torch.export` see one opaque node.
+`nezha_hf::chunked_backward` (any device; `attention_ops.engine_op`).
 This module is an engine: `relative_attention.py` decides when it runs.
 """
 
 import torch
+
+from .attention_ops import engine_op
 
 # Scores a call holds at once, across batch and heads (float32: 64 MB): the forward in one chunk
 # buffer, the backward in two of half as many rows (off the CPU the softmax's output is one more
@@ -212,10 +214,8 @@ def forward_chunks(
     key_is_valid: torch.Tensor | None, key_is_source: torch.Tensor | None, query_offset: torch.Tensor,
     dropout: float, seed: torch.Tensor,
 ) -> torch.Tensor:
-    """NEZHA attention forward: `[batch, queries, heads, head_size]`.
-
-    Arguments as `attention_kernel.kernel_forward`; any device and floating dtype. The op
-    `nezha_hf::chunked_forward` runs this."""
+    """NEZHA attention forward: `[batch, queries, heads, head_size]`; see `attention_ops`. Any device and
+    floating dtype."""
     batch, heads, queries, size = query.shape
     operands = _Operands(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
                          buffers=1)
@@ -231,11 +231,7 @@ def forward_chunks(
     return output
 
 
-chunked_forward = torch.library.custom_op("nezha_hf::chunked_forward", forward_chunks, mutates_args=())
-
-
-@chunked_forward.register_fake
-def _(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed):
+def _forward_fake(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed):
     batch, heads, queries, size = query.shape
     return query.new_empty(batch, queries, heads, size)
 
@@ -253,14 +249,12 @@ def _add_product(target: torch.Tensor, chunk: _Chunk, weights: torch.Tensor, row
 
 
 def backward_chunks(
-    grad_output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
-    table: torch.Tensor, scaling: float, causal: bool, key_is_valid: torch.Tensor | None,
-    key_is_source: torch.Tensor | None, query_offset: torch.Tensor, dropout: float, seed: torch.Tensor,
+    grad_output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: torch.Tensor,
+    scaling: float, causal: bool, key_is_valid: torch.Tensor | None, key_is_source: torch.Tensor | None,
+    query_offset: torch.Tensor, dropout: float, seed: torch.Tensor, output: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of query, key and value (`[batch, heads, length, head_size]`), recomputing each chunk.
-
-    `grad_output` and `output` are `[batch, heads, queries, head_size]` (any strides). The op
-    `nezha_hf::chunked_backward` runs this."""
+    """Gradients of query, key and value (`[batch, heads, length, head_size]`), recomputing each chunk; see
+    `attention_ops`."""
     operands = _Operands(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
                          buffers=2)
     grad_query = torch.empty(query.shape, dtype=torch.float32, device=query.device)
@@ -289,46 +283,11 @@ def backward_chunks(
     return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
 
 
-chunked_backward = torch.library.custom_op("nezha_hf::chunked_backward", backward_chunks, mutates_args=())
-
-
-@chunked_backward.register_fake
-def _(grad_output, query, key, value, output, table, scaling, causal, key_is_valid, key_is_source, query_offset,
-      dropout, seed):
+def _backward_fake(grad_output, query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
+                   dropout, seed, output):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)  # contiguous
 
 
-def _save_for_backward(ctx, inputs, output):
-    query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed = inputs
-    ctx.save_for_backward(query, key, value, table, output, key_is_valid, key_is_source, query_offset, seed)
-    ctx.scaling, ctx.causal, ctx.dropout = scaling, causal, dropout
-
-
-def _backward(ctx, grad_output):
-    query, key, value, table, output, key_is_valid, key_is_source, query_offset, seed = ctx.saved_tensors
-    grads = chunked_backward(grad_output.transpose(1, 2), query, key, value, output.transpose(1, 2), table,
-                             ctx.scaling, ctx.causal, key_is_valid, key_is_source, query_offset, ctx.dropout, seed)
-    return (*grads, None, None, None, None, None, None, None, None)
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "NEZHA's chunked attention has no second derivative (e.g. a gradient penalty with create_graph=True): "
-        'use attn_implementation="eager" for that.'
-    )
-
-
-chunked_forward.register_autograd(_backward, setup_context=_save_for_backward)
-chunked_backward.register_autograd(_no_double_backward)
-
-
-def chunked_attention(query, key, value, table, scaling: float, causal: bool, key_is_valid=None, key_is_source=None,
-                      query_offset=0, dropout: float = 0.0, seed=None) -> torch.Tensor:
-    """NEZHA attention in chunks of queries, `[batch, queries, heads, head_size]`; arguments as
-    `attention_kernel.kernel_attention`, on any device, float32, bfloat16 or float16."""
-    if not isinstance(query_offset, torch.Tensor):
-        query_offset = torch.tensor(query_offset, dtype=torch.int64)
-    if seed is None:
-        seed = torch.zeros((), dtype=torch.int64)
-    return chunked_forward(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
-                           float(dropout), seed)
+chunked_attention = engine_op("chunked", forward_chunks, _forward_fake, backward_chunks, _backward_fake)
+chunked_attention.__doc__ = """NEZHA attention in chunks of queries, `[batch, queries, heads, head_size]`; arguments as
+    `fused_attention.fused_attention`, on any device, float32, bfloat16 or float16."""

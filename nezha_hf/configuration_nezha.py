@@ -24,9 +24,11 @@ class NezhaConfig(PreTrainedConfig):
         layer_norm_eps, classifier_dropout: as in `BertConfig`.
         max_relative_position: `K`, the distance beyond which relative positions are clipped
             (64 for the Chinese checkpoints). The relative table has `2K + 1` rows.
-        max_position_embeddings: kept so v4 configs round-trip (transformers 4.x sized its position
-            buffers with it); NEZHA here has no absolute positions and this limits nothing, not
-            even `generate()`.
+        max_position_embeddings: read from and written back to `config.json` unchanged, because
+            transformers 4.x sized its position buffers with it; NEZHA here has no absolute positions,
+            so it limits nothing. It is kept as `v4_max_position_embeddings`, not under its own name,
+            so that nothing in transformers (`generate()`'s default length, its length warnings)
+            takes it for a limit.
         is_decoder: causal self-attention (a left-to-right language model).
         add_cross_attention: give each layer of a decoder (`is_decoder=True`) a cross-attention over an
             encoder's `encoder_hidden_states`, as transformers 4.x NEZHA had (`EncoderDecoderModel`).
@@ -59,7 +61,6 @@ class NezhaConfig(PreTrainedConfig):
     hidden_act: str = "gelu"
     hidden_dropout_prob: float | int = 0.1
     attention_probs_dropout_prob: float | int = 0.1
-    max_position_embeddings: int | None = 512
     max_relative_position: int = 64
     type_vocab_size: int = 2
     initializer_range: float = 0.02
@@ -76,6 +77,7 @@ class NezhaConfig(PreTrainedConfig):
     copy_loss_weight: float | int = 2.0
 
     def __post_init__(self, **kwargs):
+        self.v4_max_position_embeddings = kwargs.pop("max_position_embeddings", None)
         # Old releases spell the classes `NeZha*`; the classes here are `Nezha*`.
         if self.architectures:
             self.architectures = [name.replace("NeZha", "Nezha") for name in self.architectures]
@@ -110,6 +112,14 @@ class NezhaConfig(PreTrainedConfig):
             raise ValueError(f"copy_loss_weight must be non-negative, got {self.copy_loss_weight}.")
         if isinstance(self.hidden_act, str) and self.hidden_act not in ACT2FN:
             raise ValueError(f"Unknown hidden_act {self.hidden_act!r}; known: {sorted(ACT2FN)}.")
+
+    def to_dict(self) -> dict:
+        """The config as a dict, with `max_position_embeddings` under its transformers 4.x name."""
+        output = super().to_dict()
+        legacy = output.pop("v4_max_position_embeddings", None)
+        if legacy is not None:
+            output["max_position_embeddings"] = legacy
+        return output
 
     def validate_output_attentions(self):
         # The fast attention path falls back to the eager one when attentions are requested,

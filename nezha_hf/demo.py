@@ -25,7 +25,7 @@ from transformers import AutoModel, AutoModelForMaskedLM, AutoTokenizer
 
 from .cail import read_judgments
 from .conversion import convert_bert
-from .relative_attention import FAST_ATTENTION
+from .relative_attention import DEFAULT_ENGINE
 from .summarization import (
     Summarizer,
     evaluate_summaries,
@@ -102,13 +102,13 @@ def long_input_on_v4_checkpoint(tokens: int) -> None:
     torch.manual_seed(0)
     input_ids = torch.randint(5, model.config.vocab_size, (1, tokens))
     logits = {}
-    for implementation in (FAST_ATTENTION, "eager"):
+    for implementation in (DEFAULT_ENGINE.value, "eager"):
         model.set_attn_implementation(implementation)
         start = time.perf_counter()
         with torch.no_grad():
             logits[implementation] = model(input_ids).logits
         print(f"    {tokens} tokens, attn_implementation={implementation!r}: {time.perf_counter() - start:.3f} s")
-    difference = (logits["eager"] - logits[FAST_ATTENTION]).abs().max().item()
+    difference = (logits["eager"] - logits[DEFAULT_ENGINE.value]).abs().max().item()
     print(f"    max |logit difference| between the two implementations: {difference:.2e}")
 
 

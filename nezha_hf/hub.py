@@ -33,7 +33,6 @@ TASK_DESCRIPTIONS = {
     "multiple-choice": "multiple choice",
     "feature-extraction": "feature extraction (sentence and token embeddings)",
 }
-CARD_DATA_FIELDS = ("language", "license", "datasets", "tags", "base_model", "pipeline_tag")
 
 
 def template_path(kind: str) -> Path:

@@ -5,7 +5,6 @@ Parameter names are those of transformers 4.x (`nezha.encoder.layer.N.attention.
 The relative-position maths is in `relative_attention.py`.
 """
 
-import contextvars
 import functools
 import os
 import pickle
@@ -19,11 +18,6 @@ from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
-from transformers.generation import (
-    GenerationMixin,
-    LogitsProcessor,
-    LogitsProcessorList,
-)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
@@ -47,11 +41,11 @@ from transformers.utils.generic import can_return_tuple, merge_with_config_defau
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_nezha import NezhaConfig
+from .generation_nezha import COPY_TAGS, NezhaUniLMGenerationMixin, cache_length
 from .relative_attention import (
-    ATTENTION_IMPLEMENTATIONS,
-    KERNEL_WANTED,
+    Engine,
     RelativeAttentionMask,
-    gather_relative_attention,
+    engine_function,
     prepare_attention,
     sinusoid_relative_table,
     tracing,
@@ -60,14 +54,10 @@ from .relative_attention import (
 
 logger = logging.get_logger(__name__)
 
-for _name, _function in ATTENTION_IMPLEMENTATIONS.items():
-    if _name != "eager":  # transformers' "eager" is each model's own default function
-        AttentionInterface.register(_name, _function)
-
-
-# The source length of the sequence `NezhaForUniLM.generate` is extending (set for the duration of the call,
-# so that an assistant model's own generate() inside it, and every decoding step, see the same one).
-UNILM_SOURCE_LENGTH = contextvars.ContextVar("nezha_unilm_source_length", default=None)
+for _engine in Engine:
+    if _engine is not Engine.GATHER:  # transformers' "eager" is each model's own default function
+        AttentionInterface.register(_engine.value, engine_function(_engine))
+_gather_attention = engine_function(Engine.GATHER)
 
 
 class CheckpointShapeError(ValueError, RuntimeError):
@@ -82,13 +72,6 @@ def _unreadable_file(error: Exception) -> bool:
     if isinstance(error, RuntimeError):  # torch.load on a truncated zip archive
         return "PytorchStreamReader" in str(error)
     return isinstance(error, OSError) and error.errno is not None  # torch's file reader on a cut-off file
-
-
-def cache_length(past_key_values: Cache | None) -> int | torch.Tensor:
-    """Tokens already in the cache (0 without one). A static cache reports a tensor: eager code gets an int,
-    traced code keeps the tensor (its value changes from one decoding step to the next)."""
-    length = past_key_values.get_seq_length() if past_key_values is not None else 0
-    return int(length) if isinstance(length, torch.Tensor) and values_known(length) else length
 
 
 class NezhaEmbeddings(nn.Module):
@@ -157,15 +140,8 @@ class NezhaSelfAttention(nn.Module):
                 cache = past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache) else past_key_values
                 key_layer, value_layer = cache.update(key_layer, value_layer, self.layer_idx)
 
-        implementation = self.config._attn_implementation
-        if kwargs.get("output_attentions") and implementation != "eager":
-            logger.warning_once(
-                f"output_attentions=True needs attention probabilities, which `{implementation}` does not compute: "
-                "using the eager (gather) attention for these calls."
-            )
-            implementation = "eager"
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            implementation, gather_relative_attention
+            self.config._attn_implementation, _gather_attention
         )
         attn_output, attn_weights = attention_interface(
             self,
@@ -406,7 +382,10 @@ class NezhaPreTrainedModel(PreTrainedModel):
             )
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
-        return prepare_attention(requested_attention)
+        # While the model is being built it has no parameters yet: it is built on the default device.
+        parameter = next(self.parameters(), None)
+        device = parameter.device if parameter is not None else torch.get_default_device()
+        return prepare_attention(requested_attention, device)
 
     def save_pretrained(self, save_directory, *args, model_card: dict | bool = True, remote_code: bool = False, **kwargs):
         """`PreTrainedModel.save_pretrained`, plus a model card and, if asked, remote code.
@@ -459,10 +438,6 @@ class NezhaPreTrainedModel(PreTrainedModel):
         kwargs.setdefault("key_mapping", {r"^bert\.": "nezha."})
         strict_shapes = not kwargs.get("ignore_mismatched_sizes", False)
         wants_info = kwargs.pop("output_loading_info", False)
-        # A model loaded onto another device never runs the CPU kernel: do not build it.
-        device_map = kwargs.get("device_map")
-        devices = set(device_map.values()) if isinstance(device_map, dict) else {device_map}
-        kernel_wanted = KERNEL_WANTED.set(all(d is None or str(d) in ("cpu", "meta", "disk") for d in devices))
         try:
             model, info = super().from_pretrained(
                 pretrained_model_name_or_path,
@@ -477,8 +452,9 @@ class NezhaPreTrainedModel(PreTrainedModel):
                 f"Could not read the checkpoint at {pretrained_model_name_or_path} (corrupt, truncated, empty, or a "
                 f"pickle that is not plain tensors): {first_line or type(error).__name__}"
             ) from error
-        finally:
-            KERNEL_WANTED.reset(kernel_wanted)
+        # Built on the meta device, the model prepared nothing: now that its weights are placed, get its attention
+        # ready where it runs (a model loaded onto another device never builds the CPU kernel).
+        prepare_attention(model.config._attn_implementation, model.device)
         if strict_shapes and info["mismatched_keys"]:
             details = "; ".join(
                 f"{key}: checkpoint {tuple(ckpt)} vs model {tuple(model_shape)}"
@@ -554,11 +530,13 @@ class NezhaModel(NezhaPreTrainedModel):
         use_cache: bool | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
+        source_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPoolingAndCrossAttentions:
         r"""
         input_ids: `[batch, length]` token ids (or pass `inputs_embeds`).
-        attention_mask: `[batch, past + length]` with 1 for tokens to attend to, 0 for padding.
+        attention_mask: `[batch, past + length]` with 1 for tokens to attend to, 0 for padding (or a
+            `RelativeAttentionMask`, used as it is).
         token_type_ids: `[batch, length]` segment ids in `[0, type_vocab_size)`.
         past_key_values: a transformers `Cache` (decoders only); created when `use_cache` and `is_decoder`
             (an `EncoderDecoderCache` with `encoder_hidden_states`).
@@ -566,6 +544,9 @@ class NezhaModel(NezhaPreTrainedModel):
             with `add_cross_attention=True`. As in transformers 4.x, decoder position i and encoder position
             j are `j - i` apart for the relative terms.
         encoder_attention_mask: `[batch, encoder_length]` 0/1 padding mask of `encoder_hidden_states`.
+        source_mask: `[batch, length]` bool, True on the UniLM source tokens among the new ones: the prefix mask
+            (source tokens see the whole source, the others see the source and what precedes them), as
+            `NezhaForUniLM` uses it. None: causal if `config.is_decoder`, else bidirectional.
         """
         self._check_inputs(input_ids, inputs_embeds, token_type_ids, kwargs)
         if encoder_hidden_states is not None and not self.config.add_cross_attention:
@@ -578,7 +559,7 @@ class NezhaModel(NezhaPreTrainedModel):
         if isinstance(attention_mask, RelativeAttentionMask):
             mask = attention_mask
         else:
-            mask = self.build_attention_mask(attention_mask, batch_size, length, past_key_values)
+            mask = self.build_attention_mask(attention_mask, batch_size, length, past_key_values, source_mask)
         # A cache only makes sense when no query sees a later key: decoders and the UniLM prefix mask.
         if past_key_values is not None and not mask.causal:
             raise ValueError(
@@ -830,9 +811,6 @@ class NezhaForMaskedLM(_LMHeadTying, NezhaPreTrainedModel):
         )
 
 
-COPY_TAGS = ("generated", "copy-start", "copy-continue")
-
-
 @dataclass
 class NezhaUniLMOutput(CausalLMOutputWithCrossAttentions):
     """Output of `NezhaForUniLM`; `copy_logits` (`[batch, length, 3]`) only with `config.unilm_copy_tags`.
@@ -843,82 +821,7 @@ class NezhaUniLMOutput(CausalLMOutputWithCrossAttentions):
     copy_logits: torch.Tensor | None = None
 
 
-class CopySpanLogitsProcessor(LogitsProcessor):
-    """SPACES copy decoding: a token tagged as copied must continue an n-gram of its source.
-
-    `NezhaForUniLM.generate` adds it when the model has a copy head; a forward hook hands it the
-    copy-tag logits of each step (`read_copy_logits`). For every row, with `n` the length of the
-    current copied span (0 outside one): the tag is the arg-max of the copy logits (2 is not
-    allowed when `n = 0`); tag 0 leaves the scores alone and ends the span; tag 1 starts a span
-    (`n = 1`) and keeps only tokens of the source; tag 2 extends it (`n + 1`) and keeps only the
-    tokens that follow the span's last `n` tokens somewhere in the source. If the span cannot be
-    continued, it restarts as a new span (`n = 1`), as SPACES did; if another processor (e.g.
-    `no_repeat_ngram_size`) has banned every source token, the row decodes freely. Scores of the
-    kept tokens are renormalised among themselves (log-softmax). The span length is kept per
-    generated prefix, so beam search and sampling with several sequences are handled.
-
-    Args:
-        sources: the token ids a copy may come from, one list per batch row before expansion.
-        prompt_length: length of the (padded) prompt; what follows it is the generated target.
-    """
-
-    def __init__(self, sources: list[list[int]], prompt_length: int):
-        if any(not source for source in sources):
-            raise ValueError("Copy decoding needs a non-empty source in every row.")
-        self.sources = [list(source) for source in sources]
-        self.prompt_length = prompt_length
-        self.copy_logits = None
-        self._span_length = {}
-        self._continuations = {}
-
-    def read_copy_logits(self, module, args, output) -> None:
-        """Forward hook: keep the copy-tag logits of the last position."""
-        self.copy_logits = output.copy_logits[:, -1].float()
-
-    def _candidates(self, source_index: int, span: tuple) -> list[int] | None:
-        """Tokens that follow `span` somewhere in the source (every source token for an empty span)."""
-        key = (source_index, len(span))
-        if key not in self._continuations:
-            source, n = self.sources[source_index], len(span)
-            table = {}
-            for start in range(len(source) - n):
-                table.setdefault(tuple(source[start : start + n]), set()).add(source[start + n])
-            self._continuations[key] = {prefix: sorted(tokens) for prefix, tokens in table.items()}
-        return self._continuations[key].get(span)
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.copy_logits is None or self.copy_logits.shape[0] != input_ids.shape[0]:
-            raise RuntimeError("CopySpanLogitsProcessor got no copy logits for this step: use NezhaForUniLM.generate.")
-        rows_per_source = input_ids.shape[0] // len(self.sources)
-        constrained = torch.full_like(scores, float("-inf"))
-        for row in range(input_ids.shape[0]):
-            source_index = row // rows_per_source
-            target = tuple(input_ids[row, self.prompt_length :].tolist())
-            span = self._span_length.get((source_index, target[:-1]), 0) if target else 0
-            tag_scores = self.copy_logits[row].clone()
-            if span == 0:
-                tag_scores[2] = float("-inf")
-            tag = int(tag_scores.argmax())
-            span = tag if tag < 2 else span + 1
-            options = [(span, target[len(target) - span + 1 :])] if span > 1 else []
-            options += [(1, ())] if span > 0 else []
-            for option_span, prefix in options:
-                candidates = self._candidates(source_index, prefix)
-                kept = None if candidates is None else scores[row, torch.tensor(candidates, device=scores.device)]
-                if kept is not None and bool((kept > float("-inf")).any()):
-                    # Renormalised over the candidates (as SPACES did): beam search then ranks a copied
-                    # token by its probability given that the token is copied, not below every free one.
-                    constrained[row, candidates] = kept.log_softmax(-1)
-                    span = option_span
-                    break
-            else:
-                span = 0
-                constrained[row] = scores[row]
-            self._span_length[(source_index, target)] = span
-        return constrained
-
-
-class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
+class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, NezhaUniLMGenerationMixin):
     """NEZHA as a UniLM sequence-to-sequence model: one encoder with a prefix mask, and `generate()`.
 
     Inputs are `[CLS] source [SEP] target [SEP]` with `token_type_ids` 0 on the source part and 1
@@ -941,7 +844,7 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
     2 continues it). Train it with `copy_labels` (`nezha_hf.unilm.copy_tags` derives them from the
     longest common subsequence of source and target; -100 elsewhere): the loss becomes
     `lm_loss + config.copy_loss_weight * copy_loss`. `generate()` then applies
-    `CopySpanLogitsProcessor` (turn it off with `copy_constraint=False`).
+    `generation_nezha.CopySpanLogitsProcessor` (turn it off with `copy_constraint=False`).
 
     With `config.is_decoder=True` it is instead a plain left-to-right language model (a causal mask,
     token type 0 unless given), which is what `AutoModelForCausalLM` and `EncoderDecoderModel` build
@@ -983,6 +886,7 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
+        source_length: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> NezhaUniLMOutput:
         r"""
@@ -995,39 +899,40 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
         logits_to_keep: compute logits for the last this many positions only (0 = all).
         encoder_hidden_states, encoder_attention_mask: an encoder's output and padding mask, for a decoder
             with cross-attention (see `NezhaModel.forward`).
+        source_length: how many leading positions of the whole sequence are source, when the cache holds
+            part of it and source tokens come again after it (what `generate` passes when assisted decoding
+            cropped its cache into the source; the cache must then hold tokens computed with the whole
+            source). Without it, source tokens after a cache are refused: cached tokens could not see them.
         """
         if copy_labels is not None and self.copy_head is None:
             raise ValueError("copy_labels given, but this model has no copy head: set config.unilm_copy_tags=True.")
         batch_size, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         past_length = cache_length(past_key_values)
-        device = self.nezha.relative_table.device
-        mask = attention_mask
-        if self.config.is_decoder:  # a plain causal language model: NezhaModel builds the causal mask
-            pass
-        elif token_type_ids is None:
-            if labels is not None:
-                raise ValueError("Training NezhaForUniLM needs token_type_ids: 0 on [CLS] source [SEP], 1 on the target.")
-            token_type_ids = torch.zeros((batch_size, length), dtype=torch.long, device=device) + (past_length > 0)
-        elif values_known(token_type_ids) and UNILM_SOURCE_LENGTH.get() is None and past_length and (token_type_ids == 0).any():
-            # Inside generate() the types come from the source length: a source token after a cache is then one
-            # re-run after the cache was cropped (assisted decoding), which sees exactly what it saw before.
-            raise ValueError(
-                "Source tokens (token type 0) must all be in the first call: source tokens already in the cache "
-                "could not see them. Pass the whole source at once, then continue with token type 1."
-            )
-        if not self.config.is_decoder and not isinstance(mask, RelativeAttentionMask):
-            mask = self.nezha.build_attention_mask(
-                attention_mask, batch_size, length, past_key_values, source_mask=token_type_ids == 0
-            )
+        source_mask = None
+        if not self.config.is_decoder:  # a decoder is a plain causal language model: no source
+            if token_type_ids is None:
+                if labels is not None:
+                    raise ValueError("Training NezhaForUniLM needs token_type_ids: 0 on [CLS] source [SEP], 1 on the target.")
+                device = self.nezha.relative_table.device
+                token_type_ids = torch.zeros((batch_size, length), dtype=torch.long, device=device) + (past_length > 0)
+            elif values_known(token_type_ids) and past_length:
+                position = past_length + torch.arange(length, device=token_type_ids.device)
+                if ((token_type_ids == 0) & (position >= (source_length or 0))).any():
+                    raise ValueError(
+                        "Source tokens (token type 0) must all be in the first call: source tokens already in the "
+                        "cache could not see them. Pass the whole source at once, then continue with token type 1."
+                    )
+            source_mask = token_type_ids == 0
         outputs = self.nezha(
             input_ids,
-            attention_mask=mask,
+            attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             inputs_embeds=inputs_embeds,
             past_key_values=past_key_values,
             use_cache=use_cache if use_cache is not None else self.config.use_cache,
             encoder_hidden_states=encoder_hidden_states,
             encoder_attention_mask=encoder_attention_mask,
+            source_mask=source_mask,
             return_dict=True,
             **kwargs,
         )
@@ -1050,83 +955,6 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
-
-    def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
-        """`GenerationMixin.generate`, with the prompt as the UniLM source.
-
-        Without `token_type_ids` every prompt token is source (type 0); generated tokens get type 1.
-        No length cap applies (`config.max_position_embeddings` is ignored). Takes every argument of
-        `transformers` `generate` (greedy, beam search, sampling, streamers), plus `copy_constraint`:
-        with a copy head (`config.unilm_copy_tags`) copied spans are kept on source n-grams
-        (`CopySpanLogitsProcessor`) unless `copy_constraint=False`. The copy source is every
-        attended prompt token except padding, `bos_token_id` and `eos_token_id`.
-        """
-        prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-        if kwargs.get("token_type_ids") is None and prompt is not None:
-            kwargs["token_type_ids"] = torch.zeros(prompt.shape[:2], dtype=torch.long, device=prompt.device)
-        source_length = UNILM_SOURCE_LENGTH.get()
-        if source_length is None and prompt is not None and not self.config.is_decoder:
-            # The outermost generate() (an assistant's runs inside it) of a UniLM (a decoder has no source).
-            # Tokens after a non-empty cache are targets, like the ones generated after the prompt.
-            cached = cache_length(kwargs.get("past_key_values"))
-            source_length = min(prompt.shape[1], cached) if isinstance(cached, int) and cached > 0 else prompt.shape[1]
-        copy_constraint = kwargs.pop("copy_constraint", self.copy_head is not None)
-        hook = None
-        if copy_constraint:
-            processor = self._copy_processor(prompt, kwargs)
-            kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), processor])
-            hook = self.register_forward_hook(processor.read_copy_logits)
-        # transformers caps lengths at config.max_position_embeddings (512 in v4 configs, which kept
-        # it for their position buffers); NEZHA has no such limit.
-        kept, self.config.max_position_embeddings = self.config.max_position_embeddings, None
-        source_token = UNILM_SOURCE_LENGTH.set(source_length)
-        try:
-            return super().generate(inputs, *args, **kwargs)
-        finally:
-            self.config.max_position_embeddings = kept
-            UNILM_SOURCE_LENGTH.reset(source_token)
-            if hook is not None:
-                hook.remove()
-
-    def _copy_processor(self, prompt: torch.Tensor | None, kwargs: dict) -> CopySpanLogitsProcessor:
-        if self.copy_head is None:
-            raise ValueError("copy_constraint=True needs a copy head: set config.unilm_copy_tags=True and train it.")
-        if prompt is None or prompt.dtype != torch.long:
-            raise ValueError("Copy decoding needs the prompt as input_ids (not inputs_embeds).")
-        generation_config = kwargs.get("generation_config") or self.generation_config
-        special = set()
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            value = kwargs.get(name, getattr(generation_config, name, None))
-            special.update(value if isinstance(value, list) else [] if value is None else [value])
-        attended = kwargs.get("attention_mask")
-        attended = torch.ones_like(prompt, dtype=torch.bool) if attended is None else attended.bool()
-        sources = [[token for token, keep in zip(row.tolist(), keep_row.tolist()) if keep and token not in special]
-                   for row, keep_row in zip(prompt, attended)]
-        return CopySpanLogitsProcessor(sources, prompt.shape[1])
-
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, inputs_embeds=None, **kwargs):
-        """transformers' inputs for one forward of `generate`, with the token types of the UniLM sequence:
-        positions before the source length keep the prompt's types, everything after is a target (type 1).
-
-        transformers extends `token_type_ids` by repeating the last one (a source token's 0), in the
-        decoding loop and in assisted decoding's candidates alike; this is the one place every mode passes.
-        """
-        inputs = super().prepare_inputs_for_generation(
-            input_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds, **kwargs
-        )
-        source_length, types = UNILM_SOURCE_LENGTH.get(), inputs.get("token_type_ids")
-        if source_length is not None and types is not None:
-            position = cache_length(past_key_values) + torch.arange(types.shape[1], device=types.device)
-            inputs["token_type_ids"] = torch.where(position >= source_length, torch.ones_like(types), types)
-        return inputs
-
-    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, **kwargs):
-        """For static caches: the 2D padding mask (`forward` builds the prefix mask from it), padded to the
-        cache's size, so that its shape is the same at every step and a compiled forward compiles once."""
-        if attention_mask is None or past_key_values is None:
-            return attention_mask
-        cache_size = past_key_values.get_mask_sizes(inputs_embeds.shape[1], 0)[0]
-        return nn.functional.pad(attention_mask, (0, cache_size - attention_mask.shape[1]))
 
 
 class NezhaForNextSentencePrediction(NezhaPreTrainedModel):
@@ -1474,7 +1302,6 @@ def nezha_head(name: str) -> NezhaHead:
 __all__ = [
     "NEZHA_HEADS",
     "CheckpointShapeError",
-    "CopySpanLogitsProcessor",
     "NezhaForMaskedLM",
     "NezhaForMultipleChoice",
     "NezhaForNextSentencePrediction",

@@ -1,4 +1,4 @@
-"""NEZHA's relative-position attention: the maths, the mask, the gather path, and which path runs.
+"""NEZHA's relative-position attention: the maths, the mask, and the table of engines that compute it.
 
 For a head of size `d`, query position `i`, key position `j` and `K = max_relative_position`:
 
@@ -7,38 +7,35 @@ For a head of size `d`, query position `i`, key position `j` and `K = max_relati
     out_i   = sum_j softmax_j(s_ij) (v_j + T[r(i, j)])
 
 `T` is a fixed `(2K + 1) x d` sinusoid table shared by every head and layer; `K` is read off its
-shape. The attention functions here have the transformers signature
-`fn(module, query, key, value, attention_mask, scaling, dropout, *, relative_table, **kwargs) -> (out, probs)`
-and are registered under the names in `ATTENTION_IMPLEMENTATIONS`; `gather_relative_attention`
-(`"eager"`) is the reference. What each implementation is and where it runs is the table
-"Attention implementations" in the README, and nowhere else.
+shape. Four engines compute it exactly: `ENGINES` declares each one (what it is, when it cannot run
+and what runs instead), `relative_attention` is the one function every `attn_implementation` goes
+through, and `implementation_table()` renders the declarations as the table of which engine runs
+where (docs/attention.md holds it; a test keeps the two equal). The engine that ran is logged once
+per situation at INFO and recorded for `recorded_attention_calls()`.
 
 The mask is a `RelativeAttentionMask` (key padding, causal or UniLM prefix) rather than a dense
-`L x L` tensor, so the linear-memory paths never build one.
+`L x L` tensor, so the linear-memory engines never build one.
 """
 
-import contextvars
+import contextlib
+import enum
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from transformers.utils import logging
 
-from .attention_kernel import compiled_kernel, kernel_attention, kernel_loaded
 from .chunked_attention import chunked_attention
+from .fused_attention import fused_attention, fused_kernel, fused_kernel_loaded
 from .three_regions import AVAILABLE as THREE_REGIONS_AVAILABLE
 from .three_regions import ThreeRegions
 
 logger = logging.get_logger(__name__)
 
-FAST_ATTENTION = "nezha_fused"
-CHUNKED_ATTENTION = "nezha_chunked"
-THREE_REGION_ATTENTION = "nezha_three_regions"
 # Below this length three regions are slower than the chunked path on CPU (benchmarks/attention.py).
 THREE_REGIONS_MIN_LENGTH = 513
-# False while a model is being built for a device other than the CPU: its kernel would never run.
-KERNEL_WANTED = contextvars.ContextVar("nezha_kernel_wanted", default=True)
 
 
 def tracing() -> bool:
@@ -148,66 +145,87 @@ class RelativeAttentionMask:
         return self.cached(("additive", query_length, key_length, dtype, str(device)), build)
 
 
-_reported = set()
+class Engine(enum.Enum):
+    """The engines that compute NEZHA attention; each value is the `attn_implementation` that asks for it."""
+
+    FUSED = "nezha_fused"
+    THREE_REGIONS = "nezha_three_regions"
+    CHUNKED = "nezha_chunked"
+    GATHER = "eager"
+
+    @property
+    def label(self) -> str:
+        """How logs and the docs name the engine."""
+        return ENGINES[self].label
 
 
-def _report(requested: str, ran: str, query: torch.Tensor, dropout: float, mask: "RelativeAttentionMask") -> None:
-    """Log once, at INFO, which implementation ran for a kind of call (device, dtype, dropout, cache)."""
-    cached = not (isinstance(mask.query_offset, int) and mask.query_offset == 0)
-    situation = (requested, ran, query.device.type, query.dtype, dropout > 0, cached)
-    if situation not in _reported and not tracing():
-        _reported.add(situation)
-        logger.info(
-            f"NEZHA attention {requested!r} runs {ran} ({query.device.type}, {query.dtype}, "
-            f"attention dropout {'on' if dropout > 0 else 'off'}, {'with' if cached else 'no'} KV cache)."
-        )
+DEFAULT_ENGINE = Engine.FUSED
 
 
-def gather_relative_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: RelativeAttentionMask | None,
-    scaling: float,
-    dropout: float = 0.0,
-    *,
-    relative_table: torch.Tensor,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact NEZHA attention with `O(L^2)` memory per head (`attn_implementation="eager"`).
+def _kernel_built(situation: "Situation") -> bool:
+    # While tracing nothing may be built: only an already loaded kernel counts.
+    return fused_kernel_loaded() if situation.tracing else fused_kernel() is not None
 
-    Args:
-        module: the calling `NezhaSelfAttention` (provides `training`).
-        query: `[batch, heads, query_length, head_size]`; key, value: `[batch, heads, key_length, head_size]`.
-        attention_mask: a `RelativeAttentionMask` or None.
-        scaling: score scale, `head_size ** -0.5`.
-        dropout: attention-probability dropout, applied (to both value terms) as transformers 4.x did.
-        relative_table: the model's `(2K + 1) x head_size` table.
 
-    Returns:
-        `(output [batch, query_length, heads, head_size], probabilities [batch, heads, query_length, key_length])`.
-    """
-    query_length, key_length = query.shape[-2], key.shape[-2]
-    _report("eager", "the gather path", query, dropout if module.training else 0.0, attention_mask or RelativeAttentionMask())
-    table = relative_table.to(query.dtype)
-    offset = attention_mask.query_offset if attention_mask is not None else 0
-    index = relative_position_index(query_length, key_length, max_relative_position(table), offset, query.device)
-    index = index.expand(*query.shape[:2], query_length, key_length)
+@dataclass(frozen=True)
+class Situation:
+    """What decides which engine can run one attention call."""
 
-    scores = torch.matmul(query, key.transpose(-1, -2))
-    scores = scores + torch.matmul(query, table.T).gather(-1, index)
-    scores = scores * scaling
-    if attention_mask is not None:
-        additive = attention_mask.additive(query_length, key_length, scores.dtype, scores.device)
-        if additive is not None:
-            scores = scores + additive
-    probs = nn.functional.softmax(scores, dim=-1)
-    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
+    device: str
+    dtype: torch.dtype
+    query_length: int
+    key_length: int
+    K: int
+    cached: bool  # queries continue a KV cache (they start after position 0)
+    dropout: bool  # attention dropout in training
+    tracing: bool  # torch.compile, torch.export or torch.jit.trace
+    wants_probabilities: bool  # output_attentions=True
+    kernel_built: Callable[["Situation"], bool] = field(default=_kernel_built, compare=False)
 
-    bucket_mass = probs.new_zeros(*probs.shape[:-1], table.shape[0]).scatter_add_(-1, index, probs)
-    output = torch.matmul(probs, value) + torch.matmul(bucket_mass, table)
-    return output.transpose(1, 2).contiguous(), probs
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine: its label, what it is, the function that runs it, why it cannot run a call, and what runs
+    then. `run(module, query, key, value, mask, scaling, dropout, table)` returns `(output [batch, queries,
+    heads, head_size], probabilities or None)`; `unusable(situation)` returns a reason, or None when it runs."""
+
+    label: str
+    summary: str
+    run: Callable
+    unusable: Callable[[Situation], str | None]
+    fallback: Engine | None
+
+
+def _no_probabilities(situation: Situation) -> str | None:
+    if situation.wants_probabilities:
+        return "output_attentions=True needs the attention probabilities, which only the gather engine computes"
+    return None
+
+
+def _fused_unusable(situation: Situation) -> str | None:
+    if situation.device != "cpu":
+        return "the fused kernel runs on the CPU"
+    if situation.dtype != torch.float32:
+        return "the fused kernel takes float32"
+    if not situation.kernel_built(situation):
+        return "the fused kernel is not built (see the warning logged when it was tried)"
+    return _no_probabilities(situation)
+
+
+def _three_regions_unusable(situation: Situation) -> str | None:
+    if not THREE_REGIONS_AVAILABLE:
+        return "this PyTorch lacks the CPU flash-attention kernel three regions are made of"
+    if situation.device != "cpu":
+        return "three regions run on the CPU"
+    if situation.dropout:
+        return "three regions have no attention dropout"
+    if situation.cached:
+        return "three regions need queries and keys of one length (no KV cache)"
+    if situation.query_length < THREE_REGIONS_MIN_LENGTH or situation.query_length <= situation.K:
+        return f"three regions are slower than the chunked engine below {THREE_REGIONS_MIN_LENGTH} tokens"
+    if situation.tracing:
+        return "inductor cannot compile the calls three regions make"
+    return _no_probabilities(situation)
 
 
 def _dropout_seed(dropout: float) -> torch.Tensor:
@@ -217,155 +235,268 @@ def _dropout_seed(dropout: float) -> torch.Tensor:
     return torch.randint(0, 1 << 62, (), dtype=torch.int64)
 
 
-def _linear_memory(engine, module, query, key, value, mask, scaling, dropout, relative_table):
-    """Run `kernel_attention` or `chunked_attention` with the mask's flags: `[batch, queries, heads, head_size]`."""
-    dropout = dropout if module.training else 0.0
-    return engine(
-        query, key, value, relative_table.to(query.dtype), scaling, mask.causal, mask.key_is_valid,
-        mask.key_is_source if mask.causal else None, mask.query_offset, dropout, _dropout_seed(dropout),
-    )
+def _op_engine(attention: Callable) -> Callable:
+    """An engine's `run` from its op (`fused_attention`, `chunked_attention`): the mask as key flags."""
+
+    def run(module, query, key, value, mask, scaling, dropout, table):
+        output = attention(query, key, value, table, scaling, mask.causal, mask.key_is_valid,
+                           mask.key_is_source if mask.causal else None, mask.query_offset, dropout,
+                           _dropout_seed(dropout))
+        return output, None
+
+    return run
 
 
-def chunked_relative_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: RelativeAttentionMask | None,
-    scaling: float,
-    dropout: float = 0.0,
-    *,
-    relative_table: torch.Tensor,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Exact NEZHA attention in linear memory from PyTorch ops (`attn_implementation="nezha_chunked"`).
+def _gather(module, query, key, value, mask, scaling, dropout, table):
+    """The `O(L^2)` formulation: `L x L` scores per head, the key term gathered from `q @ T^T`, the value term
+    summed into `2K + 1` buckets. Returns the probabilities too."""
+    query_length, key_length = query.shape[-2], key.shape[-2]
+    index = relative_position_index(query_length, key_length, max_relative_position(table), mask.query_offset,
+                                    query.device)
+    index = index.expand(*query.shape[:2], query_length, key_length)
 
-    `chunked_attention.chunked_attention` on any device and dtype, with attention dropout and KV caches.
-    """
-    mask = attention_mask if attention_mask is not None else RelativeAttentionMask()
-    _report(CHUNKED_ATTENTION, "the chunked path", query, dropout if module.training else 0.0, mask)
-    return _linear_memory(chunked_attention, module, query, key, value, mask, scaling, dropout, relative_table), None
+    scores = torch.matmul(query, key.transpose(-1, -2))
+    scores = scores + torch.matmul(query, table.T).gather(-1, index)
+    scores = scores * scaling
+    additive = mask.additive(query_length, key_length, scores.dtype, scores.device)
+    if additive is not None:
+        scores = scores + additive
+    probs = nn.functional.softmax(scores, dim=-1)
+    probs = nn.functional.dropout(probs, p=dropout, training=dropout > 0)
+
+    bucket_mass = probs.new_zeros(*probs.shape[:-1], table.shape[0]).scatter_add_(-1, index, probs)
+    output = torch.matmul(probs, value) + torch.matmul(bucket_mass, table)
+    return output.transpose(1, 2).contiguous(), probs
 
 
-def three_region_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: RelativeAttentionMask | None,
-    scaling: float,
-    dropout: float = 0.0,
-    *,
-    relative_table: torch.Tensor,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Exact NEZHA attention in linear memory from PyTorch's CPU flash kernel (`attn_implementation="nezha_three_regions"`).
-
-    Runs `three_regions.ThreeRegions` where it applies (see the README's table of implementations) and
-    `chunked_relative_attention` elsewhere. A row whose keys are all masked gets a zero output.
-    """
-    mask = attention_mask if attention_mask is not None else RelativeAttentionMask()
-    length, K = query.shape[-2], max_relative_position(relative_table)
-    applies = (
-        THREE_REGIONS_AVAILABLE
-        and query.device.type == "cpu"
-        and not (dropout > 0 and module.training)
-        and length == key.shape[-2]
-        and isinstance(mask.query_offset, int)
-        and mask.query_offset == 0
-        and THREE_REGIONS_MIN_LENGTH <= length
-        and K < length
-        and not tracing()  # inductor cannot compile its fused-kernel calls
-    )
-    if not applies:
-        _report(THREE_REGION_ATTENTION, "the chunked path", query, dropout if module.training else 0.0, mask)
-        return _linear_memory(chunked_attention, module, query, key, value, mask, scaling, dropout, relative_table), None
-    _report(THREE_REGION_ATTENTION, "three regions", query, 0.0, mask)
+def _three_regions(module, query, key, value, mask, scaling, dropout, table):
+    length, K = query.shape[-2], max_relative_position(table)
     regions = mask.cached(
         ("three_regions", length, K, query.shape[-1], query.dtype, str(query.device)),
-        lambda: ThreeRegions(
-            length, K, sinusoid_frequencies(query.shape[-1]).to(query.device), mask.key_is_valid, mask.causal,
-            mask.key_is_source, query.dtype,
-        ),
+        lambda: ThreeRegions(length, K, sinusoid_frequencies(query.shape[-1]).to(query.device), mask.key_is_valid,
+                             mask.causal, mask.key_is_source, query.dtype),
     )
-    output = regions(query, key, value, relative_table.to(query.dtype), scaling)
-    return output.transpose(1, 2).contiguous(), None
+    return regions(query, key, value, table, scaling).transpose(1, 2).contiguous(), None
 
 
-def fused_relative_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: RelativeAttentionMask | None,
-    scaling: float,
-    dropout: float = 0.0,
-    *,
-    relative_table: torch.Tensor,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Exact NEZHA attention in linear memory, by the compiled kernel where it runs (`attn_implementation="nezha_fused"`, the default).
-
-    `attention_kernel.kernel_attention` for float32 on CPU, `chunked_attention.chunked_attention`
-    elsewhere (see the README's table of implementations); the same result either way.
-    """
-    mask = attention_mask if attention_mask is not None else RelativeAttentionMask()
-    on_kernel = (
-        query.device.type == "cpu"
-        and query.dtype == torch.float32
-        and (kernel_loaded() if tracing() else compiled_kernel() is not None)
-    )
-    _report(FAST_ATTENTION, "the compiled kernel" if on_kernel else "the chunked path", query,
-            dropout if module.training else 0.0, mask)
-    engine = kernel_attention if on_kernel else chunked_attention
-    return _linear_memory(engine, module, query, key, value, mask, scaling, dropout, relative_table), None
-
-
-# Every implementation NEZHA accepts as `attn_implementation`, and its function.
-ATTENTION_IMPLEMENTATIONS = {
-    FAST_ATTENTION: fused_relative_attention,
-    CHUNKED_ATTENTION: chunked_relative_attention,
-    THREE_REGION_ATTENTION: three_region_attention,
-    "eager": gather_relative_attention,
+# Every engine, in the order of the docs' table. Fallbacks end at the gather engine, which runs everywhere.
+ENGINES = {
+    Engine.FUSED: EngineSpec(
+        "fused kernel",
+        "Linear memory, as fast as BERT-SDPA on CPU: a compiled C++ kernel (`csrc/fused_attention.cpp`), flash "
+        "attention with the relative terms as per-row lookups and bucket sums.",
+        _op_engine(fused_attention), _fused_unusable, Engine.CHUNKED,
+    ),
+    Engine.THREE_REGIONS: EngineSpec(
+        "three regions",
+        "Linear memory from PyTorch's CPU flash kernel: the band `|j - i| < K` and the two tails are plain "
+        "attentions merged by their log-sum-exps.",
+        _three_regions, _three_regions_unusable, Engine.CHUNKED,
+    ),
+    Engine.CHUNKED: EngineSpec(
+        "chunked",
+        "Linear memory from PyTorch ops only, on any device and dtype: queries in chunks, the tails' relative "
+        "terms as extra head dimensions.",
+        _op_engine(chunked_attention), _no_probabilities, Engine.GATHER,
+    ),
+    Engine.GATHER: EngineSpec(
+        "gather",
+        "`L x L` scores per head, the relative terms gathered from `q @ T^T`; the reference, and the only engine "
+        "that returns attention probabilities.",
+        _gather, lambda situation: None, None,
+    ),
 }
 
 
-def prepare_attention(implementation: str | None) -> str:
-    """Check an `attn_implementation` name (None: the default) and get it ready; returns the name.
+def choose_engine(requested: Engine, situation: Situation) -> tuple[Engine, str]:
+    """The engine that runs `situation` when `requested` is asked for, and why the requested one does not ("" if it
+    does): the first one along the fallbacks that is usable."""
+    engine, why = requested, ""
+    while (reason := ENGINES[engine].unusable(situation)) is not None:
+        why = why or reason
+        engine = ENGINES[engine].fallback
+    return engine, why
 
-    For `"nezha_fused"` this loads (the first time: builds) the compiled kernel now, so that it
-    happens when the model is created rather than inside its first forward pass; not when the
-    model is being built for another device (`torch.set_default_device`, a `torch.device` context,
-    or `from_pretrained(device_map=...)` away from the CPU), where the kernel would never run. Any
-    other name is a `ValueError`.
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A record of one attention call: which engine was asked for, which ran, and why they differ."""
+
+    requested: Engine
+    ran: Engine
+    why: str
+    device: str
+    dtype: torch.dtype
+    dropout: bool
+    cached: bool
+
+
+_recorders: list[list] = []
+_logged: set = set()
+
+
+@contextlib.contextmanager
+def recorded_attention_calls() -> Iterator[list[AttentionCall]]:
+    """Collect an `AttentionCall` for every attention call made inside the block (not while tracing).
+
+    ```python
+    with recorded_attention_calls() as calls:
+        model(input_ids)
+    {call.ran for call in calls}  # {Engine.FUSED}
+    ```
     """
-    implementation = implementation or FAST_ATTENTION
-    if implementation not in ATTENTION_IMPLEMENTATIONS:
+    calls = []
+    _recorders.append(calls)
+    try:
+        yield calls
+    finally:
+        _recorders.remove(calls)
+
+
+def _record(call: AttentionCall) -> None:
+    for calls in _recorders:
+        calls.append(call)
+    if call not in _logged:
+        _logged.add(call)
+        where = (f"{call.device}, {call.dtype}, attention dropout {'on' if call.dropout else 'off'}, "
+                 f"{'with' if call.cached else 'no'} KV cache")
+        because = f": {call.why}" if call.why else ""
+        logger.info(f"NEZHA attention {call.requested.value!r} runs the {call.ran.label} engine ({where}){because}.")
+
+
+def relative_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: RelativeAttentionMask | None,
+    scaling: float,
+    dropout: float = 0.0,
+    *,
+    relative_table: torch.Tensor,
+    requested: Engine = DEFAULT_ENGINE,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exact NEZHA attention by the engine `requested` or, where it cannot run, the one `choose_engine` picks.
+
+    The transformers attention signature, registered under every `Engine`'s name.
+
+    Args:
+        module: the calling `NezhaSelfAttention` (provides `training`).
+        query: `[batch, heads, query_length, head_size]`; key, value: `[batch, heads, key_length, head_size]`.
+        attention_mask: a `RelativeAttentionMask` or None.
+        scaling: score scale, `head_size ** -0.5`.
+        dropout: attention-probability dropout (applied only in training, to both value terms, as transformers
+            4.x did).
+        relative_table: the model's `(2K + 1) x head_size` table.
+        requested: the engine asked for.
+        kwargs: `output_attentions=True` asks for the probabilities (only the gather engine has them).
+
+    Returns:
+        `(output [batch, query_length, heads, head_size], probabilities [batch, heads, query_length, key_length]
+        or None)`.
+    """
+    mask = attention_mask if attention_mask is not None else RelativeAttentionMask()
+    dropout = dropout if module.training else 0.0
+    situation = Situation(
+        device=query.device.type, dtype=query.dtype, query_length=query.shape[-2], key_length=key.shape[-2],
+        K=max_relative_position(relative_table),
+        cached=not (isinstance(mask.query_offset, int) and mask.query_offset == 0) or query.shape[-2] != key.shape[-2],
+        dropout=dropout > 0, tracing=tracing(), wants_probabilities=bool(kwargs.get("output_attentions")),
+    )
+    engine, why = choose_engine(requested, situation)
+    if situation.wants_probabilities and requested is not Engine.GATHER:
+        logger.warning_once(f"NEZHA attention {requested.value!r}: {why}; these calls run the gather engine.")
+    if not situation.tracing:
+        _record(AttentionCall(requested, engine, why, situation.device, situation.dtype, situation.dropout,
+                              situation.cached))
+    table = relative_table.to(query.dtype)
+    return ENGINES[engine].run(module, query, key, value, mask, scaling, dropout, table)
+
+
+def engine_function(engine: Engine) -> Callable:
+    """`relative_attention` asking for `engine`: what is registered with transformers under its name."""
+
+    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        return relative_attention(module, query, key, value, attention_mask, scaling, dropout, requested=engine,
+                                  **kwargs)
+
+    attention.__name__ = attention.__qualname__ = f"relative_attention_{engine.name.lower()}"
+    attention.__doc__ = f"`relative_attention` with `requested=Engine.{engine.name}`."
+    return attention
+
+
+def _documented(device="cpu", dtype=torch.float32, length=4096, cached=False, dropout=False, tracing=False,
+                wants_probabilities=False, kernel_built=True) -> Situation:
+    """A situation of the docs' table: 4,096 tokens, K = 64, the kernel built, unless said otherwise."""
+    return Situation(device, dtype, 1 if cached else length, length, 64, cached, dropout, tracing, wants_probabilities,
+                     kernel_built=lambda situation: kernel_built)
+
+
+# The situations the docs' table of which engine runs where shows.
+DOCUMENTED_SITUATIONS = {
+    "CPU, float32, 4,096 tokens": _documented(),
+    "CPU, float32, 300 tokens": _documented(length=300),
+    "CPU, float32, decoding with a KV cache": _documented(cached=True),
+    "CPU, float32, training with attention dropout": _documented(dropout=True),
+    "CPU, bfloat16 or float16": _documented(dtype=torch.bfloat16),
+    "CPU, float64": _documented(dtype=torch.float64),
+    "CPU, kernel not built (`NEZHA_HF_KERNEL=0`, no compiler, remote code)": _documented(kernel_built=False),
+    "inside `torch.compile` / `torch.export`": _documented(tracing=True),
+    "CUDA, MPS, XPU or any other device": _documented(device="cuda"),
+    "`output_attentions=True`": _documented(wants_probabilities=True),
+}
+
+
+def implementation_table() -> str:
+    """The Markdown table of which engine runs for each `attn_implementation` in `DOCUMENTED_SITUATIONS`,
+    computed from `ENGINES` (docs/attention.md holds its output)."""
+    header = "| situation | " + " | ".join(f"`{engine.value}`" for engine in Engine) + " |"
+    lines = [header, "|---" * (len(Engine) + 1) + "|"]
+    for label, situation in DOCUMENTED_SITUATIONS.items():
+        cells = [choose_engine(engine, situation)[0].label for engine in Engine]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def prepare_attention(implementation: str | None, device: torch.device | str | None) -> str:
+    """Check an `attn_implementation` name (None: the default) and get it ready for a model on `device`.
+
+    For the fused engine on the CPU this loads (the first time: builds) the kernel now, so that it happens
+    when the model is created rather than inside its first forward pass. A model being built on the meta
+    device (inside `from_pretrained`, which calls this again once the weights are placed) or for another
+    device builds nothing. Any other name is a `ValueError`. Returns the name.
+    """
+    implementation = implementation or DEFAULT_ENGINE.value
+    if implementation not in {engine.value for engine in Engine}:
         raise ValueError(
             f'NEZHA does not support attn_implementation="{implementation}": its relative value term needs '
             f"the attention probabilities, which sdpa, flash and flex attention do not expose. Use one of "
-            f"{sorted(ATTENTION_IMPLEMENTATIONS)} (default {FAST_ATTENTION!r})."
+            f"{sorted(engine.value for engine in Engine)} (default {DEFAULT_ENGINE.value!r})."
         )
-    if implementation == FAST_ATTENTION and KERNEL_WANTED.get() and torch.get_default_device().type in ("cpu", "meta"):
-        compiled_kernel()
+    if implementation == Engine.FUSED.value and torch.device(device or "cpu").type == "cpu":
+        fused_kernel()
     return implementation
 
 
 __all__ = [
-    "ATTENTION_IMPLEMENTATIONS",
-    "CHUNKED_ATTENTION",
-    "FAST_ATTENTION",
-    "THREE_REGION_ATTENTION",
+    "DEFAULT_ENGINE",
+    "ENGINES",
+    "AttentionCall",
+    "Engine",
+    "EngineSpec",
     "RelativeAttentionMask",
-    "chunked_relative_attention",
-    "fused_relative_attention",
-    "gather_relative_attention",
+    "Situation",
+    "choose_engine",
+    "engine_function",
+    "implementation_table",
     "max_relative_position",
     "prepare_attention",
+    "recorded_attention_calls",
+    "relative_attention",
     "relative_position_index",
     "sinusoid_frequencies",
     "sinusoid_relative_table",
-    "three_region_attention",
     "tracing",
     "values_known",
 ]

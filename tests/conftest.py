@@ -56,3 +56,12 @@ def run_cli(capsys):
         return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
     return run
+
+
+@pytest.fixture
+def attention_calls():
+    """Every attention call the test makes, as `relative_attention.AttentionCall`s (which engine ran, and why)."""
+    from nezha_hf.relative_attention import recorded_attention_calls
+
+    with recorded_attention_calls() as calls:
+        yield calls

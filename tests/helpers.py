@@ -11,7 +11,6 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-import nezha_hf
 from nezha_hf import (
     NezhaConfig,
     NezhaForMaskedLM,
@@ -51,26 +50,13 @@ def make_tokenizer(directory: Path):
     return tokenizer
 
 
-def record_paths(monkeypatch) -> list:
-    """Record `(requested implementation, path that ran)` for every attention call from now on."""
-    calls = []
-    original = ra._report
-
-    def report(requested, ran, *args):
-        calls.append((requested, ran))
-        original(requested, ran, *args)
-
-    monkeypatch.setattr(ra, "_report", report)
-    return calls
-
-
-# Each attention path with a length where it really runs (three regions only above 512 tokens, and
-# above K), for tests that compare every path with the reference and check which path ran.
+# Each engine with a length where it really runs (three regions only above 512 tokens, and above K), for
+# tests that compare every engine with the reference and check which one ran.
 PATH_CASES = [
-    pytest.param("eager", 40, "the gather path", id="gather"),
-    pytest.param(nezha_hf.FAST_ATTENTION, 40, "the compiled kernel", id="kernel"),
-    pytest.param(nezha_hf.CHUNKED_ATTENTION, 40, "the chunked path", id="chunked"),
-    pytest.param(nezha_hf.THREE_REGION_ATTENTION, 600, "three regions", id="three-regions"),
+    pytest.param(ra.Engine.GATHER.value, 40, ra.Engine.GATHER, id="gather"),
+    pytest.param(ra.Engine.FUSED.value, 40, ra.Engine.FUSED, id="fused"),
+    pytest.param(ra.Engine.CHUNKED.value, 40, ra.Engine.CHUNKED, id="chunked"),
+    pytest.param(ra.Engine.THREE_REGIONS.value, 600, ra.Engine.THREE_REGIONS, id="three-regions"),
 ]
 
 
@@ -113,8 +99,7 @@ def run_case(name, attn_implementation, model_folder=None):
     inputs = {k: expected[k] for k in FIXTURE_INPUTS if k in expected}
     eager = attn_implementation == "eager"
     wants_attentions = eager and any(k.startswith(("attentions.", "cross_attentions.")) for k in expected)
-    with pytest.MonkeyPatch.context() as monkeypatch, torch.no_grad():
-        paths = record_paths(monkeypatch)
+    with ra.recorded_attention_calls() as calls, torch.no_grad():
         outputs = model(**inputs, output_hidden_states=True, output_attentions=wants_attentions)
     compared = 0
     for key, value in expected.items():
@@ -126,7 +111,7 @@ def run_case(name, attn_implementation, model_folder=None):
         torch.testing.assert_close(got, value, atol=1e-5, rtol=0, msg=f"{name}{index} differs")
         compared += 1
     assert compared >= 3
-    return {ran for _, ran in paths}
+    return {call.ran for call in calls}
 
 
 # --- attention cases ------------------------------------------------------------------------------
@@ -156,10 +141,11 @@ def make_case(batch, heads, length, head_size, K, mode, pad_lengths, dtype, seed
     return q, k, v, mask, allowed
 
 
-def run_attention(path, q, k, v, mask, K):
-    """Call attention function `path` as the model would (eval mode) and return `[batch, heads, length, d]`."""
+def run_attention(engine, q, k, v, mask, K):
+    """Ask for `engine` as the model would (eval mode) and return `[batch, heads, length, d]`."""
     table = ra.sinusoid_relative_table(K, q.shape[-1]).to(q.dtype)
-    out, _ = path(FakeModule().eval(), q, k, v, mask, q.shape[-1] ** -0.5, relative_table=table)
+    out, _ = ra.relative_attention(FakeModule().eval(), q, k, v, mask, q.shape[-1] ** -0.5, relative_table=table,
+                                   requested=engine)
     return out.transpose(1, 2)
 
 
@@ -272,3 +258,51 @@ def write_jsonl(path, records, extra_lines=()):
     lines = [json.dumps(r, ensure_ascii=False) for r in records] + list(extra_lines)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+# --- NezhaForUniLM inputs ----------------------------------------------------------------------------------
+
+CLS, SEP, PAD = 2, 3, 0
+
+
+def unilm_batch(source_lengths, target_length, vocab=99, seed=0):
+    """Right-padded `[CLS] source [SEP] target [SEP]` rows with token types and labels."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for source_length in source_lengths:
+        source = torch.randint(5, vocab, (source_length,), generator=generator).tolist()
+        target = torch.randint(5, vocab, (target_length,), generator=generator).tolist()
+        rows.append({"input_ids": [CLS, *source, SEP, *target, SEP],
+                     "token_type_ids": [0] * (source_length + 2) + [1] * (target_length + 1),
+                     "labels": [-100] * (source_length + 2) + [*target, SEP]})
+    length = max(len(row["input_ids"]) for row in rows)
+    batch = {key: [] for key in ("input_ids", "token_type_ids", "labels", "attention_mask")}
+    for row in rows:
+        pad = length - len(row["input_ids"])
+        batch["input_ids"].append(row["input_ids"] + [PAD] * pad)
+        batch["token_type_ids"].append(row["token_type_ids"] + [1] * pad)
+        batch["labels"].append(row["labels"] + [-100] * pad)
+        batch["attention_mask"].append([1] * len(row["input_ids"]) + [0] * pad)
+    return {key: torch.tensor(value) for key, value in batch.items()}
+
+
+def tiny_unilm(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return NezhaForUniLM(tiny_config(**overrides)).eval()
+
+
+def left_padded_prompts(lengths, vocab=99, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [[CLS, *torch.randint(5, vocab, (n,), generator=generator).tolist(), SEP] for n in lengths]
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return prompts, input_ids, attention_mask
+
+
+def copy_unilm(seed=0, **overrides):
+    model = tiny_unilm(seed, unilm_copy_tags=True, **overrides)
+    with torch.no_grad():  # a decisive random tagger, so every tag gets used
+        model.copy_head.weight.normal_(0, 1.0)
+        model.copy_head.bias.copy_(torch.tensor([0.0, 0.0, 2.0]))
+    return model

@@ -4,7 +4,7 @@
 import pytest
 import reference
 import torch
-from helpers import make_case, record_paths, tiny_config
+from helpers import make_case, tiny_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -125,10 +125,9 @@ def accelerator(name):
 
 @pytest.mark.parametrize("device", [accelerator("cuda"), accelerator("mps"), accelerator("xpu")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_on_an_accelerator_the_chunked_path_runs_and_matches_the_reference(device, dtype, monkeypatch):
+def test_on_an_accelerator_the_chunked_path_runs_and_matches_the_reference(device, dtype, attention_calls):
     """A model created on the device runs the chunked path (the kernel is CPU code); forward and gradients against the
     reference computed on the CPU in float32."""
-    paths = record_paths(monkeypatch)
     with torch.device(device):
         model = NezhaModel(tiny_config(max_relative_position=6)).to(dtype).eval()
     q, k, v, mask, allowed = make_case(2, 2, 300, 8, 6, "prefix", [300, 250], torch.float32, seed=9)
@@ -143,7 +142,7 @@ def test_on_an_accelerator_the_chunked_path_runs_and_matches_the_reference(devic
                     torch.autograd.grad((expected * grad).sum(), references)):
         torch.testing.assert_close(a.float().cpu(), b, atol=tolerance * 3, rtol=0)
     model(torch.randint(0, 99, (2, 40), device=device))
-    assert {ran for _, ran in paths} == {"the chunked path"}, paths
+    assert {call.ran for call in attention_calls} == {ra.Engine.CHUNKED}, attention_calls
 
 
 # --- linear memory ------------------------------------------------------------------------------------
@@ -169,7 +168,7 @@ BASE_LAYER = dict(vocab_size=100, hidden_size=768, num_hidden_layers=1, num_atte
                   max_relative_position=64, attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.1)
 
 
-@pytest.mark.parametrize("implementation", [ra.FAST_ATTENTION, ra.CHUNKED_ATTENTION, ra.THREE_REGION_ATTENTION])
+@pytest.mark.parametrize("implementation", [ra.Engine.FUSED.value, ra.Engine.CHUNKED.value, ra.Engine.THREE_REGIONS.value])
 def test_no_selectable_implementation_allocates_length_squared_on_meta(implementation):
     """A base-width layer, 16,384 tokens, training with dropout, forward and backward on the meta device: no tensor of
     L x L per head anywhere (the gather path would need 12 x 16384^2)."""
@@ -191,8 +190,8 @@ def test_the_chunked_engine_itself_stays_linear_on_meta():
     with LargestAllocation() as mode:
         out = chunked_attention.forward_chunks(q, k, v, table, 0.125, False, flags["key_is_valid"], None,
                                                torch.tensor(0), 0.1, torch.tensor(3))
-        chunked_attention.backward_chunks(grad, q, k, v, out.transpose(1, 2), table, 0.125, False,
-                                          flags["key_is_valid"], None, torch.tensor(0), 0.1, torch.tensor(3))
+        chunked_attention.backward_chunks(grad, q, k, v, table, 0.125, False, flags["key_is_valid"], None,
+                                          torch.tensor(0), 0.1, torch.tensor(3), out.transpose(1, 2))
     # The largest tensors are a chunk buffer and the keys or values with their two tail columns (heads x L x (d + 3)).
     assert mode.largest <= max(chunked_attention.CHUNK_SCORES, heads * LONG * (size + 3)), (mode.op, mode.largest)
 
@@ -206,6 +205,6 @@ def test_model_on_the_chunked_path_matches_the_gather_path():
     with torch.no_grad():
         model.set_attn_implementation("eager")
         expected = model(ids, attention_mask=mask).last_hidden_state
-        model.set_attn_implementation(ra.CHUNKED_ATTENTION)
+        model.set_attn_implementation(ra.Engine.CHUNKED.value)
         got = model(ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

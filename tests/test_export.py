@@ -6,9 +6,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import record_paths, tiny_config
+from helpers import tiny_config
 
-import nezha_hf
 from nezha_hf import (
     NezhaForMaskedLM,
     NezhaForSequenceClassification,
@@ -16,6 +15,7 @@ from nezha_hf import (
     NezhaModel,
 )
 from nezha_hf.export import export_onnx
+from nezha_hf.relative_attention import Engine, recorded_attention_calls
 
 onnxruntime = pytest.importorskip("onnxruntime", reason="the [onnx] extra is not installed")
 
@@ -46,16 +46,15 @@ def test_onnx_matches_pytorch_at_any_length_with_padding(cls, tmp_path):
             np.testing.assert_allclose(value, expected[name].numpy(), atol=1e-4, rtol=0, err_msg=f"{name} at {length}")
 
 
-def test_exporting_a_model_object_leaves_its_attention_alone(tmp_path, monkeypatch):
+def test_exporting_a_model_object_leaves_its_attention_alone(tmp_path):
     """The export runs an eager copy; the caller's model must keep its linear-memory attention afterwards
     (it used to share the config, so the model was silently switched to the L x L gather path)."""
     model = NezhaForSequenceClassification(tiny_config()).eval()
     export_onnx(model, tmp_path / "model.onnx")
-    paths = record_paths(monkeypatch)
-    with torch.no_grad():
+    with torch.no_grad(), recorded_attention_calls() as calls:
         model(**padded_batch(40))
-    assert model.config._attn_implementation == nezha_hf.FAST_ATTENTION
-    assert {ran for _, ran in paths} == {"the compiled kernel"}, paths
+    assert model.config._attn_implementation == Engine.FUSED.value
+    assert {call.ran for call in calls} == {Engine.FUSED}, calls
 
 
 def test_export_refuses_what_it_cannot_do_and_writes_nothing(tmp_path):

@@ -13,7 +13,6 @@ from helpers import (
     FIXTURE_CASES,
     FIXTURES,
     PATH_CASES,
-    record_paths,
     run_case,
     tiny_config,
 )
@@ -31,13 +30,14 @@ from nezha_hf import (
     NezhaModel,
     relative_attention,
 )
+from nezha_hf.relative_attention import Engine
 
 
 def test_all_fixture_cases_present():
     assert len(FIXTURE_CASES) == 11, FIXTURE_CASES
 
 
-RAN = {None: "the compiled kernel", nezha_hf.CHUNKED_ATTENTION: "the chunked path", "eager": "the gather path"}
+RAN = {None: Engine.FUSED, Engine.CHUNKED.value: Engine.CHUNKED, "eager": Engine.GATHER}
 
 
 @pytest.mark.parametrize("name", FIXTURE_CASES)
@@ -54,8 +54,8 @@ def test_fixture_through_three_regions(name, monkeypatch):
     monkeypatch.setattr(relative_attention, "THREE_REGIONS_MIN_LENGTH", 1)
     length = json.loads((FIXTURES / name / "case.json").read_text())["length"]
     K = json.loads((FIXTURES / name / "config.json").read_text())["max_relative_position"]
-    expected = "three regions" if length > K else "the chunked path"
-    assert run_case(name, nezha_hf.THREE_REGION_ATTENTION) == {expected}
+    expected = Engine.THREE_REGIONS if length > K else Engine.CHUNKED
+    assert run_case(name, Engine.THREE_REGIONS.value) == {expected}
 
 
 K = 8
@@ -71,7 +71,7 @@ def padded_batch(length, vocab=99):
 
 
 @pytest.mark.parametrize("length", [1, K - 1, K, K + 1, 300, 2048])
-@pytest.mark.parametrize("attn_implementation", ["eager", nezha_hf.FAST_ATTENTION, nezha_hf.THREE_REGION_ATTENTION])
+@pytest.mark.parametrize("attn_implementation", ["eager", Engine.FUSED.value, Engine.THREE_REGIONS.value])
 def test_model_matches_independent_reference(length, attn_implementation, seed):
     model = NezhaModel(tiny_config(max_relative_position=K)).eval()
     model.set_attn_implementation(attn_implementation)
@@ -83,20 +83,19 @@ def test_model_matches_independent_reference(length, attn_implementation, seed):
 
 
 @pytest.mark.parametrize("attn_implementation, length, path", PATH_CASES)
-def test_causal_decoder_matches_reference(attn_implementation, length, path, seed, monkeypatch):
+def test_causal_decoder_matches_reference(attn_implementation, length, path, seed, attention_calls):
     model = NezhaModel(tiny_config(is_decoder=True, max_relative_position=K)).eval()
     model.set_attn_implementation(attn_implementation)
     input_ids, token_type_ids, attention_mask = padded_batch(length)
-    paths = record_paths(monkeypatch)
     with torch.no_grad():
         got = model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, use_cache=False)
-    assert {ran for _, ran in paths} == {path}
+    assert {call.ran for call in attention_calls} == {path}
     expected = reference.nezha_forward(model, input_ids, token_type_ids, attention_mask, causal=True)
     valid = attention_mask.bool()
     torch.testing.assert_close(got.last_hidden_state[valid].double(), expected[valid], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("attn_implementation", ["eager", nezha_hf.FAST_ATTENTION, nezha_hf.CHUNKED_ATTENTION])
+@pytest.mark.parametrize("attn_implementation", ["eager", Engine.FUSED.value, Engine.CHUNKED.value])
 def test_cached_decoding_equals_full_pass(attn_implementation, seed):
     model = NezhaModel(tiny_config(is_decoder=True)).eval()
     model.set_attn_implementation(attn_implementation)
@@ -166,7 +165,7 @@ def test_attention_backends_that_would_drop_relative_terms_are_refused():
     with pytest.raises(ValueError, match="relative value term"):
         NezhaModel._from_config(tiny_config(), attn_implementation="sdpa")
     model = NezhaModel(tiny_config())
-    assert model.config._attn_implementation == nezha_hf.FAST_ATTENTION
+    assert model.config._attn_implementation == Engine.FUSED.value
     with pytest.raises(ValueError):
         model.set_attn_implementation("flex_attention")
 
@@ -323,12 +322,12 @@ def test_heads_table_lists_every_model_class():
 def test_attention_functions_take_the_relative_table_by_name():
     from helpers import FakeModule
 
-    from nezha_hf.relative_attention import ATTENTION_IMPLEMENTATIONS
+    from nezha_hf.relative_attention import engine_function
 
     q = torch.randn(1, 2, 5, 8)
-    for function in ATTENTION_IMPLEMENTATIONS.values():
+    for engine in Engine:
         with pytest.raises(TypeError, match="relative_table"):
-            function(FakeModule().eval(), q, q, q, None, 0.5)
+            engine_function(engine)(FakeModule().eval(), q, q, q, None, 0.5)
 
 
 # --- cross-attention (a NEZHA decoder over an encoder's states, as transformers 4.x had) ----------------------
@@ -350,7 +349,7 @@ def cross_attention_case(decoder_length=9, encoder_length=14, seed=0):
 @pytest.mark.parametrize("lengths", [(9, 9), (9, 14), (14, 5)])  # 4.x ran only equal lengths; the formula extends
 def test_cross_attention_matches_the_independent_reference(attn_implementation, lengths):
     model, ids, mask, memory, memory_mask = cross_attention_case(*lengths)
-    model.set_attn_implementation(attn_implementation or nezha_hf.FAST_ATTENTION)
+    model.set_attn_implementation(attn_implementation or Engine.FUSED.value)
     with torch.no_grad():
         got = model(ids, attention_mask=mask, encoder_hidden_states=memory, encoder_attention_mask=memory_mask,
                     use_cache=False).last_hidden_state

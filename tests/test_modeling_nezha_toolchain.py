@@ -74,7 +74,7 @@ def test_compiled_forward_and_backward_match_eager(cls, length):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("implementation", [ra.CHUNKED_ATTENTION, ra.THREE_REGION_ATTENTION])
+@pytest.mark.parametrize("implementation", [ra.Engine.CHUNKED.value, ra.Engine.THREE_REGIONS.value])
 def test_other_implementations_compile_under_bf16_autocast(implementation):
     """Three regions above 512 tokens, and bf16 autocast, used to crash inductor; traced they run the chunked op."""
     model = build(NezhaForMaskedLM, implementation)
@@ -126,7 +126,7 @@ def test_exported_program_with_dynamic_batch_and_length(cls, implementation):
     torch.testing.assert_close(got[:, :300] if got.dim() > 2 else got, short, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("implementation", [None, ra.CHUNKED_ATTENTION, "eager"])
+@pytest.mark.parametrize("implementation", [None, ra.Engine.CHUNKED.value, "eager"])
 def test_jit_trace_made_unpadded_honours_padding(implementation):
     """Traced with an all-ones mask, the trace used to keep the 'nothing padded' branch and ignore the mask."""
     model = build(NezhaForMaskedLM, implementation)

@@ -1,19 +1,20 @@
 """Every attention path against the independent O(L^2 d) reference (`tests/reference.py`), and which path runs where."""
 
 import logging
+from pathlib import Path
 
 import pytest
 import reference
 import torch
-from helpers import make_case, record_paths, run_attention
+from helpers import make_case, run_attention
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nezha_hf import attention_kernel, chunked_attention, three_regions
+from nezha_hf import chunked_attention, fused_attention, three_regions
 from nezha_hf import relative_attention as ra
+from nezha_hf.relative_attention import Engine
 
-PATHS = (ra.gather_relative_attention, ra.fused_relative_attention, ra.chunked_relative_attention,
-         ra.three_region_attention)
+PATHS = (Engine.GATHER, Engine.FUSED, Engine.CHUNKED, Engine.THREE_REGIONS)
 
 
 @pytest.fixture
@@ -23,7 +24,7 @@ def small_blocks(monkeypatch):
     a few queries."""
     monkeypatch.setattr(ra, "THREE_REGIONS_MIN_LENGTH", 1)
     monkeypatch.setattr(three_regions, "BAND_BLOCK_SIZE", 16)
-    monkeypatch.setattr(attention_kernel, "KERNEL_BLOCK_SIZES", (8, 16))
+    monkeypatch.setattr(fused_attention, "KERNEL_BLOCK_SIZES", (8, 16))
     monkeypatch.setattr(chunked_attention, "CHUNK_SCORES", 1)
     monkeypatch.setattr(chunked_attention, "MIN_CHUNK_ROWS", 5)
 
@@ -35,10 +36,10 @@ def check_against_reference(q, k, v, mask, allowed, K, atol, paths=PATHS):
     expected_grads = torch.autograd.grad((expected * grad_out).sum(), (q, k, v))
     for path in paths:
         got = run_attention(path, q, k, v, mask, K)
-        torch.testing.assert_close(got, expected, atol=atol, rtol=0, msg=f"{path.__name__} forward")
+        torch.testing.assert_close(got, expected, atol=atol, rtol=0, msg=f"{path.name} forward")
         grads = torch.autograd.grad((got * grad_out).sum(), (q, k, v))
         for name, g, e in zip("qkv", grads, expected_grads):
-            torch.testing.assert_close(g, e, atol=atol, rtol=0, msg=f"{path.__name__} d{name}")
+            torch.testing.assert_close(g, e, atol=atol, rtol=0, msg=f"{path.name} d{name}")
 
 
 @st.composite
@@ -68,18 +69,18 @@ def test_paths_match_reference_float32(case, small_blocks):
     check_against_reference(q, k, v, mask, allowed, case["K"], atol=1e-5)
 
 
-@pytest.mark.parametrize("path", PATHS, ids=lambda path: path.__name__)
+@pytest.mark.parametrize("path", PATHS, ids=lambda path: path.name)
 def test_fully_masked_rows_no_nan(path, small_blocks):
     q, k, v, mask, _ = make_case(2, 2, 30, 8, 4, "bidirectional", [30, 1], torch.float32, seed=3)
     mask.key_is_valid[1] = False  # the whole second sequence is padding
     out = run_attention(path, q, k, v, mask, 4)
     assert not out.isnan().any()
-    if path is not ra.gather_relative_attention:  # gather averages uniformly, as transformers 4.x did
-        assert not out[1].any(), f"{path.__name__}: a row with no visible key must be zero"
+    if path is not Engine.GATHER:  # gather averages uniformly, as transformers 4.x did
+        assert not out[1].any(), f"{path.name}: a row with no visible key must be zero"
 
 
 @pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
-@pytest.mark.parametrize("path", PATHS[1:], ids=lambda path: path.__name__)
+@pytest.mark.parametrize("path", PATHS[1:], ids=lambda path: path.name)
 def test_rows_that_see_nothing_are_zero_and_pass_no_gradient(path, mode, small_blocks):
     """Left padding (under a causal mask the first rows then see no key) and an example that is all padding:
     those rows give zeros, nothing is NaN, and every other row and all gradients match the reference."""
@@ -104,10 +105,10 @@ def test_rows_that_see_nothing_are_zero_and_pass_no_gradient(path, mode, small_b
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"d{name}")
 
 
-@pytest.mark.parametrize("path", PATHS, ids=lambda path: path.__name__)
+@pytest.mark.parametrize("path", PATHS, ids=lambda path: path.name)
 def test_bfloat16_close_to_float32(path, small_blocks):
     q, k, v, mask, _ = make_case(1, 2, 300, 16, 8, "bidirectional", [250], torch.float32, seed=4)
-    full = run_attention(ra.gather_relative_attention, q, k, v, mask, 8)
+    full = run_attention(Engine.GATHER, q, k, v, mask, 8)
     low = run_attention(path, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 8)
     assert low.dtype == torch.bfloat16 and not low.isnan().any()
     torch.testing.assert_close(low.float(), full, atol=3e-2, rtol=0)
@@ -116,61 +117,74 @@ def test_bfloat16_close_to_float32(path, small_blocks):
 # --- which path runs where ------------------------------------------------------------------------------
 
 
-def run_in(path, module_training, dtype, length, monkeypatch, dropout=0.0, query_offset=0):
-    """Call `path` once like a model would, and return the path that ran."""
-    ran = record_paths(monkeypatch)
+def run_in(engine, module_training, dtype, length, dropout=0.0, query_offset=0):
+    """Ask for `engine` once like a model would, and return the `AttentionCall` recorded."""
     q, k, v, mask, _ = make_case(1, 2, length, 8, 4, "causal", None, dtype, seed=0)
     mask.query_offset = query_offset
     table = ra.sinusoid_relative_table(4, 8).to(dtype)
     module = torch.nn.Module().train(module_training)
-    path(module, q[..., query_offset:, :], k, v, mask, 0.3, dropout, relative_table=table)
-    return ran[-1]
+    with ra.recorded_attention_calls() as calls:
+        ra.relative_attention(module, q[..., query_offset:, :], k, v, mask, 0.3, dropout, relative_table=table,
+                              requested=engine)
+    return calls[-1]
 
 
 @pytest.mark.parametrize(
-    "path, training, dtype, length, dropout, offset, expected",
+    "engine, training, dtype, length, dropout, offset, expected",
     [
-        (ra.fused_relative_attention, False, torch.float32, 40, 0.0, 0, "the compiled kernel"),
-        (ra.fused_relative_attention, True, torch.float32, 40, 0.1, 0, "the compiled kernel"),  # dropout in training
-        (ra.fused_relative_attention, False, torch.float32, 40, 0.0, 39, "the compiled kernel"),  # a cached step
-        (ra.fused_relative_attention, True, torch.bfloat16, 40, 0.1, 0, "the chunked path"),
-        (ra.chunked_relative_attention, False, torch.float32, 40, 0.0, 0, "the chunked path"),
-        (ra.three_region_attention, False, torch.float32, 600, 0.0, 0, "three regions"),
-        (ra.three_region_attention, False, torch.float32, 40, 0.0, 0, "the chunked path"),  # short
-        (ra.three_region_attention, True, torch.float32, 600, 0.1, 0, "the chunked path"),  # dropout in training
-        (ra.three_region_attention, False, torch.float32, 600, 0.0, 590, "the chunked path"),  # a cached step
-        (ra.gather_relative_attention, True, torch.float32, 40, 0.1, 0, "the gather path"),
+        (Engine.FUSED, False, torch.float32, 40, 0.0, 0, Engine.FUSED),
+        (Engine.FUSED, True, torch.float32, 40, 0.1, 0, Engine.FUSED),  # dropout in training
+        (Engine.FUSED, False, torch.float32, 40, 0.0, 39, Engine.FUSED),  # a cached step
+        (Engine.FUSED, True, torch.bfloat16, 40, 0.1, 0, Engine.CHUNKED),
+        (Engine.CHUNKED, False, torch.float32, 40, 0.0, 0, Engine.CHUNKED),
+        (Engine.THREE_REGIONS, False, torch.float32, 600, 0.0, 0, Engine.THREE_REGIONS),
+        (Engine.THREE_REGIONS, False, torch.float32, 40, 0.0, 0, Engine.CHUNKED),  # short
+        (Engine.THREE_REGIONS, True, torch.float32, 600, 0.1, 0, Engine.CHUNKED),  # dropout in training
+        (Engine.THREE_REGIONS, False, torch.float32, 600, 0.0, 590, Engine.CHUNKED),  # a cached step
+        (Engine.GATHER, True, torch.float32, 40, 0.1, 0, Engine.GATHER),
     ],
 )
-def test_which_path_runs(path, training, dtype, length, dropout, offset, expected, monkeypatch):
-    assert run_in(path, training, dtype, length, monkeypatch, dropout, offset)[1] == expected
+def test_which_engine_runs(engine, training, dtype, length, dropout, offset, expected):
+    call = run_in(engine, training, dtype, length, dropout, offset)
+    assert call.ran is expected
+    assert (call.why == "") == (expected is engine)  # a fallback always says why
 
 
-def test_without_the_kernel_the_default_runs_the_chunked_path(monkeypatch):
+def test_without_the_kernel_the_default_runs_the_chunked_engine(monkeypatch):
     monkeypatch.setenv("NEZHA_HF_KERNEL", "0")
-    attention_kernel.forget_kernel()
+    fused_attention.forget_fused_kernel()
     try:
-        assert attention_kernel.compiled_kernel() is None
-        assert run_in(ra.fused_relative_attention, False, torch.float32, 40, monkeypatch)[1] == "the chunked path"
+        assert fused_attention.fused_kernel() is None
+        call = run_in(Engine.FUSED, False, torch.float32, 40)
+        assert call.ran is Engine.CHUNKED and "not built" in call.why
     finally:
         monkeypatch.delenv("NEZHA_HF_KERNEL")
-        attention_kernel.forget_kernel()
+        fused_attention.forget_fused_kernel()
 
 
-def test_the_path_that_ran_is_logged_once_at_info(caplog, monkeypatch):
+def test_the_engine_that_ran_is_logged_once_at_info(caplog, monkeypatch):
     from transformers.utils import logging as hf_logging
 
-    monkeypatch.setattr(ra, "_reported", set())
+    monkeypatch.setattr(ra, "_logged", set())
     hf_logging.enable_propagation()
     try:
         with caplog.at_level(logging.INFO, logger="nezha_hf.relative_attention"):
             for _ in range(3):
-                run_in(ra.fused_relative_attention, True, torch.bfloat16, 40, monkeypatch, dropout=0.1)
+                run_in(Engine.FUSED, True, torch.bfloat16, 40, dropout=0.1)
     finally:
         hf_logging.disable_propagation()
     lines = [r.getMessage() for r in caplog.records if "NEZHA attention" in r.getMessage()]
-    assert lines == ["NEZHA attention 'nezha_fused' runs the chunked path (cpu, torch.bfloat16, attention dropout on, "
-                     "no KV cache)."]
+    assert lines == ["NEZHA attention 'nezha_fused' runs the chunked engine (cpu, torch.bfloat16, attention dropout on, "
+                     "no KV cache): the fused kernel takes float32."]
+
+
+def test_the_docs_table_is_the_engine_table():
+    """docs/attention.md shows which engine runs where; it must be what `ENGINES` declares."""
+    docs = (Path(__file__).parents[1] / "docs" / "attention.md").read_text(encoding="utf-8")
+    assert ra.implementation_table() in docs, (
+        "docs/attention.md is out of date: paste the output of "
+        "`python -c 'from nezha_hf.relative_attention import implementation_table; print(implementation_table())'`"
+    )
 
 
 def test_no_path_builds_a_dense_mask_or_caches_while_tracing(monkeypatch):

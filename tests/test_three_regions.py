@@ -22,7 +22,7 @@ def test_three_regions_gradcheck_float64(mode, three_regions_always, monkeypatch
     table = ra.sinusoid_relative_table(3, 4).double()
 
     def fn(q, k, v):
-        return ra.three_region_attention(FakeModule().eval(), q, k, v, mask, 0.5, relative_table=table)[0]
+        return ra.ENGINES[ra.Engine.THREE_REGIONS].run(FakeModule().eval(), q, k, v, mask, 0.5, 0.0, table)[0]
 
     assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in (q, k, v)))
 

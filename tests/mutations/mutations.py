@@ -18,10 +18,10 @@ class Mutation:
 
 
 ATTENTION_TESTS = ["tests/test_relative_attention.py", "tests/test_modeling_nezha.py", "-m", "not slow"]
-KERNEL_TESTS = ["tests/test_attention_kernel.py", "-m", "not slow"]
+KERNEL_TESTS = ["tests/test_fused_attention.py", "-m", "not slow"]
 CHUNKED_TESTS = ["tests/test_chunked_attention.py", "-m", "not slow"]
 SAFE_OUTPUT_TESTS = ["tests/test_safe_output.py", "tests/test_conversion.py", "tests/test_hub.py", "-m", "not slow"]
-UNILM_TESTS = ["tests/test_modeling_nezha_unilm.py", "tests/test_unilm.py", "-m", "not slow"]
+UNILM_TESTS = ["tests/test_modeling_nezha_unilm.py", "tests/test_generation_nezha.py", "tests/test_unilm.py", "-m", "not slow"]
 CONVERSION_TESTS = ["tests/test_conversion.py", "-m", "not slow"]
 CAIL_TESTS = ["tests/test_cail.py"]
 RESUME_TESTS = ["tests/test_pretraining.py", "-k", "resume"]
@@ -75,36 +75,35 @@ MUTATIONS = [
              'self.row = 0 if side == "left" else 2 * K', 'self.row = 0 if side == "left" else 2 * K - 1',
              ["tests/test_three_regions.py", "-m", "not slow"]),
     # --- the compiled kernel: band rows, tails, bucket sums ---
-    Mutation("kernel band reads the table one row early", "nezha_hf/csrc/relative_attention.cpp",
+    Mutation("kernel band reads the table one row early", "nezha_hf/csrc/fused_attention.cpp",
              "body(left, right, n - i + K, std::integral_constant<int64_t, 1>());",
              "body(left, right, n - i + K - 1, std::integral_constant<int64_t, 1>());", KERNEL_TESTS),
-    Mutation("kernel left tail takes one key of the band", "nezha_hf/csrc/relative_attention.cpp",
+    Mutation("kernel left tail takes one key of the band", "nezha_hf/csrc/fused_attention.cpp",
              "const int64_t left = std::min(std::max(i - K + 1 - n, int64_t(0)), kb);",
              "const int64_t left = std::min(std::max(i - K + 2 - n, int64_t(0)), kb);", KERNEL_TESTS),
     Mutation("kernel forward forgets to rescale the bucket sums when the row maximum grows",
-             "nezha_hf/csrc/relative_attention.cpp",
+             "nezha_hf/csrc/fused_attention.cpp",
              "for (int64_t x = 0; x < R; ++x) row_bucket[x] *= correction;",
              "for (int64_t x = 0; x < R; ++x) row_bucket[x] *= 1.0f;", KERNEL_TESTS),
-    Mutation("kernel backward drops the tails' bucket sums", "nezha_hf/csrc/relative_attention.cpp",
+    Mutation("kernel backward drops the tails' bucket sums", "nezha_hf/csrc/fused_attention.cpp",
              "add_to_bucket(grad_bucket.data() + r * R, grad, start, stop, first, step, range_sum);",
              "add_to_bucket(grad_bucket.data() + r * R, grad, start, stop, first, step, 0.0f);", KERNEL_TESTS),
-    Mutation("kernel dropout scales the value term before dropping", "nezha_hf/csrc/relative_attention.cpp",
+    Mutation("kernel dropout scales the value term before dropping", "nezha_hf/csrc/fused_attention.cpp",
              "                row[c] *= p.keep_factor(key, n + c);\n                range_sum += row[c];",
              "                range_sum += row[c];\n                row[c] *= p.keep_factor(key, n + c);", KERNEL_TESTS),
     # --- the UniLM head and generation ---
     Mutation("UniLM head drops its token types", "nezha_hf/modeling_nezha.py",
-             "            attention_mask=mask,\n            token_type_ids=token_type_ids,",
-             "            attention_mask=mask,\n            token_type_ids=None,", UNILM_TESTS),
-    Mutation("generation gives the first generated token the source type", "nezha_hf/modeling_nezha.py",
+             "            attention_mask=attention_mask,\n            token_type_ids=token_type_ids,",
+             "            attention_mask=attention_mask,\n            token_type_ids=None,", UNILM_TESTS),
+    Mutation("generation gives the first generated token the source type", "nezha_hf/generation_nezha.py",
              "torch.where(position >= source_length, torch.ones_like(types), types)",
              "torch.where(position > source_length, torch.ones_like(types), types)", UNILM_TESTS),
     Mutation("prefix mask ignores which keys are source", "nezha_hf/modeling_nezha.py",
-             "attention_mask, batch_size, length, past_key_values, source_mask=token_type_ids == 0",
-             "attention_mask, batch_size, length, past_key_values, source_mask=None", UNILM_TESTS),
+             "            source_mask=source_mask,\n", "            source_mask=None,\n", UNILM_TESTS),
     Mutation("copy tags: a continuation only has to follow in the source", "nezha_hf/unilm.py",
              "tags[t] = 2 if (i, t) == (previous[0] + 1, previous[1] + 1) else 1",
              "tags[t] = 2 if i == previous[0] + 1 else 1", UNILM_TESTS),
-    Mutation("copy decoding: a continued span restarts at length 1", "nezha_hf/modeling_nezha.py",
+    Mutation("copy decoding: a continued span restarts at length 1", "nezha_hf/generation_nezha.py",
              "span = tag if tag < 2 else span + 1", "span = tag if tag < 2 else 1", UNILM_TESTS),
     # --- converters ---
     Mutation("converter swaps query and key", "nezha_hf/conversion.py",

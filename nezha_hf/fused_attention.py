@@ -1,12 +1,11 @@
-"""The compiled NEZHA attention kernel (`csrc/relative_attention.cpp`): building it, and calling it as an op.
+"""The fused NEZHA attention kernel (`csrc/fused_attention.cpp`): building it, and calling it as an op.
 
 The kernel computes the whole relative attention in one flash-style pass, forward and backward,
 for float32 tensors on CPU, with any padding, causal or UniLM prefix mask, a KV cache (queries
 offset against longer keys) and attention dropout (a counter-based hash of a seed, so the backward
 regenerates the forward's mask). It is built with `torch.utils.cpp_extension` the first time it is
-needed and cached on disk, and registered as the `torch.library` ops `nezha_hf::kernel_forward`
-and `nezha_hf::kernel_backward`: `torch.compile` and `torch.export` see one opaque node with known
-output shapes, and autograd uses the backward op.
+needed and cached on disk, and registered as the `torch.library` ops `nezha_hf::fused_forward`
+and `nezha_hf::fused_backward` (`attention_ops.engine_op`).
 
 This module is an engine: it takes tensors and key flags and knows nothing of models;
 `relative_attention.py` decides when it runs.
@@ -21,9 +20,11 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
+from .attention_ops import engine_op
+
 logger = logging.get_logger(__name__)
 
-KERNEL_SOURCE = Path(__file__).with_name("csrc") / "relative_attention.cpp"
+KERNEL_SOURCE = Path(__file__).with_name("csrc") / "fused_attention.cpp"
 KERNEL_FLAGS = ["-O3", "-march=native", "-fopenmp"]
 # Query rows and keys per block of the kernel; 0 lets it choose (as PyTorch's flash kernel does).
 KERNEL_BLOCK_SIZES = (0, 0)
@@ -50,7 +51,7 @@ def kernel_name() -> str:
     for part in (KERNEL_SOURCE.read_bytes(), torch.__version__.encode(), " ".join(KERNEL_FLAGS).encode(),
                  _cpu_signature().encode()):
         digest.update(part)
-    return f"nezha_hf_relative_attention_{digest.hexdigest()[:12]}"
+    return f"nezha_hf_fused_attention_{digest.hexdigest()[:12]}"
 
 
 def build_directory() -> Path:
@@ -88,27 +89,27 @@ def _bounded_lock_wait(timeout: float):
 _loaded = {}  # "kernel": the extension, or None, once loading it was tried
 
 
-def compiled_kernel():
-    """The compiled NEZHA attention kernel, built on first use and then cached; None if unavailable.
+def fused_kernel():
+    """The fused NEZHA attention kernel, built on first use and then cached; None if unavailable.
 
     It is built with PyTorch's `torch.utils.cpp_extension.load` (needs a C++ compiler and `ninja`)
     into `build_directory()`, for the CPU it runs on. It is not used, and the PyTorch paths run
     instead, when the environment variable `NEZHA_HF_KERNEL=0` is set, the source file is absent
     (remote-code checkpoints copy only the Python files), the build fails, or another build's lock
     file is still there after `NEZHA_HF_KERNEL_LOCK_TIMEOUT` seconds (default 300); each of these
-    is logged once. `forget_kernel()` forgets the result, so the next call tries again.
+    is logged once. `forget_fused_kernel()` forgets the result, so the next call tries again.
     """
     if "kernel" not in _loaded:
         _loaded["kernel"] = _load_kernel()
     return _loaded["kernel"]
 
 
-def forget_kernel() -> None:
-    """Forget whether the kernel loaded, so that `compiled_kernel()` tries again (e.g. after changing `NEZHA_HF_KERNEL`)."""
+def forget_fused_kernel() -> None:
+    """Forget whether the kernel loaded, so that `fused_kernel()` tries again (e.g. after changing `NEZHA_HF_KERNEL`)."""
     _loaded.clear()
 
 
-def kernel_loaded() -> bool:
+def fused_kernel_loaded() -> bool:
     """Whether the kernel is loaded, without trying to load it (what compiled code may ask)."""
     return _loaded.get("kernel") is not None
 
@@ -137,83 +138,52 @@ def _load_kernel():
 # --- the kernel as torch.library ops ------------------------------------------------------------
 
 
-@torch.library.custom_op("nezha_hf::kernel_forward", mutates_args=(), device_types="cpu")
-def kernel_forward(
+def _forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: torch.Tensor, scaling: float, causal: bool,
     key_is_valid: torch.Tensor | None, key_is_source: torch.Tensor | None, query_offset: torch.Tensor,
     dropout: float, seed: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NEZHA attention forward: `(out [batch, queries, heads, head_size], lse [batch, heads, queries])`."""
-    kernel = compiled_kernel()
+    """`(output [batch, queries, heads, head_size], lse [batch, heads, queries])`; see `attention_ops`."""
+    kernel = fused_kernel()
     if kernel is None:
-        raise RuntimeError("NEZHA's attention kernel is unavailable here (see the logged warning).")
+        raise RuntimeError("NEZHA's fused attention kernel is unavailable here (see the logged warning).")
     K = (table.shape[0] - 1) // 2
     return tuple(kernel.forward(query, key, value, table, K, scaling, causal, key_is_valid, key_is_source,
                                 int(query_offset), dropout, int(seed), *KERNEL_BLOCK_SIZES))
 
 
-@kernel_forward.register_fake
-def _(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed):
+def _forward_fake(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed):
     batch, heads, length, size = query.shape
     return query.new_empty(batch, length, heads, size), query.new_empty(batch, heads, length)
 
 
-@torch.library.custom_op("nezha_hf::kernel_backward", mutates_args=(), device_types="cpu")
-def kernel_backward(
-    grad_output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
-    lse: torch.Tensor, table: torch.Tensor, scaling: float, causal: bool, key_is_valid: torch.Tensor | None,
-    key_is_source: torch.Tensor | None, query_offset: torch.Tensor, dropout: float, seed: torch.Tensor,
+def _backward(
+    grad_output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: torch.Tensor,
+    scaling: float, causal: bool, key_is_valid: torch.Tensor | None, key_is_source: torch.Tensor | None,
+    query_offset: torch.Tensor, dropout: float, seed: torch.Tensor, output: torch.Tensor, lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of query, key and value, each laid out `[batch, length, heads, head_size]`.
-
-    `grad_output` and `output` are `[batch, heads, queries, head_size]` (any strides)."""
+    """Gradients of query, key and value, `[batch, heads, length, head_size]` views of `[batch, length, heads, ...]`."""
     K = (table.shape[0] - 1) // 2
-    return tuple(compiled_kernel().backward(
-        grad_output, query, key, value, output, lse, table, K, scaling, causal, key_is_valid, key_is_source,
-        int(query_offset), dropout, int(seed), *KERNEL_BLOCK_SIZES,
-    ))
+    grads = fused_kernel().backward(grad_output, query, key, value, output, lse, table, K, scaling, causal,
+                                    key_is_valid, key_is_source, int(query_offset), dropout, int(seed),
+                                    *KERNEL_BLOCK_SIZES)
+    return tuple(grad.transpose(1, 2) for grad in grads)
 
 
-@kernel_backward.register_fake
-def _(grad_output, query, key, value, output, lse, table, scaling, causal, key_is_valid, key_is_source, query_offset,
-      dropout, seed):
+def _backward_fake(grad_output, query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
+                   dropout, seed, output, lse):
     def like(x):
-        return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3])
+        return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
 
     return like(query), like(key), like(value)
 
 
-def _save_for_backward(ctx, inputs, output):
-    query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed = inputs
-    ctx.save_for_backward(query, key, value, table, output[0], output[1], key_is_valid, key_is_source, query_offset, seed)
-    ctx.scaling, ctx.causal, ctx.dropout = scaling, causal, dropout
-
-
-def _backward(ctx, grad_output, grad_lse):
-    query, key, value, table, output, lse, key_is_valid, key_is_source, query_offset, seed = ctx.saved_tensors
-    grads = kernel_backward(grad_output.transpose(1, 2), query, key, value, output.transpose(1, 2), lse, table,
-                            ctx.scaling, ctx.causal, key_is_valid, key_is_source, query_offset, ctx.dropout, seed)
-    return (*(grad.transpose(1, 2) for grad in grads), None, None, None, None, None, None, None, None)
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "NEZHA's attention kernel has no second derivative (e.g. a gradient penalty with create_graph=True): "
-        'use attn_implementation="eager" for that.'
-    )
-
-
-kernel_forward.register_autograd(_backward, setup_context=_save_for_backward)
-kernel_backward.register_autograd(_no_double_backward)
-
-
-def kernel_attention(query, key, value, table, scaling: float, causal: bool, key_is_valid=None, key_is_source=None,
-                     query_offset=0, dropout: float = 0.0, seed=None) -> torch.Tensor:
-    """NEZHA attention by the compiled kernel, `[batch, queries, heads, head_size]`.
+fused_attention = engine_op("fused", _forward, _forward_fake, _backward, _backward_fake, device_types="cpu")
+fused_attention.__doc__ = """NEZHA attention by the fused kernel, `[batch, queries, heads, head_size]`.
 
     Args:
-        query: `[batch, heads, queries, head_size]` float32 on CPU; key, value: `[batch, heads, keys, head_size]`.
-        table: the `(2K + 1) x head_size` float32 table.
+        query: `[batch, heads, queries, head_size]` on CPU; key, value: `[batch, heads, keys, head_size]`.
+        table: the `(2K + 1) x head_size` table.
         scaling: score scale.
         causal: queries see only keys at or before their position (with `key_is_source`: the UniLM prefix mask).
         key_is_valid: `[batch, keys]` bool, False on padding, or None.
@@ -222,12 +192,8 @@ def kernel_attention(query, key, value, table, scaling: float, causal: bool, key
         dropout: attention-probability dropout rate, applied with the mask drawn from `seed`.
         seed: 0-dim int64 tensor naming the dropout mask (ignored without dropout).
 
-    Call only when `compiled_kernel()` is not None.
+    Call only when `fused_kernel()` is not None.
     """
-    if not isinstance(query_offset, torch.Tensor):
-        query_offset = torch.tensor(query_offset, dtype=torch.int64)
-    if seed is None:
-        seed = torch.zeros((), dtype=torch.int64)
-    output, _ = kernel_forward(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
-                               float(dropout), seed)
-    return output
+
+
+__all__ = ["KERNEL_SOURCE", "forget_fused_kernel", "fused_attention", "fused_kernel", "fused_kernel_loaded"]

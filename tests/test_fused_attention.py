@@ -12,13 +12,13 @@ import reference
 import torch
 from helpers import make_case, run_attention
 
-from nezha_hf import NezhaConfig, NezhaModel, attention_kernel
+from nezha_hf import NezhaConfig, NezhaModel, fused_attention
 from nezha_hf import relative_attention as ra
 
 
 def kernel(q, k, v, mask, K, offset=0, dropout=0.0, seed=0):
     table = ra.sinusoid_relative_table(K, q.shape[-1])
-    return attention_kernel.kernel_attention(
+    return fused_attention.fused_attention(
         q, k, v, table, q.shape[-1] ** -0.5, mask.causal, mask.key_is_valid, mask.key_is_source if mask.causal else None,
         offset, dropout, torch.tensor(seed),
     ).transpose(1, 2)
@@ -34,39 +34,36 @@ def assert_matches(got, expected, leaves, expected_leaves, atol=1e-5):
 
 def test_kernel_builds():
     # CI has a compiler and ninja: a kernel that fails to build must fail here, not fall back quietly.
-    assert attention_kernel.compiled_kernel() is not None, "the compiled attention kernel did not build (see the log)"
+    assert fused_attention.fused_kernel() is not None, "the fused attention kernel did not build (see the log)"
 
 
 @pytest.mark.parametrize("implementation, loads", [(None, True), ("nezha_fused", True), ("eager", False),
                                                    ("nezha_chunked", False)])
 def test_kernel_is_loaded_with_the_model_that_uses_it(implementation, loads):
-    attention_kernel.forget_kernel()
+    fused_attention.forget_fused_kernel()
     config = NezhaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     NezhaModel._from_config(config, attn_implementation=implementation)
-    assert attention_kernel.kernel_loaded() == loads
+    assert fused_attention.fused_kernel_loaded() == loads
 
 
-def test_kernel_is_not_built_for_a_model_made_for_another_device(monkeypatch):
-    attention_kernel.forget_kernel()
-    monkeypatch.setattr(torch, "get_default_device", lambda: torch.device("cuda"))
-    ra.prepare_attention(None)
-    assert not attention_kernel.kernel_loaded()
-    token = ra.KERNEL_WANTED.set(False)  # what from_pretrained(device_map="cuda") sets
-    monkeypatch.undo()
-    try:
-        ra.prepare_attention(None)
-        assert not attention_kernel.kernel_loaded()
-    finally:
-        ra.KERNEL_WANTED.reset(token)
-    ra.prepare_attention(None)
-    assert attention_kernel.kernel_loaded()
+def test_kernel_is_not_built_for_a_model_made_for_another_device(tmp_path):
+    fused_attention.forget_fused_kernel()
+    config = NezhaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    ra.prepare_attention(None, "cuda")
+    with torch.device("meta"):  # what from_pretrained builds on before the weights are placed
+        NezhaModel(config)
+    assert not fused_attention.fused_kernel_loaded()
+    NezhaModel(config).save_pretrained(tmp_path)
+    fused_attention.forget_fused_kernel()
+    NezhaModel.from_pretrained(tmp_path)  # placed on the CPU: now it is built
+    assert fused_attention.fused_kernel_loaded()
 
 
 @pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
 def test_kernel_default_blocks_base_size(mode):
     # The kernel's own blocks (256 queries, 512 keys) over 1,100 tokens: three key blocks, a partial last block,
     # K and head size of the base model; the batch mixes padded and full rows. Forward and backward.
-    assert attention_kernel.KERNEL_BLOCK_SIZES == (0, 0)
+    assert fused_attention.KERNEL_BLOCK_SIZES == (0, 0)
     q, k, v, mask, allowed = make_case(2, 2, 1100, 64, 64, mode, [1100, 700], torch.float32, seed=6)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     references = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -118,7 +115,7 @@ def kernel_keep_mask(seed, batch, heads, queries, keys, p, offset=0):
 
 @pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
 def test_dropout_matches_the_reference_given_the_same_mask(mode, monkeypatch):
-    monkeypatch.setattr(attention_kernel, "KERNEL_BLOCK_SIZES", (16, 32))  # several blocks each way
+    monkeypatch.setattr(fused_attention, "KERNEL_BLOCK_SIZES", (16, 32))  # several blocks each way
     p, seed = 0.3, 123456789123
     q, k, v, mask, allowed = make_case(2, 3, 150, 8, 6, mode, [150, 130], torch.float32, seed=1)
     keep = kernel_keep_mask(seed, 2, 3, 150, 150, p)
@@ -140,7 +137,7 @@ def test_dropout_rate_and_mean_are_preserved():
     valid = torch.zeros(8, rows, dtype=torch.bool)
     valid[:, 0] = True  # every query sees only key 0, at distance clip(0 - i) -> row 0 for i >= K
     v[:, :, 0] = 1 - table[0]
-    out = attention_kernel.kernel_attention(q, k, v, table, 0.5, False, valid, None, 0, p, torch.tensor(99))
+    out = fused_attention.fused_attention(q, k, v, table, 0.5, False, valid, None, 0, p, torch.tensor(99))
     out = out[:, K:, :, 0]  # queries from K on see key 0 at table row 0
     kept = out * (1 - p)
     assert set(kept.unique().round(decimals=4).tolist()) <= {0.0, 1.0}
@@ -219,35 +216,36 @@ def test_expanded_inputs_are_read_correctly():
 def test_a_stale_build_lock_gives_up_with_a_message(monkeypatch, caplog):
     from transformers.utils import logging as hf_logging
 
-    lock = attention_kernel.build_directory() / "lock"
+    lock = fused_attention.build_directory() / "lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     lock.write_text("")
-    monkeypatch.setenv(attention_kernel.LOCK_TIMEOUT_VARIABLE, "1")
-    attention_kernel.forget_kernel()
+    monkeypatch.setenv(fused_attention.LOCK_TIMEOUT_VARIABLE, "1")
+    fused_attention.forget_fused_kernel()
     hf_logging.enable_propagation()
     try:
         start = time.perf_counter()
         with caplog.at_level("WARNING"):
-            assert attention_kernel.compiled_kernel() is None
+            assert fused_attention.fused_kernel() is None
         assert time.perf_counter() - start < 30
     finally:
         hf_logging.disable_propagation()
         lock.unlink(missing_ok=True)
-        attention_kernel.forget_kernel()
+        fused_attention.forget_fused_kernel()
     assert str(lock) in caplog.text and "NEZHA_HF_KERNEL=0" in caplog.text
-    assert attention_kernel.compiled_kernel() is not None  # once the lock is gone, it loads again
+    assert fused_attention.fused_kernel() is not None  # once the lock is gone, it loads again
 
 
 def test_the_build_is_named_after_the_cpu_it_is_built_for(monkeypatch):
-    name = attention_kernel.kernel_name()
+    name = fused_attention.kernel_name()
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    assert attention_kernel.kernel_name() != name or torch.backends.cpu.get_cpu_capability() == "DEFAULT"
-    monkeypatch.setattr(attention_kernel, "_cpu_signature", lambda: "another instruction set")
-    assert attention_kernel.kernel_name() != name
+    assert fused_attention.kernel_name() != name or torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+    monkeypatch.setattr(fused_attention, "_cpu_signature", lambda: "another instruction set")
+    assert fused_attention.kernel_name() != name
 
 
-def test_the_fused_path_uses_the_kernel_at_every_length(monkeypatch):
+def test_the_fused_engine_runs_the_kernel_at_every_length(attention_calls):
     for length in (3, 700):
         q, k, v, mask, allowed = make_case(1, 2, length, 16, 8, "causal", [length - 1], torch.float32, seed=7)
-        torch.testing.assert_close(run_attention(ra.fused_relative_attention, q, k, v, mask, 8),
+        torch.testing.assert_close(run_attention(ra.Engine.FUSED, q, k, v, mask, 8),
                                    reference.attention(q, k, v, 8, allowed)[0], atol=1e-5, rtol=0)
+    assert {call.ran for call in attention_calls} == {ra.Engine.FUSED}
