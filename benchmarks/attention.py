@@ -5,9 +5,10 @@
     python benchmarks/attention.py --lengths --memory-lengths 8192 --no-train --output attention-memory
     python benchmarks/attention.py --dropout 0.1 --layers 4 --lengths 2048 4096 --memory-lengths 4096 --output attention-dropout
     python benchmarks/attention.py --attention nezha_chunked --output attention-chunked
+    python benchmarks/attention.py --dtype bfloat16 --lengths 512 2048 8192 --memory-lengths --output attention-bfloat16
     python benchmarks/attention.py --device cuda --output attention-cuda   # where a GPU exists
 
-Base width (hidden 768, 12 heads, K = 64; 12 layers unless `--layers`), float32, batch 1.
+Base width (hidden 768, 12 heads, K = 64; 12 layers unless `--layers`), float32 unless `--dtype`, batch 1.
 `--dropout P` sets attention and hidden dropout to P in both models (BERT-SDPA then leaves its
 flash kernel for the math path); NEZHA runs the implementation `--attention` (default: the
 default). Times are medians of `--repeats` runs, NEZHA and BERT alternating in one process; the
@@ -49,16 +50,20 @@ BASE = dict(
 )
 
 
-def build(kind: str, dropout: float = 0.0, layers: int = 12, attention: str | None = None, device: str = "cpu"):
-    """BERT-SDPA ("bert"), NEZHA with `attention` ("nezha") or NEZHA eager ("nezha-eager"), on `device`."""
+def build(kind: str, dropout: float = 0.0, layers: int = 12, attention: str | None = None, device: str = "cpu",
+          dtype: str = "float32"):
+    """BERT-SDPA ("bert"), NEZHA with `attention` ("nezha") or NEZHA eager ("nezha-eager"), on `device`, in `dtype`
+    ("bert-eager": BERT's eager attention, the float64 reference of `accuracy`)."""
     torch.manual_seed(0)
     sizes = {**BASE, "num_hidden_layers": layers, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
-    if kind == "bert":
-        model = BertModel._from_config(BertConfig(**sizes, max_position_embeddings=16384), attn_implementation="sdpa")
+    if kind.startswith("bert"):
+        implementation = "eager" if kind == "bert-eager" else "sdpa"
+        model = BertModel._from_config(BertConfig(**sizes, max_position_embeddings=16384),
+                                       attn_implementation=implementation)
     else:
         implementation = "eager" if kind == "nezha-eager" else attention
         model = NezhaModel._from_config(NezhaConfig(**sizes, max_relative_position=64), attn_implementation=implementation)
-    return model.to(device)
+    return model.to(device, getattr(torch, dtype))
 
 
 def synchronize(device: str) -> None:
@@ -79,7 +84,8 @@ def run_once(model, input_ids, train: bool) -> float:
 
 
 def time_models(kinds, length, train, repeats, args):
-    models = {kind: build(kind, args.dropout, args.layers, args.attention, args.device).train(train) for kind in kinds}
+    models = {kind: build(kind, args.dropout, args.layers, args.attention, args.device, args.dtype).train(train)
+              for kind in kinds}
     input_ids = torch.randint(1, 21128, (1, length), device=args.device)
     for model in models.values():  # warm-up
         run_once(model, input_ids, train)
@@ -126,7 +132,7 @@ def status(field):
         if line.startswith(field):
             return int(line.split()[1]) / 1024
 device = {args.device!r}
-model = b.build({kind!r}, {args.dropout!r}, {args.layers!r}, {args.attention!r}, device).train({train!r})
+model = b.build({kind!r}, {args.dropout!r}, {args.layers!r}, {args.attention!r}, device, {args.dtype!r}).train({train!r})
 ids = torch.randint(1, 21128, (1, {length}), device=device)
 b.run_once(model, ids[:, :16], {train!r})
 model.zero_grad(set_to_none=True)  # the warm-up's gradients are not part of the pass
@@ -166,6 +172,9 @@ def main():
     parser.add_argument("--layers", type=int, default=12, help="layers of both models")
     parser.add_argument("--attention", default=None, help="NEZHA's attn_implementation (default: the default)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, ... (both models)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="dtype of both models (with bfloat16 / float16: also their error against float64)")
+    parser.add_argument("--accuracy-length", type=int, default=1024, help="tokens of the --dtype accuracy check")
     parser.add_argument("--memory-method", choices=["resident", "tensors"], default="resident",
                         help="on the CPU: the resident set, or the live tensors (the profiler's memory timeline)")
     args = parser.parse_args()
@@ -206,15 +215,34 @@ def main():
         print("memory", entry, flush=True)
         memory.append(entry)
 
-    write_results(rows, memory, args)
+    errors = accuracy(args) if args.dtype != "float32" else {}
+    write_results(rows, memory, args, errors)
 
 
-def write_results(rows, memory, args):
+def accuracy(args) -> dict:
+    """Each model in `args.dtype` against the same model in float64 on the same input: the relative error of
+    the last hidden state (Frobenius norm), and its largest absolute error. The float64 references are NEZHA's
+    gather engine (exact against the plain formula in float64, tests/test_relative_attention.py) and BERT's
+    eager attention."""
+    input_ids = torch.randint(1, 21128, (1, args.accuracy_length))
+    errors = {}
+    for kind, reference_kind in (("nezha", "nezha-eager"), ("bert", "bert-eager")):
+        with torch.no_grad():
+            expected = build(reference_kind, 0.0, args.layers, None, "cpu", "float64")(input_ids).last_hidden_state
+            got = build(kind, 0.0, args.layers, args.attention, "cpu", args.dtype)(input_ids).last_hidden_state.double()
+        errors[kind] = {"relative": float((got - expected).norm() / expected.norm()),
+                        "max_abs": float((got - expected).abs().max())}
+        print(f"accuracy {kind} {args.dtype}: relative {errors[kind]['relative']:.2e}, "
+              f"max |error| {errors[kind]['max_abs']:.2e}", flush=True)
+    return errors
+
+
+def write_results(rows, memory, args, errors):
     RESULTS.mkdir(exist_ok=True)
     malloc = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     command = (f"MALLOC_MMAP_THRESHOLD_={malloc} " if malloc else "") + "python benchmarks/attention.py " + " ".join(sys.argv[1:])
     setting = (f"NEZHA attention {args.attention or 'default'}, {args.layers} layers, dropout {args.dropout}, "
-               f"device {args.device}")
+               f"device {args.device}, {args.dtype}")
     lines = [f"Command: `{command.strip()}` (torch {torch.__version__}, {torch.get_num_threads()} threads; {setting})"]
     if rows:
         lines += [
@@ -241,10 +269,17 @@ def write_results(rows, memory, args):
             f"{m.get('bert_train_mb', float('nan')):.0f} | {m.get('nezha_train_mb', float('nan')):.0f} | "
             f"{m.get('ratio_train', float('nan')):.2f} |"
         )
+    if errors:
+        lines += ["", f"Error against the same model in float64 ({args.accuracy_length} tokens, last hidden state; "
+                  "NEZHA's reference is its gather engine, BERT's its eager attention):", "",
+                  "| model | relative error (Frobenius) | max abs error |", "|---|---|---|"]
+        lines += [f"| {'NEZHA' if kind == 'nezha' else 'BERT-SDPA'} {args.dtype} | {e['relative']:.2e} | "
+                  f"{e['max_abs']:.2e} |" for kind, e in errors.items()]
     table = "\n".join(lines) + "\n"
     print(table)
     (RESULTS / f"{args.output}.md").write_text(table)
-    (RESULTS / f"{args.output}.json").write_text(json.dumps({"command": command, "time": rows, "memory": memory}, indent=1))
+    (RESULTS / f"{args.output}.json").write_text(json.dumps({"command": command, "time": rows, "memory": memory,
+                                                             "accuracy": errors}, indent=1))
     try:
         import matplotlib
 

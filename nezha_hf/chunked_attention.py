@@ -9,15 +9,15 @@ per-row constant, so `[q, q.T[0], q.T[2K], c] . [k_j, 1, 0, 1] = q . (k_j + T[0]
 scores `dO . (v_j + T)` against values the same way). A weighted sum over keys is `p @ v` plus each
 tail's probability mass (a row sum) times `T[0]` or `T[2K]`. Only the `C x (C + 2K - 2)` middle block
 needs a per-entry lookup in `q T^T` and per-row bucket sums. A chunk's scores are
-`[batch, heads, C, keys]` float32 buffers, reused from chunk to chunk; no tensor of `L x L` per head
-ever exists. `C` keeps the buffers of a call within `CHUNK_SCORES` numbers. A chunk holds whole
+`[batch, heads, C, keys]` buffers (float32; float64 for float64 inputs), reused from chunk to chunk; no tensor
+of `L x L` per head ever exists. `C` keeps the buffers of a call within `CHUNK_SCORES` numbers. A chunk holds whole
 rows, so one fused softmax gives its probabilities.
 
 The backward recomputes each chunk's probabilities the same way, in chunks of about half as many
 queries (it holds two buffers: probabilities and their gradients). Attention dropout draws the
 keep mask of each group of `MIN_CHUNK_ROWS` queries from a generator seeded with `(seed, group)`,
 so the mask does not depend on the chunking and the backward redraws exactly the forward's without
-storing it. Matrix products run in the inputs' dtype, scores and softmax in float32 (bfloat16 and
+storing it. Matrix products run in the inputs' dtype, scores and softmax in float32, or float64 (bfloat16 and
 float16 work).
 
 The forward and backward are the `torch.library` ops `nezha_hf::chunked_forward` and
@@ -115,22 +115,21 @@ def _with_extra_columns(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _Operands:
-    """Per call: its chunks and masks, keys and values with extra columns, the table in float32, and `buffers`
-    chunk buffers."""
+    """Per call: its chunks and masks, keys and values with extra columns, the table in the compute dtype
+    (float32, or float64 for float64 inputs), and `buffers` chunk buffers."""
 
     def __init__(self, query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
                  buffers: int):
         self.chunks = _chunks(query, key, table, causal, key_is_source, query_offset, buffers)
         self.scaling, self.causal, self.key_is_valid, self.key_is_source = scaling, causal, key_is_valid, key_is_source
-        self.table = table.float()
-        # Every row sees key 0 unless it is padding, so only those examples can have a row with nothing visible.
-        known = key_is_valid is not None and key_is_valid.device.type != "meta"
-        self.key_0_padded = (~key_is_valid[:, 0]).nonzero().flatten().tolist() if known else []
+        self.dtype = torch.promote_types(query.dtype, torch.float32)  # scores, softmax and sums
+        self.table = table.to(self.dtype)
+        self.first_valid, self.valid_source = _rows_that_see_keys(key_is_valid, causal, key_is_source)
         self.keys, self.values = _with_extra_columns(key), _with_extra_columns(value)
         self.left_end = self.right_start = 0
         batch, heads, length, _ = key.shape
         rows = self.chunks[0].size if self.chunks else 0
-        self.buffers = [torch.empty(batch * heads * rows * length, dtype=torch.float32, device=key.device)
+        self.buffers = [torch.empty(batch * heads * rows * length, dtype=self.dtype, device=key.device)
                         for _ in range(buffers)]
 
     def enter(self, chunk: _Chunk) -> None:
@@ -142,7 +141,7 @@ class _Operands:
         self.left_end, self.right_start = chunk.left_end, chunk.right_start
 
     def buffer(self, chunk: _Chunk, number: int) -> torch.Tensor:
-        """Chunk buffer `number` as a contiguous `[batch * heads, C, keys]` float32 tensor."""
+        """Chunk buffer `number` as a contiguous `[batch * heads, C, keys]` tensor of the compute dtype."""
         batch, heads = self.keys.shape[:2]
         return self.buffers[number][: batch * heads * chunk.size * chunk.keys].view(batch * heads, chunk.size, chunk.keys)
 
@@ -150,10 +149,10 @@ class _Operands:
                  constant: torch.Tensor | None = None) -> torch.Tensor:
         """`x_i . (y_j + T[r(i, j)]) + constant_i` for the chunk's `rows` x_i and its visible keys' y_j
         (`augmented`: the keys or the values with extra columns), written into the chunk buffer `out` and
-        returned as `[batch, heads, C, keys]` float32."""
+        returned as `[batch, heads, C, keys]` in the compute dtype."""
         batch, heads, size, width = *rows.shape[:2], chunk.size, rows.shape[-1]
-        per_row = torch.matmul(rows.float(), self.table.T)  # x_i . T[r] for every r
-        extra = [per_row[..., [0, -1]], torch.zeros_like(per_row[..., :1]) if constant is None else constant.float()]
+        per_row = torch.matmul(rows.to(self.dtype), self.table.T)  # x_i . T[r] for every r
+        extra = [per_row[..., [0, -1]], torch.zeros_like(per_row[..., :1]) if constant is None else constant]
         with_extra = torch.cat([rows, torch.cat(extra, -1).to(rows.dtype)], -1).reshape(batch * heads, size, width + 3)
         keys = augmented.view(batch * heads, -1, width + 3)[:, : chunk.keys].transpose(1, 2)
         if rows.dtype == out.dtype:
@@ -166,11 +165,12 @@ class _Operands:
         return out
 
     def weighted_sum(self, chunk: _Chunk, weights: torch.Tensor, augmented: torch.Tensor) -> torch.Tensor:
-        """`sum_j w_ij (y_j + T[r(i, j)])` over the chunk's visible keys: `[batch, heads, C, d]` float32."""
+        """`sum_j w_ij (y_j + T[r(i, j)])` over the chunk's visible keys: `[batch, heads, C, d]` in the compute
+        dtype."""
         width = augmented.shape[-1] - 3
         # Without the extra columns: a product 67 wide is about 30% slower than 64 wide on CPU, and
         # the tails' two sums cost less than the difference.
-        out = torch.matmul(weights.to(augmented.dtype), augmented[..., : chunk.keys, :width]).float()
+        out = torch.matmul(weights.to(augmented.dtype), augmented[..., : chunk.keys, :width]).to(self.dtype)
         middle = weights[..., chunk.left_end : chunk.right_start]
         bucket = weights.new_zeros(*weights.shape[:-1], self.table.shape[0])  # weight per table row
         bucket.scatter_add_(-1, chunk.middle_index(weights.device).expand(*middle.shape), middle)
@@ -179,17 +179,35 @@ class _Operands:
         return out + bucket @ self.table
 
     def probabilities(self, chunk: _Chunk, query_rows: torch.Tensor) -> torch.Tensor:
-        """The chunk's attention probabilities, `[batch, heads, C, keys]` float32 in chunk buffer 0 (a row
-        whose keys are all masked is all zeros)."""
+        """The chunk's attention probabilities, `[batch, heads, C, keys]` in chunk buffer 0 (a row that sees no
+        key is all zeros; a row with a NaN score is NaN)."""
         scores = self.products(chunk, query_rows * self.scaling, self.keys, self.buffer(chunk, 0))
         chunk.mask(scores, self.key_is_valid, self.causal, self.key_is_source)
         # In place on the CPU, where the tests check that the kernel's row-by-row passes make that safe;
         # on other devices, where nothing here has checked it, one more chunk-sized tensor instead.
         inplace = scores.device.type == "cpu"
         probs = torch.softmax(scores, -1, out=scores) if inplace else torch.softmax(scores, -1)
-        for example in self.key_0_padded:  # softmax gives NaN for a row with nothing visible
-            probs[example].nan_to_num_(0.0)
+        if self.first_valid is not None:  # softmax gives NaN for a row that sees no key: those rows are 0
+            positions = chunk.first + torch.arange(chunk.size, device=probs.device)
+            sees_nothing = self.first_valid[:, None] > positions if self.causal else self.first_valid[:, None] == chunk.key_length
+            if self.causal:
+                sees_nothing = sees_nothing & ~self.valid_source[:, None]
+            probs.masked_fill_(sees_nothing[:, None, :, None], 0.0)
         return probs
+
+
+def _rows_that_see_keys(key_is_valid, causal, key_is_source):
+    """Per example, its first key that is not padding (the key count if none) and whether any source key is not
+    padding: a query at position i sees no key when the first is after i (under a causal mask, with no such
+    source key) or, without a causal mask, when there is none. (None, None) when nothing is padded."""
+    if key_is_valid is None:
+        return None, None
+    keys = key_is_valid.shape[1]
+    position = torch.arange(keys, device=key_is_valid.device)
+    first_valid = torch.where(key_is_valid, position, keys).amin(1)
+    if causal and key_is_source is not None:
+        return first_valid, (key_is_valid & key_is_source).any(1)
+    return first_valid, torch.zeros_like(first_valid, dtype=torch.bool)
 
 
 def _chunks(query, key, table, causal, key_is_source, query_offset, buffers: int) -> list[_Chunk]:
@@ -237,10 +255,10 @@ def _forward_fake(query, key, value, table, scaling, causal, key_is_valid, key_i
 
 
 def _add_product(target: torch.Tensor, chunk: _Chunk, weights: torch.Tensor, rows: torch.Tensor) -> None:
-    """`target[..., :keys, :] += weights^T @ rows` (float32 target `[batch, heads, L, d]`), accumulated by the
+    """`target[..., :keys, :] += weights^T @ rows` (target `[batch, heads, L, d]` in the compute dtype), accumulated by the
     matrix product itself when the dtypes allow, so no `[keys, d]` temporary per chunk."""
     if rows.dtype != target.dtype:
-        target[..., : chunk.keys, :] += torch.matmul(weights.transpose(-1, -2).to(rows.dtype), rows).float()
+        target[..., : chunk.keys, :] += torch.matmul(weights.transpose(-1, -2).to(rows.dtype), rows).to(target.dtype)
         return
     batch, heads, length, size = target.shape
     accumulated = target.view(batch * heads, length, size)[:, : chunk.keys]
@@ -257,14 +275,15 @@ def backward_chunks(
     `attention_ops`."""
     operands = _Operands(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
                          buffers=2)
-    grad_query = torch.empty(query.shape, dtype=torch.float32, device=query.device)
-    grad_key = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
-    grad_value = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
+    grad_query = torch.empty(query.shape, dtype=operands.dtype, device=query.device)
+    grad_key = torch.zeros(key.shape, dtype=operands.dtype, device=key.device)
+    grad_value = torch.zeros(value.shape, dtype=operands.dtype, device=value.device)
     seed_value = int(seed) if dropout > 0 else 0
     for chunk in operands.chunks:
         operands.enter(chunk)
         query_rows, grad_out = query[..., chunk.rows, :], grad_output[..., chunk.rows, :]
-        row_dot = (grad_out.float() * output[..., chunk.rows, :].float()).sum(-1, keepdim=True)  # D_i = dO_i . O_i
+        out_rows = output[..., chunk.rows, :].to(operands.dtype)
+        row_dot = (grad_out.to(operands.dtype) * out_rows).sum(-1, keepdim=True)  # D_i = dO_i . O_i
         probs = operands.probabilities(chunk, query_rows)
         # dP_ij = dO_i . (v_j + T[r(i, j)]), and dS = P (dP - D); without dropout the gemm subtracts D itself.
         constant = None if dropout > 0 else -row_dot
@@ -290,4 +309,4 @@ def _backward_fake(grad_output, query, key, value, table, scaling, causal, key_i
 
 chunked_attention = engine_op("chunked", forward_chunks, _forward_fake, backward_chunks, _backward_fake)
 chunked_attention.__doc__ = """NEZHA attention in chunks of queries, `[batch, queries, heads, head_size]`; arguments as
-    `fused_attention.fused_attention`, on any device, float32, bfloat16 or float16."""
+    `fused_attention.fused_attention`, on any device and floating dtype (float64 computed in float64)."""

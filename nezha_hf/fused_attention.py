@@ -13,6 +13,7 @@ This module is an engine: it takes tensors and key flags and knows nothing of mo
 
 import contextlib
 import hashlib
+import math
 import os
 import time
 from pathlib import Path
@@ -45,20 +46,69 @@ def _cpu_signature() -> str:
 
 
 def kernel_name() -> str:
-    """The extension's name: it changes with the source, PyTorch, the compiler flags and the CPU's instruction set,
-    so a build cache shared between machines is never reused on another instruction set."""
+    """The extension's name: it changes with the source, PyTorch, the compiler flags, the CPU's instruction set
+    and the environment's headers (PyTorch's and Python's, the compiler), and with nothing else. A cache shared
+    between machines is never reused on another instruction set; two environments get one build each instead of
+    rebuilding each other's; two checkouts of the same source share one (it is compiled from a copy in the
+    build folder, so the build command does not name the checkout)."""
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
     digest = hashlib.sha1()
-    for part in (KERNEL_SOURCE.read_bytes(), torch.__version__.encode(), " ".join(KERNEL_FLAGS).encode(),
-                 _cpu_signature().encode()):
-        digest.update(part)
+    for part in (KERNEL_SOURCE.read_bytes(), torch.__version__, " ".join(KERNEL_FLAGS), _cpu_signature(),
+                 *cpp_extension.include_paths(), sysconfig.get_paths()["include"], os.environ.get("CXX", "c++")):
+        digest.update(part if isinstance(part, bytes) else part.encode())
     return f"nezha_hf_fused_attention_{digest.hexdigest()[:12]}"
 
 
 def build_directory() -> Path:
-    """Where the kernel is built and cached (under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`)."""
+    """Where the kernel is built and cached: `$TORCH_EXTENSIONS_DIR/<kernel_name()>` (PyTorch's default root,
+    `~/.cache/torch_extensions`, when the variable is not set)."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    return Path(get_default_build_root()) / kernel_name()
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / kernel_name()
+
+
+SWITCH_VARIABLE = "NEZHA_HF_KERNEL"
+_OFF, _ON = {"0", "false", "no", "off"}, {"1", "true", "yes", "on", ""}
+
+
+def kernel_switched_on() -> bool:
+    """`NEZHA_HF_KERNEL`: 0 / false / no / off (any case) keep the kernel off; 1 / true / yes / on or unset, on.
+    Anything else is a warning and leaves it on."""
+    value = os.environ.get(SWITCH_VARIABLE, "1").strip().lower()
+    if value not in _OFF | _ON:
+        logger.warning(f"{SWITCH_VARIABLE}={value!r} is not one of 1/true/yes/on or 0/false/no/off: the kernel stays on.")
+    return value not in _OFF
+
+
+def lock_timeout() -> float:
+    """`NEZHA_HF_KERNEL_LOCK_TIMEOUT` in seconds: finite and not negative, else a warning and the default (300)."""
+    text = os.environ.get(LOCK_TIMEOUT_VARIABLE)
+    if text is None:
+        return DEFAULT_LOCK_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        logger.warning(f"{LOCK_TIMEOUT_VARIABLE}={text!r} is not a number of seconds (finite, 0 or more): waiting "
+                       f"{DEFAULT_LOCK_TIMEOUT:.0f} s instead.")
+        return DEFAULT_LOCK_TIMEOUT
+    return value
+
+
+def _source_in(directory: Path) -> Path:
+    """The kernel source, copied into the build folder (atomically, and only when it differs, so that ninja's
+    record of what it built stays valid)."""
+    copy = directory / KERNEL_SOURCE.name
+    source = KERNEL_SOURCE.read_bytes()
+    if not copy.is_file() or copy.read_bytes() != source:
+        staging = directory / f".{KERNEL_SOURCE.name}.{os.getpid()}"
+        staging.write_bytes(source)
+        os.replace(staging, copy)
+    return copy
 
 
 @contextlib.contextmanager
@@ -115,22 +165,25 @@ def fused_kernel_loaded() -> bool:
 
 
 def _load_kernel():
-    if os.environ.get("NEZHA_HF_KERNEL", "1") == "0" or not KERNEL_SOURCE.is_file():
+    if not kernel_switched_on():
+        return None
+    if not KERNEL_SOURCE.is_file():
+        logger.info("NEZHA's fused attention kernel has no source here (remote code copies Python files only).")
         return None
     from torch.utils.cpp_extension import load
 
     directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    timeout = float(os.environ.get(LOCK_TIMEOUT_VARIABLE, DEFAULT_LOCK_TIMEOUT))
     try:
-        logger.info("Loading NEZHA's attention kernel (it is compiled the first time, which takes a while).")
-        with _bounded_lock_wait(timeout):
-            return load(name=directory.name, sources=[str(KERNEL_SOURCE)], build_directory=str(directory),
+        directory.mkdir(parents=True, exist_ok=True)
+        source = _source_in(directory)
+        logger.info("Loading NEZHA's fused attention kernel (it is compiled the first time, which takes a while).")
+        with _bounded_lock_wait(lock_timeout()):
+            return load(name=directory.name, sources=[str(source)], build_directory=str(directory),
                         extra_cflags=KERNEL_FLAGS, extra_ldflags=["-fopenmp"])
-    except Exception as error:  # no compiler, no ninja, no BLAS symbol, a stale lock: the PyTorch paths still work
+    except Exception as error:  # an unusable folder, no compiler, no ninja, a stale lock: the PyTorch engines still work
         logger.warning(
-            f"NEZHA's attention kernel is unavailable ({type(error).__name__}: {error}); using PyTorch ops. "
-            "Set NEZHA_HF_KERNEL=0 to skip the kernel altogether."
+            f"NEZHA's fused attention kernel is unavailable ({type(error).__name__}: {error}); the chunked engine "
+            f"runs instead. Set TORCH_EXTENSIONS_DIR to a writable folder, or {SWITCH_VARIABLE}=0 to skip the kernel."
         )
         return None
 
@@ -143,18 +196,23 @@ def _forward(
     key_is_valid: torch.Tensor | None, key_is_source: torch.Tensor | None, query_offset: torch.Tensor,
     dropout: float, seed: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(output [batch, queries, heads, head_size], lse [batch, heads, queries])`; see `attention_ops`."""
+    """`(output [batch, queries, heads, head_size], lse [batch, heads, queries])`; see `attention_ops`.
+
+    bfloat16 and float16 inputs are computed in float32 (products and accumulation) and the output returned in
+    their dtype: on CPUs without AMX, PyTorch's own reduced-precision attention multiplies at float32 speed or
+    slower (benchmarks/results/attention-bfloat16.md), so this is the fast choice and the exact one."""
     kernel = fused_kernel()
     if kernel is None:
         raise RuntimeError("NEZHA's fused attention kernel is unavailable here (see the logged warning).")
     K = (table.shape[0] - 1) // 2
-    return tuple(kernel.forward(query, key, value, table, K, scaling, causal, key_is_valid, key_is_source,
-                                int(query_offset), dropout, int(seed), *KERNEL_BLOCK_SIZES))
+    output, lse = kernel.forward(query.float(), key.float(), value.float(), table.float(), K, scaling, causal,
+                                 key_is_valid, key_is_source, int(query_offset), dropout, int(seed), *KERNEL_BLOCK_SIZES)
+    return output.to(query.dtype), lse
 
 
 def _forward_fake(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed):
     batch, heads, length, size = query.shape
-    return query.new_empty(batch, length, heads, size), query.new_empty(batch, heads, length)
+    return query.new_empty(batch, length, heads, size), query.new_empty(batch, heads, length, dtype=torch.float32)
 
 
 def _backward(
@@ -164,10 +222,10 @@ def _backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of query, key and value, `[batch, heads, length, head_size]` views of `[batch, length, heads, ...]`."""
     K = (table.shape[0] - 1) // 2
-    grads = fused_kernel().backward(grad_output, query, key, value, output, lse, table, K, scaling, causal,
-                                    key_is_valid, key_is_source, int(query_offset), dropout, int(seed),
-                                    *KERNEL_BLOCK_SIZES)
-    return tuple(grad.transpose(1, 2) for grad in grads)
+    grads = fused_kernel().backward(grad_output.float(), query.float(), key.float(), value.float(), output.float(), lse,
+                                    table.float(), K, scaling, causal, key_is_valid, key_is_source, int(query_offset),
+                                    dropout, int(seed), *KERNEL_BLOCK_SIZES)
+    return tuple(grad.to(query.dtype).transpose(1, 2) for grad in grads)
 
 
 def _backward_fake(grad_output, query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,

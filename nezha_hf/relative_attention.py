@@ -120,29 +120,23 @@ class RelativeAttentionMask:
         return self._cache[key]
 
     def allowed(self, query_length: int, key_length: int, device) -> torch.Tensor | None:
-        """Dense `[batch or 1, 1, query_length, key_length]` bool mask, or None if everything is visible."""
-        allowed = None
-        if self.causal:
-            query_position = torch.arange(query_length, device=device) + self.query_offset
-            allowed = torch.arange(key_length, device=device)[None, :] <= query_position[:, None]
-            allowed = allowed[None, None]
-            if self.key_is_source is not None:
-                allowed = allowed | self.key_is_source[:, None, None, :]
-        if self.key_is_valid is not None:
-            valid = self.key_is_valid[:, None, None, :]
-            allowed = valid if allowed is None else allowed & valid
-        return allowed
-
-    def additive(self, query_length: int, key_length: int, dtype: torch.dtype, device) -> torch.Tensor | None:
-        """The dense mask as additive scores (0 or the dtype's minimum, as transformers 4.x), cached per dtype."""
+        """Dense `[batch or 1, 1, query_length, key_length]` bool mask, or None if everything is visible (built
+        once per mask, as every layer asks)."""
 
         def build():
-            allowed = self.allowed(query_length, key_length, device)
-            if allowed is None:
-                return None
-            return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+            allowed = None
+            if self.causal:
+                query_position = torch.arange(query_length, device=device) + self.query_offset
+                allowed = torch.arange(key_length, device=device)[None, :] <= query_position[:, None]
+                allowed = allowed[None, None]
+                if self.key_is_source is not None:
+                    allowed = allowed | self.key_is_source[:, None, None, :]
+            if self.key_is_valid is not None:
+                valid = self.key_is_valid[:, None, None, :]
+                allowed = valid if allowed is None else allowed & valid
+            return allowed
 
-        return self.cached(("additive", query_length, key_length, dtype, str(device)), build)
+        return self.cached(("allowed", query_length, key_length, str(device)), build)
 
 
 class Engine(enum.Enum):
@@ -160,6 +154,8 @@ class Engine(enum.Enum):
 
 
 DEFAULT_ENGINE = Engine.FUSED
+# The dtypes the fused kernel takes (all computed in float32); float64 runs exactly on the chunked engine.
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _kernel_built(situation: "Situation") -> bool:
@@ -205,8 +201,8 @@ def _no_probabilities(situation: Situation) -> str | None:
 def _fused_unusable(situation: Situation) -> str | None:
     if situation.device != "cpu":
         return "the fused kernel runs on the CPU"
-    if situation.dtype != torch.float32:
-        return "the fused kernel takes float32"
+    if situation.dtype not in FUSED_DTYPES:
+        return "the fused kernel computes in float32 (it takes float32, bfloat16 and float16)"
     if not situation.kernel_built(situation):
         return "the fused kernel is not built (see the warning logged when it was tried)"
     return _no_probabilities(situation)
@@ -217,6 +213,8 @@ def _three_regions_unusable(situation: Situation) -> str | None:
         return "this PyTorch lacks the CPU flash-attention kernel three regions are made of"
     if situation.device != "cpu":
         return "three regions run on the CPU"
+    if situation.dtype == torch.float64:
+        return "three regions compute the band from the exact sinusoid, not the model's float32-rounded table"
     if situation.dropout:
         return "three regions have no attention dropout"
     if situation.cached:
@@ -258,10 +256,14 @@ def _gather(module, query, key, value, mask, scaling, dropout, table):
     scores = torch.matmul(query, key.transpose(-1, -2))
     scores = scores + torch.matmul(query, table.T).gather(-1, index)
     scores = scores * scaling
-    additive = mask.additive(query_length, key_length, scores.dtype, scores.device)
-    if additive is not None:
-        scores = scores + additive
+    allowed = mask.allowed(query_length, key_length, query.device)
+    if allowed is not None:
+        # Masked scores become the dtype's minimum, as in transformers 4.x; a row that sees no key at all then
+        # averages uniformly there, and gives 0 here, as transformers 5's BERT does by default (sdpa).
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     probs = nn.functional.softmax(scores, dim=-1)
+    if allowed is not None:
+        probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
     probs = nn.functional.dropout(probs, p=dropout, training=dropout > 0)
 
     bucket_mass = probs.new_zeros(*probs.shape[:-1], table.shape[0]).scatter_add_(-1, index, probs)

@@ -42,7 +42,8 @@ def allowed_mask(length, key_valid=None, causal=False, key_is_source=None, query
 def attention(q, k, v, max_relative_position, allowed=None, query_offset=0, table=None, keep=None, dropout=0.0):
     """softmax_j((q_i.k_j + q_i.a_ij)/sqrt(d)) (v_j + a_ij) with a_ij = T[clip(j - i, -K, K) + K].
 
-    Rows with every key masked give zeros. With a `keep` mask (`[..., Lq, Lk]`, 0 or 1), dropout as in
+    Rows with every key masked give zeros; NaN and inf in the inputs propagate as the formula makes them.
+    With a `keep` mask (`[..., Lq, Lk]`, 0 or 1), dropout as in
     transformers 4.x: the probabilities times keep / (1 - dropout), into both value terms.
     """
     K, d = max_relative_position, q.shape[-1]
@@ -51,9 +52,13 @@ def attention(q, k, v, max_relative_position, allowed=None, query_offset=0, tabl
     j = torch.arange(k.shape[-2])[None, :]
     a = table[(j - i).clamp(-K, K) + K]  # [Lq, Lk, d]
     scores = (q @ k.transpose(-1, -2) + torch.einsum("bhid,ijd->bhij", q, a)) / math.sqrt(d)
+    sees_something = True
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(scores, -1))
+        # A row that sees no key gives 0 (and passes no gradient), as transformers 5's BERT does by default.
+        sees_something = allowed.any(-1, keepdim=True)
+        scores = scores.masked_fill(~sees_something, 0.0)
+    probs = torch.softmax(scores, -1) * sees_something
     weights = probs if keep is None else probs * keep / (1 - dropout)
     return weights @ v + torch.einsum("bhij,ijd->bhid", weights, a), probs
 

@@ -1,10 +1,13 @@
-"""The compiled kernel: it builds and loads with the model, and is exact at its own block sizes, with a cache,
-with dropout (against a mask re-derived here from the seed), from other threads, on odd strides; it refuses a
-second derivative and survives a stale build lock."""
+"""The fused kernel: it builds and loads with the model, and is exact at its own block sizes, with a cache, with
+dropout (against a mask re-derived here from the seed), in bfloat16 and float16, from other threads, on odd
+strides; it refuses a second derivative; its build cache survives stale locks, bad settings, unusable folders,
+other checkouts and other environments."""
 
 import math
+import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -249,3 +252,171 @@ def test_the_fused_engine_runs_the_kernel_at_every_length(attention_calls):
         torch.testing.assert_close(run_attention(ra.Engine.FUSED, q, k, v, mask, 8),
                                    reference.attention(q, k, v, 8, allowed)[0], atol=1e-5, rtol=0)
     assert {call.ran for call in attention_calls} == {ra.Engine.FUSED}
+
+
+# --- reduced precision ------------------------------------------------------------------------------------
+
+REDUCED = [torch.bfloat16, torch.float16]
+
+
+def reduced_case(mode, dtype, length=300, seed=31):
+    """A case in `dtype` and the same inputs (rounded to it) in float64 for the reference."""
+    q, k, v, mask, allowed = make_case(2, 3, length, 64, 16, mode, [length, length - 37], torch.float32, seed=seed)
+    low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    exact = [t.detach().double().requires_grad_() for t in low]
+    return low, exact, mask, allowed
+
+
+@pytest.mark.parametrize("dtype", REDUCED, ids=str)
+@pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
+@pytest.mark.parametrize("blocks", [(0, 0), (16, 32)], ids=["default-blocks", "small-blocks"])
+def test_reduced_precision_runs_the_kernel_and_matches_float64(dtype, mode, blocks, monkeypatch, attention_calls):
+    """bfloat16 / float16 inputs run the fused kernel itself (float32 accumulation); forward and gradients against
+    the float64 formula on the same (rounded) inputs."""
+    monkeypatch.setattr(fused_attention, "KERNEL_BLOCK_SIZES", blocks)
+    low, exact, mask, allowed = reduced_case(mode, dtype)
+    got = run_attention(ra.Engine.FUSED, *low, mask, 16)
+    assert {call.ran for call in attention_calls} == {ra.Engine.FUSED} and got.dtype == dtype
+    expected = reference.attention(*exact, 16, allowed, table=ra.sinusoid_relative_table(16, 64).double())[0]
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=0)
+    grad = torch.randn_like(expected)
+    for name, a, b in zip("qkv", torch.autograd.grad((got.double() * grad).sum(), low),
+                          torch.autograd.grad((expected * grad).sum(), exact)):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b, atol=5 * tolerance, rtol=0, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", REDUCED, ids=str)
+def test_reduced_precision_dropout_and_cache_match_float64(dtype):
+    """Dropout (the same hash-drawn mask as in float32) and a KV-cache step, in bfloat16 / float16."""
+    p, seed = 0.3, 987654321
+    low, exact, mask, allowed = reduced_case("prefix", dtype, length=150, seed=2)
+    keep = kernel_keep_mask(seed, 2, 3, 150, 150, p)
+    got = kernel(*low, mask, 16, dropout=p, seed=seed)
+    expected = reference.attention(*exact, 16, allowed, keep=keep, dropout=p,
+                                   table=ra.sinusoid_relative_table(16, 64).double())[0]
+    tolerance = 3e-2 if dtype == torch.bfloat16 else 5e-3
+    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=0)
+    new = 4  # the last queries against every key, as a decoding step sees them
+    step = kernel(low[0][..., -new:, :], low[1], low[2], mask, 16, offset=150 - new)
+    full = reference.attention(*exact, 16, allowed, table=ra.sinusoid_relative_table(16, 64).double())[0]
+    torch.testing.assert_close(step.double(), full[..., -new:, :], atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("how", ["to", "autocast"])
+def test_bfloat16_models_run_the_kernel(how, attention_calls):
+    config = NezhaConfig(vocab_size=50, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    model = NezhaModel(config).eval()
+    ids = torch.randint(0, 50, (2, 70))
+    with torch.no_grad():
+        expected = model(ids).last_hidden_state
+        if how == "to":
+            got = model.to(torch.bfloat16)(ids).last_hidden_state
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got = model(ids).last_hidden_state
+    assert {call.ran for call in attention_calls} == {ra.Engine.FUSED}
+    assert {call.dtype for call in attention_calls} == {torch.float32, torch.bfloat16}
+    torch.testing.assert_close(got.float(), expected, atol=0.1, rtol=0)
+
+
+# --- the build cache and the environment variables ----------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_kernel_state(monkeypatch):
+    """Forget the loaded kernel before and after, so that the test's environment decides and nothing leaks."""
+    fused_attention.forget_fused_kernel()
+    yield monkeypatch
+    monkeypatch.undo()
+    fused_attention.forget_fused_kernel()
+
+
+def logged_warnings(caplog, action):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            result = action()
+    finally:
+        hf_logging.disable_propagation()
+    return result, [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("value", ["0", "false", "FALSE", "no", "off", "Off"])
+def test_the_kernel_can_be_switched_off_with_the_usual_spellings(value, fresh_kernel_state):
+    fresh_kernel_state.setenv("NEZHA_HF_KERNEL", value)
+    assert fused_attention.fused_kernel() is None
+
+
+def test_a_bad_kernel_switch_or_lock_timeout_is_one_warning(fresh_kernel_state, caplog):
+    fresh_kernel_state.setenv("NEZHA_HF_KERNEL", "maybe")
+    fresh_kernel_state.setenv(fused_attention.LOCK_TIMEOUT_VARIABLE, "abc")
+    kernel, warnings = logged_warnings(caplog, fused_attention.fused_kernel)
+    assert kernel is not None  # the default: on, with the default timeout
+    assert len([w for w in warnings if "NEZHA_HF_KERNEL=" in w]) == 1
+    assert len([w for w in warnings if "NEZHA_HF_KERNEL_LOCK_TIMEOUT=" in w]) == 1
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-5", "abc"])
+def test_lock_timeouts_must_be_finite_and_not_negative(value, fresh_kernel_state, caplog):
+    fresh_kernel_state.setenv(fused_attention.LOCK_TIMEOUT_VARIABLE, value)
+    timeout, warnings = logged_warnings(caplog, fused_attention.lock_timeout)
+    assert timeout == fused_attention.DEFAULT_LOCK_TIMEOUT and any(value in w for w in warnings)
+
+
+def test_torch_extensions_dir_is_where_the_kernel_is_cached(tmp_path, fresh_kernel_state):
+    fresh_kernel_state.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    assert fused_attention.build_directory().parent == tmp_path / "cache"
+
+
+def test_an_unusable_cache_folder_is_one_warning_and_the_chunked_engine(tmp_path, fresh_kernel_state, caplog):
+    (tmp_path / "a-file").write_text("not a folder")
+    fresh_kernel_state.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "a-file" / "cache"))
+    kernel, warnings = logged_warnings(caplog, fused_attention.fused_kernel)
+    assert kernel is None and len(warnings) == 1 and "a-file" in warnings[0]
+    config = NezhaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    with ra.recorded_attention_calls() as calls:
+        NezhaModel(config)(torch.randint(0, 50, (1, 9)))  # builds and runs, on the chunked engine
+    assert {call.ran for call in calls} == {ra.Engine.CHUNKED}
+
+
+def test_the_build_name_follows_the_environment_not_the_checkout(monkeypatch, tmp_path):
+    """Two checkouts of the same source share one build; two environments (another torch, other headers) get one
+    each, so neither rebuilds the other's."""
+    name = fused_attention.kernel_name()
+    copy = tmp_path / "fused_attention.cpp"
+    copy.write_bytes(fused_attention.KERNEL_SOURCE.read_bytes())
+    monkeypatch.setattr(fused_attention, "KERNEL_SOURCE", copy)
+    assert fused_attention.kernel_name() == name
+    import torch.utils.cpp_extension as cpp_extension
+
+    include_paths = cpp_extension.include_paths
+    monkeypatch.setattr(cpp_extension, "include_paths", lambda *a, **k: [str(tmp_path / "other-env"),
+                                                                          *include_paths(*a, **k)])
+    assert fused_attention.kernel_name() != name
+
+
+@pytest.mark.slow
+def test_a_second_checkout_loads_the_built_kernel_without_compiling(tmp_path):
+    """A copy of the package elsewhere (another checkout) in a fresh process: the kernel built by this one loads
+    from the shared cache, the build folder unchanged (nothing compiled)."""
+    import shutil
+    import subprocess
+    import sys
+
+    assert fused_attention.fused_kernel() is not None
+    build = fused_attention.build_directory()
+    before = {p.name: p.stat().st_mtime_ns for p in build.iterdir()}
+    shutil.copytree(Path(fused_attention.__file__).parent, tmp_path / "checkout" / "nezha_hf",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import nezha_hf, nezha_hf.fused_attention as f; assert nezha_hf.__file__.startswith(%r); "
+            "print(f.build_directory()); assert f.fused_kernel() is not None" % str(tmp_path / "checkout"))
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path / "checkout")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(build)
+    assert {p.name: p.stat().st_mtime_ns for p in build.iterdir()} == before

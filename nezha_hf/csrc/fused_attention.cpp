@@ -16,11 +16,12 @@
 // backward regenerates the forward's mask instead of storing it (`Problem::row_key` and `keep_factor` are the
 // definition; tests re-derive it independently).
 //
-// Matrix products go to the BLAS `sgemm_` that PyTorch links (MKL on x86 wheels); the loader in
-// attention_kernel.py falls back to the PyTorch paths if this file does not build or load.
+// Matrix products go to PyTorch's CPU micro-kernel (`gemm` below); the loader in fused_attention.py falls back to the
+// chunked engine if this file does not build or load.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <cmath>
@@ -28,25 +29,26 @@
 #include <limits>
 #include <vector>
 
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-                       const float* beta, float* c, const int* ldc);
-
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Row-major C[M, N] = alpha * op(A)[M, K] @ op(B)[K, N] + beta * C, with leading dimensions (row strides).
-void matmul(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-            const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (M == 0 || N == 0) return;
-  // A row-major matrix is its column-major transpose: compute C^T = op(B)^T op(A)^T.
-  const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
-  const int m = N, n = M, k = K, ia = ldb, ib = lda, ic = ldc;
-  sgemm_(&ta, &tb, &m, &n, &k, &alpha, B, &ia, A, &ib, &beta, C, &ic);
+// Row-major C[M, N] = A[M, K] @ B[K, N] (+ C when `accumulate`), with leading dimensions (row strides). This is
+// PyTorch's own micro-kernel for its CPU flash attention (oneDNN's brgemm where available, BLAS otherwise),
+// about 30% faster than BLAS sgemm on these block sizes (benchmarks/results/attention-bfloat16.md); it takes
+// no transposes, so keys and values are transposed once per call where a product needs them that way.
+inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                 int64_t ldc, bool accumulate) {
+  if (M > 0 && N > 0) at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, false);
 }
 
-// expf to about 1 ulp, written so the compiler vectorises the loops that call it; 0 below -87.
+// `columns`-wide rows of a `rows` x `columns` matrix (row stride `ld`) as a contiguous `columns` x `rows` matrix.
+inline void transpose_into(float* out, const float* in, int64_t rows, int64_t columns, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < columns; ++c) out[c * rows + r] = in[r * ld + c];
+}
+
+// expf to about 1 ulp, written so the compiler vectorises the loops that call it; 0 below -87, NaN stays NaN.
 inline float fast_exp(float x) {
   const float xc = std::min(std::max(x, -87.0f), 88.0f);
   const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
@@ -61,7 +63,7 @@ inline float fast_exp(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float power;
   std::memcpy(&power, &bits, sizeof(float));
-  return x < -87.0f ? 0.0f : p * power;
+  return x != x ? x : x < -87.0f ? 0.0f : p * power;
 }
 
 // A 32-bit integer hash with full avalanche ("lowbias32", C. Wellons' hash prospector).
@@ -92,7 +94,9 @@ struct Problem {
   bool causal;
   const bool* key_valid;         // [B, Lk] or null
   const bool* key_source;        // [B, Lk] or null (UniLM prefix mask, with causal)
-  std::vector<int64_t> key_end;  // per batch row: keys past this are never visible to a causal query block
+  std::vector<int64_t> key_end;      // per batch row: keys past this are never visible to a causal query block
+  std::vector<int64_t> first_valid;  // per batch row: its first key that is not padding (Lk if none)
+  std::vector<bool> valid_source;    // per batch row: whether a source key is not padding (a prefix mask)
   int64_t q_block, kv_block;
   bool dropout;
   uint32_t threshold, seed_lo, seed_hi;  // keep_ij when its hash >= threshold = p * 2^32
@@ -100,6 +104,13 @@ struct Problem {
 
   // Keys a causal query block ending before absolute position `stop` may see: up to itself, or to the last source key.
   int64_t keys_for(int64_t b, int64_t stop) const { return causal ? std::min(Lk, std::max(stop, key_end[b])) : Lk; }
+
+  // Whether query position `i` of batch row `b` sees no key at all (all padding, or left padding under a causal
+  // mask): its output is 0, as transformers 5's BERT gives by default. Any other row that ends up with no
+  // probability mass had only -inf scores (infinite inputs) and gives NaN, as eager attention does.
+  bool sees_nothing(int64_t b, int64_t i) const {
+    return causal ? first_valid[b] > i && !valid_source[b] : first_valid[b] == Lk;
+  }
 
   // Calls body(start, stop, first, step) for the three column ranges of query position `i` in the key
   // block starting at `n` with `kb` keys: the left tail, the band and the right tail. Column `c` of a
@@ -146,10 +157,17 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, int64_t K, double
   p.key_valid = key_valid.defined() ? key_valid.data_ptr<bool>() : nullptr;
   p.key_source = key_source.defined() ? key_source.data_ptr<bool>() : nullptr;
   p.key_end.assign(p.B, 0);
-  if (causal && p.key_source)
-    for (int64_t b = 0; b < p.B; ++b)
-      for (int64_t j = 0; j < p.Lk; ++j)
-        if (p.key_source[b * p.Lk + j]) p.key_end[b] = j + 1;
+  p.first_valid.assign(p.B, p.key_valid ? p.Lk : 0);
+  p.valid_source.assign(p.B, false);
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t j = p.Lk - 1; j >= 0; --j) {
+      const bool valid = !p.key_valid || p.key_valid[b * p.Lk + j];
+      if (valid) p.first_valid[b] = j;
+      if (causal && p.key_source && p.key_source[b * p.Lk + j]) {
+        p.key_end[b] = std::max(p.key_end[b], j + 1);
+        if (valid) p.valid_source[b] = true;
+      }
+    }
   // 0: PyTorch's own CPU flash kernel's choice (query blocks by length, 512 keys); tests pass small blocks.
   p.q_block = q_block > 0 ? q_block : p.Lq >= 768 ? 256 : p.Lq >= 192 ? 64 : 32;
   p.kv_block = kv_block > 0 ? kv_block : 512;
@@ -190,7 +208,7 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tens
 
 }  // namespace
 
-// Returns (out [B, Lq, H, d] contiguous, lse [B, H, Lq]); a row with no visible key gets out 0, lse -inf.
+// Returns (out [B, Lq, H, d] contiguous, lse [B, H, Lq]); a row that sees no key gets out 0, lse -inf.
 std::vector<at::Tensor> forward(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
                                 const at::Tensor& table, int64_t K, double scale, bool causal,
                                 const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source,
@@ -202,10 +220,11 @@ std::vector<at::Tensor> forward(const at::Tensor& query_in, const at::Tensor& ke
   const int64_t B = p.B, H = p.H, Lq = p.Lq, d = p.d, R = p.R;
   auto out = at::empty({B, Lq, H, d}, query.options());
   auto lse = at::empty({B, H, Lq}, query.options());
-  const float *q = query.data_ptr<float>(), *k = key.data_ptr<float>(), *v = value.data_ptr<float>();
-  const float* t = T.data_ptr<float>();
+  const at::Tensor key_t = key.transpose(2, 3).contiguous(), table_t = T.t().contiguous();  // [B, H, d, Lk], [d, R]
+  const float *q = query.data_ptr<float>(), *kt = key_t.data_ptr<float>(), *v = value.data_ptr<float>();
+  const float *t = T.data_ptr<float>(), *tt = table_t.data_ptr<float>();
   float *o = out.data_ptr<float>(), *l = lse.data_ptr<float>();
-  const int64_t qs = query.stride(2), ks = key.stride(2), vs = value.stride(2);
+  const int64_t qs = query.stride(2), vs = value.stride(2), Lk = p.Lk;
   const int64_t num_q_blocks = (Lq + p.q_block - 1) / p.q_block;
 
   // One task per (batch, head, query block); query blocks vary fastest so each thread gets whole heads.
@@ -217,9 +236,10 @@ std::vector<at::Tensor> forward(const at::Tensor& query_in, const at::Tensor& ke
       const int64_t b = task / (H * num_q_blocks), h = task / num_q_blocks % H;
       const int64_t m = task % num_q_blocks * p.q_block, qb = std::min(p.q_block, Lq - m);
       const float* qm = q + b * query.stride(0) + h * query.stride(1) + m * qs;
-      const float* kh = k + b * key.stride(0) + h * key.stride(1);
+      const float* kth = kt + (b * H + h) * d * Lk;
       const float* vh = v + b * value.stride(0) + h * value.stride(1);
-      matmul(false, true, qb, R, d, p.scale, qm, qs, t, d, 0.0f, qt.data(), R);
+      gemm(qb, R, d, qm, qs, tt, R, qt.data(), R, false);  // q . T[p], scaled below like the scores
+      for (int64_t x = 0; x < qb * R; ++x) qt[x] *= p.scale;
       std::fill(bucket.begin(), bucket.end(), 0.0f);
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(row_max.begin(), row_max.end(), kNegInf);
@@ -229,7 +249,7 @@ std::vector<at::Tensor> forward(const at::Tensor& query_in, const at::Tensor& ke
       const int64_t keys = p.keys_for(b, p.offset + m + qb);
       for (int64_t n = 0; n < keys; n += p.kv_block) {
         const int64_t kb = std::min(p.kv_block, keys - n);
-        matmul(false, true, qb, kb, d, p.scale, qm, qs, kh + n * ks, ks, 0.0f, scores.data(), kb);
+        gemm(qb, kb, d, qm, qs, kth + n, Lk, scores.data(), kb, false);
         for (int64_t r = 0; r < qb; ++r) {
           const int64_t i = p.offset + m + r;
           float* row = scores.data() + r * kb;
@@ -238,12 +258,15 @@ std::vector<at::Tensor> forward(const at::Tensor& query_in, const at::Tensor& ke
           float new_max = row_max[r];
           p.for_each_range(i, n, kb, [&](int64_t start, int64_t stop, int64_t first, auto step) {
             float range_max = kNegInf;  // relative key term added, masked entries stay -inf
-#pragma omp simd reduction(max : range_max)
+            int not_a_number = 0;
+#pragma omp simd reduction(max : range_max) reduction(| : not_a_number)
             for (int64_t c = start; c < stop; ++c) {
-              row[c] += terms[first + step * c];
+              row[c] = row[c] * p.scale + terms[first + step * c];
               range_max = row[c] > range_max ? row[c] : range_max;
+              not_a_number |= row[c] != row[c];
             }
-            new_max = std::max(new_max, range_max);
+            // A NaN score makes the row NaN, as in eager attention (a maximum would skip it).
+            new_max = not_a_number ? std::numeric_limits<float>::quiet_NaN() : std::max(new_max, range_max);
           });
           if (new_max == kNegInf) {  // nothing visible yet: this block adds nothing to the row
             std::fill(row, row + kb, 0.0f);
@@ -279,15 +302,17 @@ std::vector<at::Tensor> forward(const at::Tensor& query_in, const at::Tensor& ke
           row_sum[r] = row_sum[r] * correction + sum;
           row_max[r] = new_max;
         }
-        matmul(false, false, qb, d, kb, 1.0f, scores.data(), kb, vh + n * vs, vs, 1.0f, acc.data(), d);
+        gemm(qb, d, kb, scores.data(), kb, vh + n * vs, vs, acc.data(), d, true);
       }
-      matmul(false, false, qb, d, R, 1.0f, bucket.data(), R, t, d, 1.0f, acc.data(), d);  // value term
+      gemm(qb, d, R, bucket.data(), R, t, d, acc.data(), d, true);  // value term
       for (int64_t r = 0; r < qb; ++r) {
-        const bool empty = row_sum[r] == 0.0f;
-        const float inverse = empty ? 0.0f : 1.0f / row_sum[r];
+        const bool empty = p.sees_nothing(b, p.offset + m + r);
+        const float inverse = empty ? 0.0f : 1.0f / row_sum[r];  // a sum of 0 otherwise: NaN, as in eager
         float* out_row = o + ((b * Lq + m + r) * H + h) * d;
-        for (int64_t x = 0; x < d; ++x) out_row[x] = acc[r * d + x] * inverse;
-        l[(b * H + h) * Lq + m + r] = empty ? kNegInf : row_max[r] + std::log(row_sum[r]);
+        for (int64_t x = 0; x < d; ++x) out_row[x] = empty ? 0.0f : acc[r * d + x] * inverse;
+        l[(b * H + h) * Lq + m + r] = empty                ? kNegInf
+                                      : row_sum[r] == 0.0f ? std::numeric_limits<float>::quiet_NaN()
+                                                           : row_max[r] + std::log(row_sum[r]);
       }
     }
   });
@@ -311,37 +336,43 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out_in, const at::Tensor
   const Problem p = make_problem(query, key, K, scale, causal, valid, source, offset, dropout_p, seed, q_block, kv_block);
   const int64_t B = p.B, H = p.H, Lq = p.Lq, Lk = p.Lk, d = p.d, R = p.R;
   auto grad_query = at::empty({B, Lq, H, d}, query.options());
-  auto grad_key = at::zeros({B, Lk, H, d}, query.options());
-  auto grad_value = at::zeros({B, Lk, H, d}, query.options());
-  const float *q = query.data_ptr<float>(), *k = key.data_ptr<float>(), *v = value.data_ptr<float>();
+  // Key and value gradients accumulate transposed, [B, H, d, Lk], as the products give them.
+  auto grad_key_t = at::zeros({B, H, d, Lk}, query.options()), grad_value_t = at::zeros({B, H, d, Lk}, query.options());
+  const at::Tensor key_t = key.transpose(2, 3).contiguous(), value_t = value.transpose(2, 3).contiguous();
+  const at::Tensor table_t = T.t().contiguous();
+  const float *q = query.data_ptr<float>(), *k = key.data_ptr<float>(), *kt = key_t.data_ptr<float>();
+  const float *vt = value_t.data_ptr<float>(), *tt = table_t.data_ptr<float>();
   const float *go = grad_out.data_ptr<float>(), *o = out.data_ptr<float>(), *t = T.data_ptr<float>();
   const float* lse_data = row_lse.data_ptr<float>();
-  float *gq = grad_query.data_ptr<float>(), *gk = grad_key.data_ptr<float>(), *gv = grad_value.data_ptr<float>();
-  const int64_t qs = query.stride(2), ks = key.stride(2), vs = value.stride(2), gos = grad_out.stride(2);
-  const int64_t os = out.stride(2), gs = H * d;  // gradients are [B, L, H, d]
+  float *gq = grad_query.data_ptr<float>(), *gkt = grad_key_t.data_ptr<float>(), *gvt = grad_value_t.data_ptr<float>();
+  const int64_t qs = query.stride(2), ks = key.stride(2), gos = grad_out.stride(2);
+  const int64_t os = out.stride(2), gs = H * d;  // the query gradient is [B, L, H, d]
 
   // One task per (batch, head): key and value gradients of a head are summed over its query blocks.
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(p.q_block * p.kv_block), grad_scores(p.q_block * p.kv_block);
     std::vector<float> qt(p.q_block * R), grad_terms(p.q_block * R), grad_bucket(p.q_block * R);
     std::vector<float> acc(p.q_block * d), row_dot(p.q_block), row_lse_inf(p.q_block);
+    std::vector<float> query_t(d * p.q_block), grad_out_t(d * p.q_block);  // the query block's rows, transposed
     std::vector<uint32_t> row_keys(p.q_block);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
       const float* qh = q + b * query.stride(0) + h * query.stride(1);
       const float* kh = k + b * key.stride(0) + h * key.stride(1);
-      const float* vh = v + b * value.stride(0) + h * value.stride(1);
+      const float *kth = kt + (b * H + h) * d * Lk, *vth = vt + (b * H + h) * d * Lk;
       const float* goh = go + b * grad_out.stride(0) + h * grad_out.stride(1);
       const float* oh = o + b * out.stride(0) + h * out.stride(1);
       float* gqh = gq + b * Lq * gs + h * d;
-      float* gkh = gk + b * Lk * gs + h * d;
-      float* gvh = gv + b * Lk * gs + h * d;
+      float *gkth = gkt + (b * H + h) * d * Lk, *gvth = gvt + (b * H + h) * d * Lk;
       for (int64_t m = 0; m < Lq; m += p.q_block) {
         const int64_t qb = std::min(p.q_block, Lq - m);
         const float* qm = qh + m * qs;
         const float* gom = goh + m * gos;
-        matmul(false, true, qb, R, d, p.scale, qm, qs, t, d, 0.0f, qt.data(), R);
-        matmul(false, true, qb, R, d, 1.0f, gom, gos, t, d, 0.0f, grad_terms.data(), R);  // dO . T[p]
+        gemm(qb, R, d, qm, qs, tt, R, qt.data(), R, false);
+        for (int64_t x = 0; x < qb * R; ++x) qt[x] *= p.scale;
+        gemm(qb, R, d, gom, gos, tt, R, grad_terms.data(), R, false);  // dO . T[p]
+        transpose_into(query_t.data(), qm, qb, d, qs);
+        transpose_into(grad_out_t.data(), gom, qb, d, gos);
         for (int64_t r = 0; r < qb; ++r) {
           row_dot[r] = 0.0f;  // D_i = dO_i . O_i (the output already holds the dropped probabilities)
           for (int64_t x = 0; x < d; ++x) row_dot[r] += gom[r * gos + x] * oh[(m + r) * os + x];
@@ -354,8 +385,8 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out_in, const at::Tensor
         const int64_t keys = p.keys_for(b, p.offset + m + qb);
         for (int64_t n = 0; n < keys; n += p.kv_block) {
           const int64_t kb = std::min(p.kv_block, keys - n);
-          matmul(false, true, qb, kb, d, p.scale, qm, qs, kh + n * ks, ks, 0.0f, probs.data(), kb);
-          matmul(false, true, qb, kb, d, 1.0f, gom, gos, vh + n * vs, vs, 0.0f, grad_scores.data(), kb);
+          gemm(qb, kb, d, qm, qs, kth + n, Lk, probs.data(), kb, false);
+          gemm(qb, kb, d, gom, gos, vth + n, Lk, grad_scores.data(), kb, false);
           for (int64_t r = 0; r < qb; ++r) {
             const int64_t i = p.offset + m + r;
             float* prob = probs.data() + r * kb;
@@ -366,7 +397,7 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out_in, const at::Tensor
             p.for_each_range(i, n, kb, [&](int64_t start, int64_t stop, int64_t first, auto step) {
 #pragma omp simd
               for (int64_t c = start; c < stop; ++c) {
-                prob[c] = fast_exp(prob[c] + terms[first + step * c] - lse_i);
+                prob[c] = fast_exp(prob[c] * p.scale + terms[first + step * c] - lse_i);
                 grad[c] += value_terms[first + step * c];  // dP~_ij = dO_i . (v_j + T[r(i, j)])
               }
               if (p.dropout) {  // dP_ij = dP~_ij z_ij with z = keep / (1 - p); the value gradient takes P z
@@ -387,18 +418,20 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out_in, const at::Tensor
               add_to_bucket(grad_bucket.data() + r * R, grad, start, stop, first, step, range_sum);
             });
           }
-          matmul(true, false, kb, d, qb, 1.0f, probs.data(), kb, gom, gos, 1.0f, gvh + n * gs, gs);
-          matmul(false, false, qb, d, kb, 1.0f, grad_scores.data(), kb, kh + n * ks, ks, 1.0f, acc.data(), d);
-          matmul(true, false, kb, d, qb, p.scale, grad_scores.data(), kb, qm, qs, 1.0f, gkh + n * gs, gs);
+          gemm(d, kb, qb, grad_out_t.data(), qb, probs.data(), kb, gvth + n, Lk, true);  // dV^T += dO^T P
+          gemm(qb, d, kb, grad_scores.data(), kb, kh + n * ks, ks, acc.data(), d, true);
+          gemm(d, kb, qb, query_t.data(), qb, grad_scores.data(), kb, gkth + n, Lk, true);  // dK^T += Q^T dS
         }
         // dq_i = scale * (sum_j dS_ij k_j + sum_p bucket_ip T[p])
-        matmul(false, false, qb, d, R, 1.0f, grad_bucket.data(), R, t, d, 1.0f, acc.data(), d);
+        gemm(qb, d, R, grad_bucket.data(), R, t, d, acc.data(), d, true);
         for (int64_t r = 0; r < qb; ++r)
           for (int64_t x = 0; x < d; ++x) gqh[(m + r) * gs + x] = p.scale * acc[r * d + x];
       }
     }
   });
-  return {grad_query, grad_key, grad_value};
+  // dK = scale * dS^T Q; both back to [B, Lk, H, d].
+  return {grad_query, grad_key_t.mul_(scale).permute({0, 3, 1, 2}).contiguous(),
+          grad_value_t.permute({0, 3, 1, 2}).contiguous()};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
