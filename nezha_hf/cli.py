@@ -17,6 +17,8 @@ renamed into place once complete; an existing output is replaced only with `--ov
 """
 
 import argparse
+import math
+import signal
 import sys
 from pathlib import Path
 
@@ -38,6 +40,8 @@ def _number(kind, low=None, high=None, high_open=False):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if (low is not None and value < low) or (high is not None and (value >= high if high_open else value > high)):
             upper = "" if high is None else f" and {'below' if high_open else 'at most'} {high}"
             raise argparse.ArgumentTypeError(f"must be at least {low}{upper}, got {text}")
@@ -99,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain = command(sub, "pretrain", help="continue masked-LM training (after converting a BERT)")
     pretrain.add_argument("model", help="NEZHA checkpoint directory (with tokenizer)")
     pretrain.add_argument("files", nargs="+", help=".txt / .jsonl files or folders")
-    pretrain.add_argument("--output", required=True, help="output directory (checkpoints and the final model)")
+    pretrain.add_argument("--output", required=True,
+                          help="the final model's folder (Trainer checkpoints go to OUTPUT.checkpoints, resumed on rerun)")
+    pretrain.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
     pretrain.add_argument("--max-length", type=_number(int, 8), default=1024)
     pretrain.add_argument("--mlm-probability", type=_number(float, 1e-6, 1.0, high_open=True), default=0.15)
     pretrain.add_argument("--txt-split", choices=TXT_SPLITS, default="blank-lines")
@@ -110,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_argument("--learning-rate", type=POSITIVE, default=5e-5)
     pretrain.add_argument("--save-steps", type=COUNT, default=500)
     pretrain.add_argument("--bf16", action="store_true")
-    pretrain.add_argument("--no-resume", action="store_true", help="start over even if checkpoints exist")
+    pretrain.add_argument("--no-resume", action="store_true",
+                          help="start over, deleting the checkpoints of an earlier run in OUTPUT.checkpoints")
     pretrain.add_argument("--seed", type=int, default=42)
 
     summarize = command(sub, "summarize", help="summarise judgments: extract with NEZHA, then generate")
@@ -123,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     summarize.add_argument("--batch-size", type=COUNT, default=4)
     summarize.add_argument("--threshold", type=PROBABILITY, help="extraction probability threshold")
     summarize.add_argument("--token-budget", type=COUNT, help="tokens of extracted source given to the generator")
-    summarize.add_argument("--num-beams", type=COUNT, default=3)
+    summarize.add_argument("--num-beams", type=COUNT, help="beams of the generator (default: the summariser's own)")
     summarize.add_argument("--no-copy-constraint", action="store_true",
                            help="decode freely even if the generator has a copy head")
     summarize.add_argument("--max-new-tokens", type=COUNT, default=512)
@@ -134,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--output", required=True, type=Path,
                        help="the summariser folder (Trainer checkpoints go to OUTPUT.checkpoints, resumed on rerun)")
     train.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
+    train.add_argument("--no-resume", action="store_true",
+                       help="start over, deleting the checkpoints of an earlier run in OUTPUT.checkpoints")
     train.add_argument("--validation-fraction", type=RATE, default=0.1)
     train.add_argument("--extractor-steps", type=STEPS, default=1000)
     train.add_argument("--generator-steps", type=STEPS, default=2000)
@@ -144,9 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="SPACES copy mechanism: copy tags trained jointly, copied spans follow source n-grams")
 
     export = command(sub, "export", help="export a model for serving").add_subparsers(dest="format", required=True)
-    onnx = command(export, "onnx", help="an ONNX file (dynamic batch and length), checked with onnxruntime")
-    onnx.add_argument("model", help="a NEZHA model folder (an encoder head)")
-    onnx.add_argument("output", help="the .onnx file to write")
+    onnx = command(export, "onnx", help="ONNX (dynamic batch and length), checked with onnxruntime before it is written")
+    onnx.add_argument("model", help="a NEZHA model folder (an encoder head), or a summariser folder (train-summarizer)")
+    onnx.add_argument("output", help="the .onnx file to write; for a summariser, the folder to write")
     onnx.add_argument("--atol", type=POSITIVE, default=1e-4, help="largest allowed |onnxruntime - PyTorch|")
     onnx.add_argument("--overwrite", action="store_true", help="replace an existing file")
 
@@ -189,15 +198,17 @@ def _summarize(args) -> None:
     settings = {key: value for key, value in (("threshold", args.threshold), ("token_budget", args.token_budget))
                 if value is not None}
     summarizer = Summarizer.from_pretrained(args.model, **settings)
+    options = {"num_beams": args.num_beams} if args.num_beams else {}
+    if args.no_copy_constraint:
+        options["copy_constraint"] = False
     results = summarizer.summarize(judgments, extract_only=args.extract_only, batch_size=args.batch_size,
-                                   show_progress=True, num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
-                                   **({"copy_constraint": False} if args.no_copy_constraint else {}))
+                                   show_progress=True, max_new_tokens=args.max_new_tokens, **options)
     if args.output and args.output.suffix == ".txt":
         text = "\n\n".join(f"{r['id']}\n{r['summary']}" for r in results) + "\n"
     else:
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
     if args.output:
-        write_text_atomically(args.output, text)
+        write_text_atomically(args.output, text, overwrite=args.overwrite)
         print(f"wrote {len(results)} summaries to {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)
@@ -212,7 +223,7 @@ def _train_summarizer(args) -> None:
         _read_inputs(args.data), args.base, args.output, validation_fraction=args.validation_fraction,
         extractor_steps=args.extractor_steps, generator_steps=args.generator_steps, max_length=args.max_length,
         learning_rate=args.learning_rate, save_steps=args.save_steps, copy_mechanism=args.copy,
-        overwrite=args.overwrite,
+        overwrite=args.overwrite, resume=not args.no_resume,
     )
     print(f"saved {args.output}; " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
 
@@ -238,7 +249,8 @@ def _evaluate(args) -> None:
     results = evaluate_summaries(_read_inputs(args.data), predictions, lead_count=args.lead)
     print(format_scores(results))
     if args.output:
-        write_text_atomically(args.output, json.dumps(results, indent=2, ensure_ascii=False) + "\n")
+        write_text_atomically(args.output, json.dumps(results, indent=2, ensure_ascii=False) + "\n",
+                              overwrite=args.overwrite)
 
 
 def _convert(args) -> None:
@@ -273,31 +285,55 @@ def _pretrain(args) -> None:
         txt_split=args.txt_split, resume=not args.no_resume, max_steps=args.max_steps, num_train_epochs=args.epochs,
         per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate, save_steps=args.save_steps, bf16=args.bf16, seed=args.seed,
+        overwrite=args.overwrite,
     )
     print(f"saved {args.output}; " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
 
 
 def _export(args) -> None:
-    from .export import export_onnx
+    from .export import export_onnx, export_summarizer
 
-    print(export_onnx(args.model, args.output, atol=args.atol, overwrite=args.overwrite).summary())
+    if (Path(args.model) / "summarizer.json").is_file():
+        report = export_summarizer(args.model, args.output, atol=args.atol, overwrite=args.overwrite)
+    else:
+        report = export_onnx(args.model, args.output, atol=args.atol, overwrite=args.overwrite)
+    print(report.summary())
 
 
 COMMANDS = {"export": _export, "demo": _demo, "convert": _convert, "pretrain": _pretrain, "summarize": _summarize,
             "train-summarizer": _train_summarizer, "evaluate": _evaluate}
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the process is, so that what it was writing is cleaned up on the way out."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
-    """Entry point of the `nezha-hf` console script; returns the exit status (0, or 2 on any failure)."""
+    """Entry point of the `nezha-hf` console script; returns the exit status: 0; 2 on any failure; 130 after
+    Ctrl-C and 143 after SIGTERM, with what the command was writing removed."""
     args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         COMMANDS[args.command](args)
+    except (KeyboardInterrupt, Terminated) as stop:
+        if args.debug:
+            raise
+        how, code = ("interrupted", 130) if isinstance(stop, KeyboardInterrupt) else ("terminated", 143)
+        # On a line of its own: a progress bar may have been drawing when the signal came.
+        print(f"\nnezha-hf {args.command}: {how}; outputs not yet in place were removed", file=sys.stderr)
+        return code
     except Exception as error:  # every failure: one line naming the problem, unless --debug asks for more
         if args.debug:
             raise
         message = " ".join(str(error).split()) or type(error).__name__
         print(f"nezha-hf {args.command}: error: {message}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

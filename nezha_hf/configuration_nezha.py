@@ -1,6 +1,7 @@
 """NEZHA model configuration."""
 
 import functools
+import math
 
 from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassError
@@ -94,10 +95,11 @@ class NezhaConfig(PreTrainedConfig):
             value = getattr(self, name)
             if value is not None and not 0 <= value < 1:
                 raise ValueError(f"{name} must be a probability in [0, 1), got {value}.")
-        if not self.layer_norm_eps > 0:
-            raise ValueError(f"layer_norm_eps must be positive (0 divides by zero on constant inputs), got {self.layer_norm_eps}.")
-        if self.initializer_range < 0:
-            raise ValueError(f"initializer_range must be non-negative, got {self.initializer_range}.")
+        if not 0 < self.layer_norm_eps < math.inf:
+            raise ValueError(f"layer_norm_eps must be positive and finite (0 divides by zero on constant inputs), "
+                             f"got {self.layer_norm_eps}.")
+        if not 0 <= self.initializer_range < math.inf:
+            raise ValueError(f"initializer_range must be finite and non-negative, got {self.initializer_range}.")
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
@@ -108,8 +110,8 @@ class NezhaConfig(PreTrainedConfig):
                 f"The head size hidden_size / num_attention_heads = {self.hidden_size // self.num_attention_heads} "
                 "must be even: the sinusoidal relative-position table interleaves sin and cos."
             )
-        if self.copy_loss_weight < 0:
-            raise ValueError(f"copy_loss_weight must be non-negative, got {self.copy_loss_weight}.")
+        if not 0 <= self.copy_loss_weight < math.inf:
+            raise ValueError(f"copy_loss_weight must be finite and non-negative, got {self.copy_loss_weight}.")
         if isinstance(self.hidden_act, str) and self.hidden_act not in ACT2FN:
             raise ValueError(f"Unknown hidden_act {self.hidden_act!r}; known: {sorted(ACT2FN)}.")
 

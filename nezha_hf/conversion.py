@@ -442,7 +442,7 @@ def convert_bert(
     state = read_pytorch_checkpoint(source)
     config_dict = _read_config(source / "config.json")
     report = ConversionReport(str(source), str(output), "huggingface-pytorch", "")
-    with staged_folder(output) as work:
+    with staged_folder(output, overwrite) as work:
         _copy_tokenizer(source, work, report)
         _convert_state(state, config_dict, report, work, architecture, allow_missing, max_relative_position, remote_code)
     return report
@@ -489,7 +489,7 @@ def convert_tf(
     report = ConversionReport(str(checkpoint), str(output), "tensorflow", "")
     state, tf_names = read_tf_checkpoint(checkpoint, report)
     config_dict = _read_config(Path(config_file))
-    with staged_folder(output) as work:
+    with staged_folder(output, overwrite) as work:
         if vocab_file is not None:
             _copy_tokenizer(None, work, report, vocab_file=vocab_file, do_lower_case=do_lower_case)
         else:

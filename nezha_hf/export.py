@@ -11,8 +11,8 @@ Needs `pip install "nezha_hf[onnx]"` (onnx, onnxscript, onnxruntime).
 """
 
 import copy
+import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +25,11 @@ from .modeling_nezha import (
     NezhaForSentenceExtraction,
     NezhaForUniLM,
     NezhaPreTrainedModel,
+    NezhaSentenceExtractionOutput,
+    sentence_means,
 )
-from .safe_output import check_destination
+from .safe_output import check_destination, staged_file, staged_folder
+from .summarization import Summarizer
 
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
 # Heads whose inputs are not the three above, or that generate: not exported.
@@ -125,8 +128,7 @@ def export_onnx(model_or_path, output: str | os.PathLike, atol: float = 1e-4, ov
     wrapped = _Outputs(model, names).eval()
     batch, length = torch.export.Dim("batch", min=1), torch.export.Dim("length", min=2)
     axes = {0: batch, 2: length} if isinstance(model, NezhaForMultipleChoice) else {0: batch, 1: length}
-    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.") as work:
-        draft = Path(work) / output.name
+    with staged_file(output, overwrite) as draft:
         torch.onnx.export(wrapped, tuple(example[name] for name in INPUT_NAMES), str(draft), dynamo=True,
                           input_names=list(INPUT_NAMES), output_names=list(names),
                           dynamic_shapes=tuple(axes for _ in INPUT_NAMES), external_data=False)
@@ -140,8 +142,200 @@ def export_onnx(model_or_path, output: str | os.PathLike, atol: float = 1e-4, ov
             largest = max([largest, *(float(abs(torch.from_numpy(g) - e).max()) for g, e in zip(got, expected))])
         if not largest <= atol:
             raise ValueError(f"The ONNX graph differs from PyTorch by {largest:.2e} (more than {atol:.0e}); nothing written.")
-        os.replace(draft, output)
     return OnnxExport(str(output), type(model).__name__, INPUT_NAMES, names, largest, VERIFY_LENGTHS)
 
 
 __all__ = ["OnnxExport", "export_onnx"]
+
+
+# --- summarisers: the extractor and the generator through transformers' exporters -------------------------
+
+
+def generate_exported(generator, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
+                      eos_token_id: int | None, pad_token_id: int, logits_processor=None) -> torch.Tensor:
+    """Greedy decoding with a `NezhaForUniLM` exported by transformers' `export_for_generation` (its `prefill` and
+    `decode` components; a dynamic or a static cache, any backend): the tokens `model.generate(..., num_beams=1,
+    do_sample=False)` gives with the same logits processors. Returns the prompt followed by the new tokens, as
+    `generate` does.
+
+    The prompt is the UniLM source (token type 0); decoding steps take no token types (the model treats tokens
+    after its cache as targets). A `CopySpanLogitsProcessor` among the processors reads each step's copy logits.
+    A static cache's size is the one it was exported with; the prompt and the new tokens must fit in it.
+    """
+    from transformers import DynamicCache, StaticCache
+    from transformers.generation import LogitsProcessorList
+
+    from .generation_nezha import CopySpanLogitsProcessor
+
+    processors = LogitsProcessorList(logits_processor or [])
+    traced = generator.components["decode"].metadata.kwargs
+    size = None
+    if traced["past_key_values"].get("container") == "StaticCache":
+        size = traced["attention_mask"]["shape"][1]  # a static cache's masks span the whole cache
+        if input_ids.shape[1] + max_new_tokens > size:
+            raise ValueError(f"The prompt ({input_ids.shape[1]} tokens) and {max_new_tokens} new tokens do not fit the "
+                             f"static cache of {size} the generator was exported with.")
+        cache = StaticCache(config=generator.config, max_cache_len=size)
+    else:
+        cache = DynamicCache(config=generator.config)
+
+    def mask_for(mask):
+        return mask if size is None else nn.functional.pad(mask, (0, size - mask.shape[1]))
+
+    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    out = generator.runners["prefill"](input_ids=input_ids, attention_mask=mask_for(attention_mask),
+                                       token_type_ids=torch.zeros_like(input_ids), past_key_values=cache)
+    sequences, unfinished = input_ids, torch.ones(input_ids.shape[0], dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        for processor in processors:
+            if isinstance(processor, CopySpanLogitsProcessor):
+                processor.read_copy_logits(None, None, out)
+        token = processors(sequences, out.logits[:, -1].float()).argmax(-1)
+        token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
+        sequences = torch.cat([sequences, token[:, None]], 1)
+        attention_mask = torch.cat([attention_mask, torch.ones_like(token[:, None])], 1)
+        if eos_token_id is not None:
+            unfinished &= token != eos_token_id
+        if not unfinished.any():
+            break
+        out = generator.runners["decode"](input_ids=token[:, None], attention_mask=mask_for(attention_mask),
+                                          past_key_values=out.past_key_values)
+    return sequences
+
+
+class TokenScores(nn.Module):
+    """A `NezhaForSentenceExtraction` up to its per-token scores (`[batch, length]`): what is exported, so that the
+    graph has no data-dependent sentence count; `ExportedExtractor` pools them (`sentence_means`)."""
+
+    def __init__(self, extractor: NezhaForSentenceExtraction):
+        super().__init__()
+        self.extractor = extractor
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.extractor.nezha(input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.extractor.classifier(hidden).squeeze(-1)
+
+
+class ExportedExtractor:
+    """An exported `TokenScores` where `Summarizer` takes the extractor: called like the model, it returns the
+    sentence logits the model returns."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, exported):
+        self.exported = exported
+
+    def eval(self):
+        return self
+
+    def __call__(self, input_ids, attention_mask, sentence_ids):
+        scores = self.exported(input_ids=input_ids, attention_mask=attention_mask)
+        logits, _ = sentence_means(scores, sentence_ids, int(sentence_ids.max().clamp(min=0)) + 1)
+        return NezhaSentenceExtractionOutput(logits=logits)
+
+
+class ExportedGenerator:
+    """A `NezhaForUniLM` exported by transformers' `export_for_generation`, where `Summarizer` takes the model:
+    `generate` decodes greedily (`generate_exported`), with no repeated n-grams and, for a generator with a copy
+    head, the SPACES copy constraint, as the model's own `generate` would."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, exported):
+        self.exported, self.config, self.generation_config = exported, exported.config, exported.generation_config
+
+    def generate(self, input_ids, attention_mask=None, token_type_ids=None, max_new_tokens: int = 20, num_beams: int = 1,
+                 no_repeat_ngram_size: int = 0, eos_token_id=None, pad_token_id=None, copy_constraint: bool | None = None,
+                 do_sample: bool = False):
+        """Greedy decoding (`num_beams=1`, `do_sample=False`) of the prompt `input_ids` (all source)."""
+        from transformers.generation import NoRepeatNGramLogitsProcessor
+
+        from .generation_nezha import CopySpanLogitsProcessor
+
+        if num_beams != 1 or do_sample:
+            raise ValueError("An exported generator decodes greedily: pass num_beams=1 and do_sample=False.")
+        eos = self.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+        pad = self.generation_config.pad_token_id if pad_token_id is None else pad_token_id
+        processors = [NoRepeatNGramLogitsProcessor(no_repeat_ngram_size)] if no_repeat_ngram_size else []
+        if copy_constraint if copy_constraint is not None else self.config.unilm_copy_tags:
+            special = {t for t in (pad, eos, self.generation_config.bos_token_id) if t is not None}
+            processors.append(CopySpanLogitsProcessor.for_prompt(input_ids, attention_mask, special))
+        return generate_exported(self.exported, input_ids, attention_mask, max_new_tokens, eos, pad, processors)
+
+
+EXTRACTOR_FILE, GENERATOR_FILE = "extractor", "generator"
+
+
+def load_exported_summarizer(directory) -> "Summarizer":
+    """The summariser `export_summarizer` wrote, running on onnxruntime: `.summarize(judgments)` as usual (greedy)."""
+    from transformers import AutoTokenizer
+    from transformers.exporters import ExportedModel
+
+    directory = Path(directory)
+    settings = json.loads((directory / "summarizer.json").read_text())
+    return Summarizer(ExportedExtractor(ExportedModel.from_pretrained(directory / EXTRACTOR_FILE)),
+                      ExportedGenerator(ExportedModel.from_pretrained(directory / GENERATOR_FILE)),
+                      AutoTokenizer.from_pretrained(directory), **settings)
+
+
+# Judgments the export is verified on (real CAIL2020 judgments shipped with the package), and how far.
+VERIFY_NEW_TOKENS = 40
+
+
+@dataclass
+class SummarizerExport:
+    """What `export_summarizer` wrote and how it checked it."""
+
+    path: str
+    documents: int
+    probability_difference: float  # largest |onnxruntime - PyTorch| of an extraction probability
+    new_tokens: int  # at most this many tokens generated per judgment, all equal to PyTorch's
+
+    def summary(self) -> str:
+        return (f"Exported the summariser to {self.path} (extractor and generator, prefill + decoding step); on "
+                f"{self.documents} real judgments onnxruntime's extraction probabilities match PyTorch's to "
+                f"{self.probability_difference:.1e} and its greedy summaries (up to {self.new_tokens} tokens) are "
+                "PyTorch generate()'s.")
+
+
+def export_summarizer(directory, output, atol: float = 1e-4, overwrite: bool = False) -> SummarizerExport:
+    """Export a summariser folder (from `train-summarizer`) to ONNX: the extractor with transformers'
+    `OnnxExporter`, the generator with its `export_for_generation` (dynamic shapes and cache), the tokenizer and
+    settings beside them. Verified before it is put in place at `output`: on the real judgments shipped with the
+    package, the extraction probabilities within `atol` and `VERIFY_NEW_TOKENS` greedily generated tokens equal
+    to PyTorch `generate()`'s. `load_exported_summarizer(output)` runs it."""
+    from transformers.exporters.configs import OnnxConfig
+    from transformers.exporters.exporter_onnx import OnnxExporter
+
+    from .cail import read_judgments
+    from .demo import EXAMPLES
+    from .summarization import ExtractionCollator, encode_document
+    from .unilm import encode_sources
+
+    directory = model_folder(directory, "summarizer.json")
+    output = check_destination(output, [directory], overwrite)
+    summarizer = Summarizer.from_pretrained(directory)
+    judgments = read_judgments([EXAMPLES])
+    tokenizer, exporter, config = summarizer.tokenizer, OnnxExporter(), OnnxConfig(dynamic=True)
+    # Two examples of different lengths, so that the batch and length axes stay dynamic (a size of 1 would be fixed).
+    sample = ExtractionCollator(tokenizer)([encode_document(tokenizer, j.sentences) for j in judgments[:2]])
+    prompt = encode_sources(tokenizer, ["".join(j.sentences[:3]) for j in judgments[:2]])
+    with staged_folder(output, overwrite) as staging:
+        scorer_inputs = {key: sample[key] for key in ("input_ids", "attention_mask")}
+        exporter.export(TokenScores(summarizer.extractor), scorer_inputs, config).save_pretrained(staging / EXTRACTOR_FILE)
+        exporter.export_for_generation(summarizer.generator, prompt, config,
+                                       generation_config=summarizer.generator.generation_config,
+                                       ).save_pretrained(staging / GENERATOR_FILE)
+        tokenizer.save_pretrained(staging)
+        (staging / "summarizer.json").write_text(json.dumps({**summarizer.settings(), "num_beams": 1}))
+        exported = load_exported_summarizer(staging)
+        probabilities = [summarizer.extract_probabilities(judgments), exported.extract_probabilities(judgments)]
+        difference = max(abs(a - b) for x, y in zip(*probabilities) for a, b in zip(x, y))
+        if not difference <= atol:
+            raise ValueError(f"The exported extractor differs from PyTorch by {difference:.2e} (more than {atol:.0e}); "
+                             "nothing written.")
+        expected, got = (s.summarize(judgments, num_beams=1, max_new_tokens=VERIFY_NEW_TOKENS)
+                         for s in (summarizer, exported))
+        if expected != got:
+            raise ValueError("The exported summariser writes other summaries than PyTorch generate(); nothing written.")
+    return SummarizerExport(str(output), len(judgments), difference, VERIFY_NEW_TOKENS)

@@ -236,7 +236,8 @@ def _backward_fake(grad_output, query, key, value, table, scaling, causal, key_i
     return like(query), like(key), like(value)
 
 
-fused_attention = engine_op("fused", _forward, _forward_fake, _backward, _backward_fake, device_types="cpu")
+fused_attention = engine_op("fused", _forward, _forward_fake, _backward, _backward_fake, device_types="cpu",
+                            saved_statistics=1)
 fused_attention.__doc__ = """NEZHA attention by the fused kernel, `[batch, queries, heads, head_size]`.
 
     Args:

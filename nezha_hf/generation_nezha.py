@@ -68,6 +68,15 @@ class CopySpanLogitsProcessor(LogitsProcessor):
         self._span_length = {}
         self._continuations = {}
 
+    @classmethod
+    def for_prompt(cls, prompt: torch.Tensor, attention_mask: torch.Tensor | None, special_tokens) -> "CopySpanLogitsProcessor":
+        """The processor for a (left-padded) prompt of token ids: each row's copy source is its attended tokens
+        except `special_tokens` (padding, `bos_token_id`, `eos_token_id`)."""
+        attended = torch.ones_like(prompt, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        sources = [[token for token, keep in zip(row.tolist(), keep_row.tolist()) if keep and token not in special_tokens]
+                   for row, keep_row in zip(prompt, attended)]
+        return cls(sources, prompt.shape[1])
+
     def read_copy_logits(self, module, args, output) -> None:
         """Forward hook: keep the copy-tag logits of the last position."""
         self.copy_logits = output.copy_logits[:, -1].float()
@@ -174,11 +183,7 @@ class NezhaUniLMGenerationMixin(GenerationMixin):
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = kwargs.get(name, getattr(generation_config, name, None))
             special.update(value if isinstance(value, list) else [] if value is None else [value])
-        attended = kwargs.get("attention_mask")
-        attended = torch.ones_like(prompt, dtype=torch.bool) if attended is None else attended.bool()
-        sources = [[token for token, keep in zip(row.tolist(), keep_row.tolist()) if keep and token not in special]
-                   for row, keep_row in zip(prompt, attended)]
-        return CopySpanLogitsProcessor(sources, prompt.shape[1])
+        return CopySpanLogitsProcessor.for_prompt(prompt, kwargs.get("attention_mask"), special)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, inputs_embeds=None,
                                       source_length: int | None = None, **kwargs):

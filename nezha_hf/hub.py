@@ -23,7 +23,7 @@ from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from .modeling_nezha import NEZHA_HEADS, nezha_head
-from .safe_output import staged_files_into, write_text_atomically
+from .safe_output import staged_file, staged_files_into, write_text_atomically
 
 CARD_MARKER = "<!-- written by nezha_hf -->"
 TASK_DESCRIPTIONS = {
@@ -91,7 +91,7 @@ def write_model_card(directory: str | Path, architecture: str, settings: dict | 
     path = Path(directory) / "README.md"
     if path.exists() and CARD_MARKER not in path.read_text(encoding="utf-8"):
         return None
-    build_model_card(architecture, settings).save(path)
+    write_text_atomically(path, str(build_model_card(architecture, settings)))
     return path
 
 
@@ -112,7 +112,8 @@ def export_remote_code(directory: str | Path) -> dict[str, str]:
     """
     directory = Path(directory)
     for path in remote_code_files():
-        shutil.copy(path, directory / path.name)
+        with staged_file(directory / path.name, overwrite=True) as staging:  # a link is replaced, not written through
+            shutil.copyfile(path, staging)
     auto_map = {"AutoConfig": "configuration_nezha.NezhaConfig"}
     auto_map.update(
         {head.auto_class: f"modeling_nezha.{head.model_class.__name__}" for head in NEZHA_HEADS if head.auto_class}

@@ -8,6 +8,7 @@ The relative-position maths is in `relative_attention.py`.
 import functools
 import os
 import pickle
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -72,6 +73,20 @@ def _unreadable_file(error: Exception) -> bool:
     if isinstance(error, RuntimeError):  # torch.load on a truncated zip archive
         return "PytorchStreamReader" in str(error)
     return isinstance(error, OSError) and error.errno is not None  # torch's file reader on a cut-off file
+
+
+def padding_flags(mask: torch.Tensor, name: str) -> torch.Tensor:
+    """A 0/1 padding mask (bool, integer or float) as bool; any other value is a `ValueError` (checked in eager
+    mode: -1 would count as attend, and an additive 0 / -10000 mask would be read inverted)."""
+    if mask.dtype != torch.bool and values_known(mask) and mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+        values = mask.unique()[:6].tolist()
+        kind = " (an additive mask: 0 for tokens, a large negative number for padding)" if mask.min() < 0 else ""
+        raise ValueError(
+            f"{name} must hold only 0 and 1 (1 = attend, 0 = padding), got values {values}{kind}. Pass the 2-D "
+            f"0/1 padding mask; for other masks build a nezha_hf.RelativeAttentionMask (NEZHA takes no 4-D or "
+            "additive masks: its attention never forms an L x L matrix)."
+        )
+    return mask.bool()
 
 
 class NezhaEmbeddings(nn.Module):
@@ -425,8 +440,9 @@ class NezhaPreTrainedModel(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """Load a checkpoint: transformers v4 NEZHA, or older releases that use a `bert.` prefix.
 
-        Same arguments as `PreTrainedModel.from_pretrained`. Persisted buffers of old releases are
-        ignored. `.bin` files are read with `torch.load(weights_only=True)`, so a pickle that tries
+        Same arguments as `PreTrainedModel.from_pretrained`, plus `allow_new_layers=True` to accept a config
+        with more layers than the checkpoint has (they are initialised randomly; without it that is a
+        `ValueError`, as is a config with fewer layers). Persisted buffers of old releases are ignored. `.bin` files are read with `torch.load(weights_only=True)`, so a pickle that tries
         to run code is refused. Errors name the checkpoint, and for tensors whose shape does not fit
         the config, each tensor with both shapes.
         """
@@ -438,6 +454,7 @@ class NezhaPreTrainedModel(PreTrainedModel):
         kwargs.setdefault("key_mapping", {r"^bert\.": "nezha."})
         strict_shapes = not kwargs.get("ignore_mismatched_sizes", False)
         wants_info = kwargs.pop("output_loading_info", False)
+        allow_new_layers = kwargs.pop("allow_new_layers", False)
         try:
             model, info = super().from_pretrained(
                 pretrained_model_name_or_path,
@@ -455,6 +472,7 @@ class NezhaPreTrainedModel(PreTrainedModel):
         # Built on the meta device, the model prepared nothing: now that its weights are placed, get its attention
         # ready where it runs (a model loaded onto another device never builds the CPU kernel).
         prepare_attention(model.config._attn_implementation, model.device)
+        _check_layers(pretrained_model_name_or_path, model.config.num_hidden_layers, info, allow_new_layers)
         if strict_shapes and info["mismatched_keys"]:
             details = "; ".join(
                 f"{key}: checkpoint {tuple(ckpt)} vs model {tuple(model_shape)}"
@@ -465,6 +483,26 @@ class NezhaPreTrainedModel(PreTrainedModel):
                 "Fix config.json, or pass ignore_mismatched_sizes=True to re-initialise these tensors."
             )
         return (model, info) if wants_info else model
+
+
+_LAYER_QUERY = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.attention\.self\.query\.weight$")
+
+
+def _check_layers(path, num_layers: int, info: dict, allow_new_layers: bool) -> None:
+    """A config and a checkpoint of encoder layers that disagree on their number is an error (loading would give
+    random layers, or drop trained ones, with a log line only), unless new layers are asked for."""
+    def layers(keys):
+        return sorted({int(match.group(1)) for key in keys if (match := _LAYER_QUERY.search(key))})
+
+    extra, missing = layers(info["unexpected_keys"]), layers(info["missing_keys"])
+    if extra:
+        raise ValueError(f"The checkpoint at {path} has {num_layers + len(extra)} layers, but its config says "
+                         f"num_hidden_layers={num_layers}: layers {extra} would be dropped. Fix config.json.")
+    # A checkpoint with no layer at all is not a NEZHA encoder's: transformers' own report of missing keys applies.
+    if missing and len(missing) < num_layers and not allow_new_layers:
+        raise ValueError(f"The checkpoint at {path} has {num_layers - len(missing)} layers, but its config says "
+                         f"num_hidden_layers={num_layers}: layers {missing} would be random. Fix config.json, or "
+                         "pass allow_new_layers=True to add them on purpose.")
 
 
 @dataclass
@@ -663,7 +701,8 @@ class NezhaModel(NezhaPreTrainedModel):
                     f"attention_mask must be [batch, past + length] = [{batch_size}, {past_length} + {length}] of "
                     f"0/1, got shape {tuple(attention_mask.shape)}."
                 )
-            key_is_valid = nn.functional.pad(attention_mask.bool(), (0, key_length - attention_mask.shape[1]), value=False)
+            key_is_valid = nn.functional.pad(padding_flags(attention_mask, "attention_mask"),
+                                             (0, key_length - attention_mask.shape[1]), value=False)
             if values_known(key_is_valid) and not partly_filled and bool(key_is_valid.all()):
                 key_is_valid = None
         if partly_filled:
@@ -697,7 +736,7 @@ class NezhaModel(NezhaPreTrainedModel):
                     f"encoder_attention_mask must be [batch, encoder_length] = [{batch_size}, {encoder_length}], got "
                     f"shape {tuple(encoder_attention_mask.shape)}."
                 )
-            key_is_valid = encoder_attention_mask.bool()
+            key_is_valid = padding_flags(encoder_attention_mask, "encoder_attention_mask")
             if values_known(key_is_valid) and bool(key_is_valid.all()):
                 key_is_valid = None
         return RelativeAttentionMask(key_is_valid=key_is_valid, query_offset=self_mask.query_offset)
@@ -1179,12 +1218,26 @@ class NezhaSentenceExtractionOutput(ModelOutput):
     attentions: tuple[torch.Tensor] | None = None
 
 
+def sentence_means(token_scores: torch.Tensor, sentence_ids: torch.Tensor, num_sentences: int):
+    """Each sentence's mean token score, `[batch, num_sentences]` (the dtype's minimum for a sentence with no
+    token), and its token count. A sentence's logit is the classifier of its mean state, which (the classifier
+    being linear) is the mean of its tokens' scores: so an export can stop at the token scores."""
+    in_sentence = sentence_ids >= 0
+    index = sentence_ids.clamp(min=0)
+    weights = in_sentence.to(token_scores.dtype)
+    sums = token_scores.new_zeros(token_scores.shape[0], num_sentences).scatter_add(1, index, token_scores * weights)
+    counts = token_scores.new_zeros(token_scores.shape[0], num_sentences).scatter_add(1, index, weights)
+    means = (sums / counts.clamp(min=1)).masked_fill(counts == 0, torch.finfo(token_scores.dtype).min)
+    return means, counts
+
+
 class NezhaForSentenceExtraction(NezhaPreTrainedModel):
     """Scores every sentence of a whole document for extractive summarisation.
 
     The document is encoded in one pass (thousands of tokens: every sentence is judged in the
     context of the entire judgment), each sentence is the mean of its tokens' final states, and a
-    linear layer gives its logit (sigmoid = probability of being extracted).
+    linear layer gives its logit (sigmoid = probability of being extracted); computed as the mean of
+    the tokens' linear scores (`sentence_means`), the same number.
 
     Inputs: `input_ids` etc. as usual, plus `sentence_ids` `[batch, length]`: the index of the
     sentence each token belongs to (0, 1, ...), -1 for `[CLS]`, `[SEP]` and padding. `labels`
@@ -1219,7 +1272,7 @@ class NezhaForSentenceExtraction(NezhaPreTrainedModel):
             input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds,
             return_dict=True, **kwargs,
         )
-        hidden = self.dropout(outputs.last_hidden_state)
+        token_scores = self.classifier(self.dropout(outputs.last_hidden_state)).squeeze(-1)
         if labels is not None:
             num_sentences = labels.shape[1]
             if values_known(sentence_ids) and int(sentence_ids.max()) >= num_sentences:
@@ -1227,18 +1280,7 @@ class NezhaForSentenceExtraction(NezhaPreTrainedModel):
         else:  # as many sentences as the highest index says (at least one); a data-dependent size under export
             num_sentences = sentence_ids.max().clamp(min=0).item() + 1
             torch._check(num_sentences >= 1)
-        in_sentence = sentence_ids >= 0
-        index = sentence_ids.clamp(min=0)
-        sums = hidden.new_zeros(hidden.shape[0], num_sentences, hidden.shape[-1])
-        sums.index_put_(
-            (torch.arange(hidden.shape[0], device=hidden.device)[:, None].expand_as(index)[in_sentence], index[in_sentence]),
-            hidden[in_sentence],
-            accumulate=True,
-        )
-        counts = torch.zeros(hidden.shape[0], num_sentences, device=hidden.device, dtype=hidden.dtype)
-        counts.scatter_add_(1, index, in_sentence.to(hidden.dtype))
-        logits = self.classifier(sums / counts.clamp(min=1)[..., None]).squeeze(-1)
-        logits = logits.masked_fill(counts == 0, torch.finfo(logits.dtype).min)  # sentences with no tokens
+        logits, counts = sentence_means(token_scores, sentence_ids, num_sentences)
         loss = None
         if labels is not None:
             labels = labels.to(logits.dtype)

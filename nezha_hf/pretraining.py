@@ -9,8 +9,9 @@ text gives it back. This module does that with Trainer:
   (transformers' own whole-word masking finds words by gaps between tokens, and Chinese text has
   none, so it would treat a whole run of characters as one word);
 - documents packed into sequences of `max_length` tokens (default 1,024), `[SEP]` between documents;
-- resumable: rerunning with the same output directory continues from the last complete checkpoint
-  (one whose save was interrupted is skipped, with a warning naming it).
+- resumable: rerunning with the same output continues from the last complete checkpoint of the same
+  run (one whose save was interrupted is skipped, with a warning naming it); checkpoints of a run with
+  another base model, other data or other settings are refused.
 
     nezha-hf pretrain converted-bert/ corpus/*.txt --output nezha-adapted/ --max-steps 20000
 
@@ -26,11 +27,11 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
-from .checkpoints import last_complete_checkpoint
+from .checkpoints import RunRecord, StopWhenNotFinite, finished, prepare_checkpoints
 from .documents import read_documents
 from .modeling_nezha import NezhaForMaskedLM
 from .padding import attention_mask_for, pad_rows
-from .safe_output import check_destination, staged_files_into
+from .safe_output import check_destination, claimed, staged_folder
 
 logger = logging.get_logger(__name__)
 NOT_A_WORD = -1
@@ -159,6 +160,7 @@ def continue_pretraining(
     mlm_probability: float = 0.15,
     txt_split: str = "blank-lines",
     resume: bool = True,
+    overwrite: bool = False,
     show_progress: bool = True,
     **training_arguments,
 ) -> dict:
@@ -168,44 +170,61 @@ def continue_pretraining(
         model_path: a NEZHA checkpoint with its tokenizer (e.g. the output of `nezha-hf convert bert`).
         files: `.txt` / JSONL files or folders (`nezha_hf.documents.read_documents`; `.txt` files are
             split into documents on blank lines by default).
-        output_dir: receives Trainer checkpoints (`checkpoint-N/`) and, at the end, the model and
-            tokenizer, ready for `from_pretrained`.
+        output_dir: receives the model and tokenizer, ready for `from_pretrained`, once training ends. Trainer
+            checkpoints go to the sibling `<output_dir>.checkpoints/`, with a record of what the run started
+            from. An existing non-empty `output_dir` is replaced only with `overwrite=True`.
         max_length: tokens per packed sequence.
-        resume: continue from the last complete checkpoint in `output_dir` if there is one
-            (`checkpoints.last_complete_checkpoint`).
+        resume: continue from the last complete checkpoint of the same run (same base model, data and
+            settings; `checkpoints.prepare_checkpoints`); checkpoints of another run are refused. False starts
+            over (deleting the old checkpoints). A run already at its end is not trained further.
         training_arguments: passed to `TrainingArguments` (`max_steps`, `per_device_train_batch_size`,
             `learning_rate`, `save_steps`, `gradient_accumulation_steps`, `bf16`, ...).
 
     Returns:
-        Trainer's training metrics (`train_loss`, `train_runtime`, ...).
+        Trainer's training metrics (`train_loss`, `train_runtime`, ...); empty when the run had already ended.
+        A loss or weights that stop being finite end the run with `checkpoints.NotFiniteError`, writing nothing.
     """
-    # The output holds checkpoints and the final model: it may exist (a rerun resumes), but not be a source.
-    check_destination(output_dir, [model_path, *files], overwrite=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = NezhaForMaskedLM.from_pretrained(model_path)
-    problems = []
-    texts = [document.text for document in read_documents(files, txt_split=txt_split, problems=problems)]
-    if not texts:
-        raise ValueError(f"No text found in {list(map(str, files))}.")
-    dataset = pack_documents(tokenizer, texts, max_length, show_progress)
-    logger.warning(f"Packed {len(texts)} documents into {len(dataset)} sequences of up to {max_length} tokens "
-                   f"({len(problems)} input lines skipped).")
+    output_dir = check_destination(output_dir, [model_path, *files], overwrite)
+    checkpoints = output_dir.with_name(output_dir.name + ".checkpoints")
+    check_destination(checkpoints, [model_path, *files], overwrite=True)
     defaults = dict(
         per_device_train_batch_size=8, learning_rate=5e-5, warmup_steps=0.06, weight_decay=0.01, save_steps=500,
         save_total_limit=2, logging_steps=50, report_to=[], disable_tqdm=not show_progress,
     )
-    arguments = TrainingArguments(
-        output_dir=str(output_dir), remove_unused_columns=False, **{**defaults, **training_arguments}
-    )
-    collator = WholeWordMaskCollator(tokenizer, mlm_probability, seed=arguments.seed)
-    trainer = Trainer(model=model, args=arguments, train_dataset=dataset, data_collator=collator,
-                      callbacks=[MaskingEpochCallback(collator)])
-    last = last_complete_checkpoint(output_dir) if resume else None
-    if last:
-        logger.warning(f"Resuming from {last}.")
-    result = trainer.train(resume_from_checkpoint=str(last) if last else None)
-    with staged_files_into(output_dir) as staging:  # the final model and tokenizer appear together, complete
-        trainer.save_model(str(staging))
-        tokenizer.save_pretrained(str(staging))
-    return result.metrics
+    settings = {**defaults, **training_arguments}
+    with claimed(output_dir), claimed(checkpoints):
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = NezhaForMaskedLM.from_pretrained(model_path)
+        problems = []
+        texts = [document.text for document in read_documents(files, txt_split=txt_split, problems=problems)]
+        if not texts:
+            raise ValueError(f"No text found in {list(map(str, files))}.")
+        dataset = pack_documents(tokenizer, texts, max_length, show_progress)
+        logger.warning(f"Packed {len(texts)} documents into {len(dataset)} sequences of up to {max_length} tokens "
+                       f"({len(problems)} input lines skipped).")
+        arguments = TrainingArguments(output_dir=str(checkpoints), remove_unused_columns=False, **settings)
+        shaping = {key: settings[key] for key in RESUMED_SETTINGS if key in settings}
+        record = RunRecord.create("pretrain", model_path, files, {
+            "max_length": max_length, "mlm_probability": mlm_probability, "txt_split": txt_split,
+            "seed": arguments.seed, **shaping})
+        last = prepare_checkpoints(checkpoints, record, resume)
+        with staged_folder(output_dir, overwrite) as staging:  # the final model and tokenizer appear together
+            if finished(last, arguments.max_steps):
+                logger.warning(f"{last} already ends this run: nothing more to train.")
+                NezhaForMaskedLM.from_pretrained(last).save_pretrained(staging)
+                metrics = {}
+            else:
+                collator = WholeWordMaskCollator(tokenizer, mlm_probability, seed=arguments.seed)
+                trainer = Trainer(model=model, args=arguments, train_dataset=dataset, data_collator=collator,
+                                  callbacks=[MaskingEpochCallback(collator), StopWhenNotFinite()])
+                if last:
+                    logger.warning(f"Resuming from {last}.")
+                metrics = trainer.train(resume_from_checkpoint=str(last) if last else None).metrics
+                trainer.save_model(str(staging))
+            tokenizer.save_pretrained(str(staging))
+    return metrics
 
+
+# Training arguments a resumed run must share with the run it resumes: they decide which examples form a step and
+# how it is computed. Others (max_steps, the learning rate) may change between a run and its continuation.
+RESUMED_SETTINGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16")

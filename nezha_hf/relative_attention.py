@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from .attention_ops import gather_attention, relative_position_index, visible_keys
 from .chunked_attention import chunked_attention
 from .fused_attention import fused_attention, fused_kernel, fused_kernel_loaded
 from .three_regions import AVAILABLE as THREE_REGIONS_AVAILABLE
@@ -72,22 +73,6 @@ def max_relative_position(table: torch.Tensor) -> int:
     return (table.shape[0] - 1) // 2
 
 
-def relative_position_index(
-    query_length: int, key_length: int, max_relative_position: int, query_offset: int | torch.Tensor = 0, device=None
-) -> torch.Tensor:
-    """`r(i, j) = clip(j - i, -K, K) + K` for query positions `query_offset + arange(query_length)`.
-
-    `query_offset` is an int or a 0-dim tensor (a static cache's length).
-
-    Returns a `[query_length, key_length]` long tensor. With a KV cache the query positions start
-    at the cache length, so the matrix is rectangular.
-    """
-    query_position = torch.arange(query_length, device=device) + query_offset
-    key_position = torch.arange(key_length, device=device)
-    distance = key_position[None, :] - query_position[:, None]
-    return distance.clamp(-max_relative_position, max_relative_position) + max_relative_position
-
-
 @dataclass
 class RelativeAttentionMask:
     """Which keys each query may attend to, without an `L x L` tensor.
@@ -123,20 +108,8 @@ class RelativeAttentionMask:
         """Dense `[batch or 1, 1, query_length, key_length]` bool mask, or None if everything is visible (built
         once per mask, as every layer asks)."""
 
-        def build():
-            allowed = None
-            if self.causal:
-                query_position = torch.arange(query_length, device=device) + self.query_offset
-                allowed = torch.arange(key_length, device=device)[None, :] <= query_position[:, None]
-                allowed = allowed[None, None]
-                if self.key_is_source is not None:
-                    allowed = allowed | self.key_is_source[:, None, None, :]
-            if self.key_is_valid is not None:
-                valid = self.key_is_valid[:, None, None, :]
-                allowed = valid if allowed is None else allowed & valid
-            return allowed
-
-        return self.cached(("allowed", query_length, key_length, str(device)), build)
+        return self.cached(("allowed", query_length, key_length, str(device)), lambda: visible_keys(
+            query_length, key_length, self.causal, self.key_is_valid, self.key_is_source, self.query_offset, device))
 
 
 class Engine(enum.Enum):
@@ -246,29 +219,10 @@ def _op_engine(attention: Callable) -> Callable:
 
 
 def _gather(module, query, key, value, mask, scaling, dropout, table):
-    """The `O(L^2)` formulation: `L x L` scores per head, the key term gathered from `q @ T^T`, the value term
-    summed into `2K + 1` buckets. Returns the probabilities too."""
-    query_length, key_length = query.shape[-2], key.shape[-2]
-    index = relative_position_index(query_length, key_length, max_relative_position(table), mask.query_offset,
-                                    query.device)
-    index = index.expand(*query.shape[:2], query_length, key_length)
-
-    scores = torch.matmul(query, key.transpose(-1, -2))
-    scores = scores + torch.matmul(query, table.T).gather(-1, index)
-    scores = scores * scaling
-    allowed = mask.allowed(query_length, key_length, query.device)
-    if allowed is not None:
-        # Masked scores become the dtype's minimum, as in transformers 4.x; a row that sees no key at all then
-        # averages uniformly there, and gives 0 here, as transformers 5's BERT does by default (sdpa).
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    probs = nn.functional.softmax(scores, dim=-1)
-    if allowed is not None:
-        probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
-    probs = nn.functional.dropout(probs, p=dropout, training=dropout > 0)
-
-    bucket_mass = probs.new_zeros(*probs.shape[:-1], table.shape[0]).scatter_add_(-1, index, probs)
-    output = torch.matmul(probs, value) + torch.matmul(bucket_mass, table)
-    return output.transpose(1, 2).contiguous(), probs
+    """`attention_ops.gather_attention` with the mask's dense form (built once per model call)."""
+    allowed = mask.allowed(query.shape[-2], key.shape[-2], query.device)
+    output, probs, _ = gather_attention(query, key, value, table, scaling, allowed, mask.query_offset, dropout)
+    return output, probs
 
 
 def _three_regions(module, query, key, value, mask, scaling, dropout, table):

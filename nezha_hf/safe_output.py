@@ -1,23 +1,42 @@
-"""Writing outputs so that nothing is lost: checked first, written beside the destination, renamed into place.
+"""Writing outputs so that nothing is lost: claimed, checked first, written beside the destination, swapped in.
 
 Every command and function here that writes a model folder or a result file does it this way:
 
 1. `check_destination` before any work: the destination is not a source (nor inside one, nor holding
    one), its parent folder exists, and an existing non-empty destination is only replaced when asked
    (`overwrite=True`, `--overwrite`).
-2. `staged_folder` / `staged_file`: the output is written into a temporary sibling of the destination
-   (same folder, so the final rename is atomic) and renamed into place only after the caller's work,
-   verification included, succeeded. A failure removes the sibling and leaves the destination as it was.
-   A replaced folder is replaced whole: no file of the old model is left beside the new one.
+2. `claimed`: a lock beside the destination (`.<name>.lock`, released by the system if the process dies)
+   for the whole run. A second writer is refused with `OutputBusyError`. Whoever claims a destination first
+   cleans what killed runs left there: staging folders (`.<name>.partial-*`), and a replaced output a kill
+   left aside (`.<name>.replaced-*`), which is put back if the destination is missing.
+3. `staged_folder` / `staged_file`: the output is written into a temporary sibling of the destination and
+   put in place only after the caller's work, verification included, succeeded. At that moment the
+   destination is checked again: one that appeared meanwhile is not replaced without `overwrite`. A folder
+   is swapped with the old one in a single rename (Linux `renameat2(RENAME_EXCHANGE)`), so a kill at any
+   instant leaves the old output or the new one, never neither and never a mix. A failure (or Ctrl-C)
+   removes the sibling and leaves the destination as it was.
+4. `staged_files_into`, for `save_pretrained` into a folder that holds other things: the new folder is the
+   new files plus hard links to everything else the old one held, and is swapped in the same way. Only the
+   weight files an earlier save wrote (`model.safetensors`, `model-00001-of-00002.safetensors`, their
+   index, the `pytorch_model` equivalents) are dropped, as transformers' own save drops them.
+
+Nothing here writes through a symbolic link: links are replaced by renames, never opened for writing.
 """
 
 import contextlib
-import fnmatch
+import ctypes
+import errno
+import fcntl
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+
+class OutputBusyError(FileExistsError):
+    """Another run is writing the same destination."""
 
 
 def check_destination(destination, sources=(), overwrite: bool = False, kind: str = "folder") -> Path:
@@ -49,84 +68,224 @@ def check_destination(destination, sources=(), overwrite: bool = False, kind: st
             raise IsADirectoryError(f"{destination} is a folder; give a file name.")
         if not resolved.parent.is_dir():
             raise FileNotFoundError(f"The folder {destination.parent} does not exist.")
-        if destination.exists() and not overwrite:
+        if _occupied(destination) and not overwrite:
             raise FileExistsError(f"{destination} exists; pass --overwrite (overwrite=True) to replace it.")
     else:
         if destination.exists() and not destination.is_dir():
             raise NotADirectoryError(f"{destination} is a file, not a folder.")
-        if destination.is_dir() and any(destination.iterdir()) and not overwrite:
+        if _occupied(destination) and not overwrite:
             raise FileExistsError(
                 f"{destination} is not empty; pass --overwrite (overwrite=True) to replace it whole."
             )
     return destination
 
 
+def _occupied(path: Path) -> bool:
+    """Whether `path` holds something a write would replace: a file, a link, or a non-empty folder."""
+    if path.is_symlink() or path.is_file():
+        return True
+    return path.is_dir() and any(path.iterdir())
+
+
+# --- claims -------------------------------------------------------------------------------------------------
+
+_held: dict[Path, int] = {}  # destination -> how many nested claims this process holds on it
+
+
 @contextlib.contextmanager
-def staged_folder(destination) -> Iterator[Path]:
-    """Yield an empty temporary sibling folder; on success it replaces `destination` whole (created if absent)."""
-    destination = Path(destination)
+def claimed(destination) -> Iterator[Path]:
+    """Hold `destination` for this run: a second writer (another process, or a thread here) is refused with one
+    line. Leftovers of killed runs on it are cleaned first. Claims by the same process nest."""
+    destination = Path(destination).absolute()
+    if _held.get(destination):
+        _held[destination] += 1
+        try:
+            yield destination
+        finally:
+            _held[destination] -= 1
+        return
     destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.partial-"))
+    lock_path = destination.with_name(f".{destination.name}.lock")
+    handle = _lock(lock_path, destination)
+    _held[destination] = 1
     try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if destination.exists():
-        retired = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.replaced-"))
-        os.replace(destination, retired / destination.name)
-        os.replace(staging, destination)
-        shutil.rmtree(retired, ignore_errors=True)
+        _clean_leftovers(destination)
+        yield destination
+    finally:
+        del _held[destination]
+        lock_path.unlink(missing_ok=True)  # still held: nobody else can be holding this file now
+        handle.close()
+
+
+def _lock(lock_path: Path, destination: Path):
+    """An exclusive lock on `lock_path`, or `OutputBusyError` naming the process that holds it."""
+    while True:
+        handle = open(lock_path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            raise OutputBusyError(
+                f"another run (process {holder}) is writing {destination}; wait for it to end, or write elsewhere"
+            ) from None
+        # The holder before us may have removed the file after we opened it: lock the file that is there now.
+        if lock_path.exists() and os.stat(lock_path).st_ino == os.fstat(handle.fileno()).st_ino:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
+            return handle
+        handle.close()
+
+
+def _clean_leftovers(destination: Path) -> None:
+    """Remove staging siblings of killed runs; put back an output a kill left aside mid-replacement."""
+    for leftover in destination.parent.glob(f".{glob_escape(destination.name)}.partial-*"):
+        _remove(leftover)
+    for retired in destination.parent.glob(f".{glob_escape(destination.name)}.replaced-*"):
+        kept = retired / destination.name
+        if not destination.exists() and not destination.is_symlink() and (kept.exists() or kept.is_symlink()):
+            os.replace(kept, destination)
+        _remove(retired)
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
     else:
+        path.unlink(missing_ok=True)
+
+
+# --- putting an output in place ------------------------------------------------------------------------------
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths in one rename (Linux `renameat2`); False where the system or file system cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(error, os.strerror(error), str(second))
+
+
+def _put_in_place(staging: Path, destination: Path, overwrite: bool) -> None:
+    """Move `staging` to `destination`, replacing what is there only with `overwrite` (checked now, not only when
+    the run started); the old output is removed once the new one is in place."""
+    if _occupied(destination) and not overwrite:
+        raise FileExistsError(
+            f"{destination} appeared while this run was writing it; it was left as it is and nothing was written. "
+            "Pass --overwrite (overwrite=True) to replace it."
+        )
+    if not (destination.exists() or destination.is_symlink()):
         os.replace(staging, destination)
+        return
+    if staging.is_dir() and destination.is_dir() and not destination.is_symlink() and _exchange(staging, destination):
+        _remove(staging)  # now the old output
+        return
+    # Two renames: a kill between them leaves the old output aside, where the next claim puts it back.
+    retired = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.replaced-"))
+    os.replace(destination, retired / destination.name)
+    os.replace(staging, destination)
+    _remove(retired)
 
 
 @contextlib.contextmanager
-def staged_file(destination) -> Iterator[Path]:
-    """Yield a temporary sibling file path; on success it replaces `destination` atomically."""
+def staged_folder(destination, overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary sibling folder; on success it takes the place of `destination` whole (created if
+    absent; an existing or meanwhile-appeared one is replaced only with `overwrite`)."""
     destination = Path(destination)
-    handle, name = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.partial-")
-    os.close(handle)
-    staging = Path(name)
-    try:
-        yield staging
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise
-    os.replace(staging, destination)
+    with claimed(destination):
+        staging = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.partial-"))
+        try:
+            yield staging
+            _put_in_place(staging, destination, overwrite)
+        finally:
+            _remove(staging)  # nothing left after a success (moved), a failure or an interrupt
 
 
-# Weight files a model save may leave behind; a new save replaces all of them (as transformers' own save does).
-WEIGHT_FILES = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+@contextlib.contextmanager
+def staged_file(destination, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling file path; on success it replaces `destination` atomically (an existing or
+    meanwhile-appeared file only with `overwrite`)."""
+    destination = Path(destination)
+    with claimed(destination):
+        handle, name = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.partial-")
+        os.close(handle)
+        staging = Path(name)
+        try:
+            yield staging
+            _put_in_place(staging, destination, overwrite)
+        finally:
+            staging.unlink(missing_ok=True)
+
+
+# Weight files a model save writes, and so may drop from an earlier save (as transformers' own save does).
+SAVED_WEIGHTS = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)|(model\.safetensors|pytorch_model\.bin)\.index\.json")
 
 
 @contextlib.contextmanager
 def staged_files_into(destination) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success its files move into `destination`, which keeps its other
-    contents (a Trainer's checkpoints, say). Weight files of an earlier save that the new one does not have are
-    removed, and `config.json` moves last, so that the folder never pairs a new config with old weights."""
+    """Yield a temporary sibling folder for a save into `destination`; on success `destination` becomes those
+    files plus everything else it held (hard links: nothing is copied), swapped in at once. Weight files of an
+    earlier save that the new one does not have are dropped, nothing else."""
     destination = Path(destination)
-    destination.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.partial-"))
+    with claimed(destination):
+        staging = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.partial-"))
+        try:
+            yield staging
+            written = {path.name for path in staging.iterdir()}
+            drops_weights = any(SAVED_WEIGHTS.fullmatch(name) for name in written)
+            if destination.is_dir():
+                for old in destination.iterdir():
+                    if old.name not in written and not (drops_weights and SAVED_WEIGHTS.fullmatch(old.name)):
+                        _link_into(old, staging / old.name)
+            _put_in_place(staging, destination, overwrite=True)
+        finally:
+            _remove(staging)
+
+
+def _link_into(source: Path, target: Path) -> None:
+    """`source` at `target` without copying data: links as links, files hard-linked, folders rebuilt of links."""
+    if source.is_symlink():
+        os.symlink(os.readlink(source), target)
+    elif source.is_dir():
+        shutil.copytree(source, target, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(source, target)
+
+
+def _link_or_copy(source, target) -> None:
     try:
-        yield staging
-        written = {path.name for path in staging.iterdir()}
-        if any(fnmatch.fnmatch(name, pattern) for name in written for pattern in WEIGHT_FILES):
-            for old in destination.iterdir():
-                if old.name not in written and any(fnmatch.fnmatch(old.name, pattern) for pattern in WEIGHT_FILES):
-                    old.unlink()
-        for path in sorted(staging.iterdir(), key=lambda path: path.name == "config.json"):
-            if path.is_dir() and (destination / path.name).exists():
-                shutil.rmtree(destination / path.name)
-            os.replace(path, destination / path.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        os.link(source, target)
+    except OSError:  # a file system without hard links
+        shutil.copy2(source, target)
 
 
-def write_text_atomically(destination, text: str) -> None:
-    """Write `text` (UTF-8) to `destination` through a temporary sibling: never half-written."""
-    with staged_file(destination) as staging:
+def write_text_atomically(destination, text: str, overwrite: bool = True) -> None:
+    """Write `text` (UTF-8) to `destination` through a temporary sibling: never half-written, never through a link."""
+    with staged_file(destination, overwrite=overwrite) as staging:
         staging.write_text(text, encoding="utf-8")
 
 
-__all__ = ["check_destination", "staged_file", "staged_files_into", "staged_folder", "write_text_atomically"]
+__all__ = [
+    "OutputBusyError",
+    "check_destination",
+    "claimed",
+    "staged_file",
+    "staged_files_into",
+    "staged_folder",
+    "write_text_atomically",
+]

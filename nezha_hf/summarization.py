@@ -23,10 +23,15 @@ from transformers import AutoTokenizer, Trainer, TrainingArguments
 from transformers.utils import logging
 
 from .cail import Judgment, lead, oracle_labels, rouge_scores
-from .checkpoints import last_complete_checkpoint
+from .checkpoints import (
+    RunRecord,
+    StopWhenNotFinite,
+    last_complete_checkpoint,
+    prepare_checkpoints,
+)
 from .modeling_nezha import NezhaForSentenceExtraction, NezhaForUniLM
 from .padding import attention_mask_for, pad_rows
-from .safe_output import check_destination, staged_folder
+from .safe_output import check_destination, claimed, staged_folder
 from .unilm import UniLMDataCollator, generate_text
 
 logger = logging.get_logger(__name__)
@@ -93,7 +98,11 @@ def sentence_probabilities(model, tokenizer, judgments: list[Judgment], batch_si
         with torch.no_grad():
             logits = model(**{k: v.to(model.device) for k, v in batch.items()}).logits.float()
         for row, judgment in enumerate(chunk):
-            results.append(torch.sigmoid(logits[row, : len(judgment.sentences)]).tolist())
+            scores = logits[row, : len(judgment.sentences)]
+            if not bool(scores.isfinite().all()):
+                raise ValueError(f"The extractor's scores for {judgment.id} are not finite: the model is broken "
+                                 "(non-finite weights, e.g. from a training run that diverged).")
+            results.append(torch.sigmoid(scores).tolist())
     return results
 
 
@@ -130,6 +139,7 @@ class Summarizer:
     tokenizer: object
     threshold: float = 0.5
     token_budget: int = 1000
+    num_beams: int = 3  # beam search by default; an exported summariser decodes greedily (1)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, **settings) -> "Summarizer":
@@ -152,11 +162,19 @@ class Summarizer:
         self.extractor.save_pretrained(directory / EXTRACTOR_DIR)
         self.generator.save_pretrained(directory / GENERATOR_DIR)
         self.tokenizer.save_pretrained(directory)
-        (directory / "summarizer.json").write_text(json.dumps({"threshold": self.threshold, "token_budget": self.token_budget}))
+        (directory / "summarizer.json").write_text(json.dumps(self.settings()))
+
+    def settings(self) -> dict:
+        """What `summarizer.json` holds: the extraction threshold, the generator's source budget, the beams."""
+        return {"threshold": self.threshold, "token_budget": self.token_budget, "num_beams": self.num_beams}
+
+    def extract_probabilities(self, judgments: list[Judgment], show_progress: bool = False) -> list[list[float]]:
+        """The extractor's probability of every sentence of every judgment."""
+        return sentence_probabilities(self.extractor, self.tokenizer, judgments, show_progress=show_progress)
 
     def extract(self, judgments: list[Judgment], show_progress: bool = False) -> list[list[int]]:
         """Selected sentence indices per judgment."""
-        probabilities = sentence_probabilities(self.extractor, self.tokenizer, judgments, show_progress=show_progress)
+        probabilities = self.extract_probabilities(judgments, show_progress)
         return [select_sentences(p, j.sentences, self.tokenizer, self.threshold, self.token_budget)
                 for p, j in zip(probabilities, judgments)]
 
@@ -165,14 +183,14 @@ class Summarizer:
         """One result per judgment: `id`, `extracted` (sentence indices) and `summary`.
 
         `extract_only=True` returns the extracted sentences as the summary. `generate_kwargs` go to
-        `generate` (default: beam search with 3 beams, up to 512 new tokens, no repeated trigrams).
+        `generate` (default: `self.num_beams` beams, up to 512 new tokens, no repeated trigrams).
         """
         selections = self.extract(judgments, show_progress)
         sources = ["".join(j.sentences[i] for i in chosen) for j, chosen in zip(judgments, selections)]
         if extract_only:
             summaries = sources
         else:
-            settings = {"num_beams": 3, "max_new_tokens": 512, "no_repeat_ngram_size": 3, **generate_kwargs}
+            settings = {"num_beams": self.num_beams, "max_new_tokens": 512, "no_repeat_ngram_size": 3, **generate_kwargs}
             summaries = generate_text(self.generator, self.tokenizer, sources, max_source_length=self.token_budget,
                                       batch_size=batch_size, show_progress=show_progress, **settings)
         return [{"id": j.id, "extracted": chosen, "summary": summary}
@@ -191,6 +209,7 @@ def train_summarizer(
     seed: int = 42,
     show_progress: bool = True,
     overwrite: bool = False,
+    resume: bool = True,
     **training_arguments,
 ) -> dict:
     """Train both stages from judgments with reference summaries; save a `Summarizer` in `output_dir`.
@@ -200,7 +219,9 @@ def train_summarizer(
     summary from the labelled sentences, as in SPACES (at most `max_length` tokens of source plus
     summary). A `validation_fraction` of the judgments is held out and evaluated after each stage.
     Trainer checkpoints go to the sibling folder `<output_dir>.checkpoints/` (`extractor/`,
-    `generator/`); a rerun resumes each stage from its last complete checkpoint. The summariser is
+    `generator/`); a rerun resumes each stage from its last complete checkpoint, if the checkpoints are of
+    the same run (base model, data, settings: `checkpoints.prepare_checkpoints`; `resume=False` starts over).
+    A loss or weights that stop being finite end the run (`checkpoints.NotFiniteError`). The summariser is
     written beside `output_dir` and renamed into place at the end; an existing non-empty
     `output_dir` is replaced only with `overwrite=True`, and it may not be the base model's folder.
     `copy_mechanism=True` gives the generator the SPACES copy head (`unilm_copy_tags`), trained
@@ -211,6 +232,15 @@ def train_summarizer(
     output_dir = check_destination(output_dir, [base_model, *data_files], overwrite)
     checkpoints = output_dir.with_name(output_dir.name + ".checkpoints")
     check_destination(checkpoints, [base_model], overwrite=True)
+    with claimed(output_dir), claimed(checkpoints):
+        return _train_summarizer(judgments, base_model, output_dir, checkpoints, data_files, validation_fraction,
+                                 extractor_steps, generator_steps, max_length, copy_mechanism, seed, show_progress,
+                                 overwrite, resume, training_arguments)
+
+
+def _train_summarizer(judgments, base_model, output_dir, checkpoints, data_files, validation_fraction,
+                      extractor_steps, generator_steps, max_length, copy_mechanism, seed, show_progress, overwrite,
+                      resume, training_arguments) -> dict:
     usable = [j for j in judgments if j.summary]
     if len(usable) < 2:
         raise ValueError("train_summarizer needs at least two judgments with a reference summary.")
@@ -231,13 +261,19 @@ def train_summarizer(
     defaults = dict(per_device_train_batch_size=1, learning_rate=5e-5, logging_steps=10, save_steps=500,
                     save_total_limit=1, report_to=[], seed=seed, disable_tqdm=not show_progress,
                     remove_unused_columns=False)
+    settings = {**defaults, **training_arguments}
+    record = RunRecord.create("train-summarizer", base_model, sorted(data_files), {
+        "validation_fraction": validation_fraction, "max_length": max_length, "copy_mechanism": copy_mechanism,
+        "seed": seed, "per_device_train_batch_size": settings["per_device_train_batch_size"]})
+    prepare_checkpoints(checkpoints, record, resume)
     metrics = {}
 
-    def train_stage(name, model, collator, make_examples, steps):
+    def train_stage(name, model, collator, make_examples, steps, label_names):
         trainer = Trainer(model=model, data_collator=collator, train_dataset=make_examples(train),
                           eval_dataset=make_examples(validation) if validation else None,
-                          args=TrainingArguments(str(checkpoints / name), max_steps=steps,
-                                                 **{**defaults, **training_arguments}))
+                          args=TrainingArguments(str(checkpoints / name), max_steps=steps, label_names=label_names,
+                                                 **settings),
+                          callbacks=[StopWhenNotFinite()])
         last = last_complete_checkpoint(checkpoints / name)
         trainer.train(resume_from_checkpoint=str(last) if last else None)
         if validation:
@@ -245,15 +281,17 @@ def train_summarizer(
         return model
 
     extractor = train_stage("extractor", NezhaForSentenceExtraction.from_pretrained(base_model),
-                            ExtractionCollator(tokenizer), examples_for_extraction, extractor_steps)
+                            ExtractionCollator(tokenizer), examples_for_extraction, extractor_steps, ["labels"])
+    # Trainer would look for every label the head takes (copy_labels too) and, not finding them, compute no loss.
     generator = train_stage("generator", NezhaForUniLM.from_pretrained(base_model, unilm_copy_tags=copy_mechanism),
                             UniLMDataCollator(tokenizer, max_length=max_length, truncation="middle",
                                               copy_labels=copy_mechanism),
-                            examples_for_generation, generator_steps)
+                            examples_for_generation, generator_steps,
+                            ["labels", "copy_labels"] if copy_mechanism else ["labels"])
     generator.generation_config.eos_token_id = tokenizer.sep_token_id
     generator.generation_config.pad_token_id = tokenizer.pad_token_id
     generator.generation_config.bos_token_id = tokenizer.cls_token_id  # never a copy candidate
-    with staged_folder(output_dir) as staging:
+    with staged_folder(output_dir, overwrite) as staging:
         Summarizer(extractor.eval(), generator.eval(), tokenizer, token_budget=max_length // 2).save_pretrained(staging)
         (staging / "validation_ids.json").write_text(json.dumps([j.id for j, _ in validation]))
     return metrics

@@ -103,3 +103,34 @@ def test_scoring_without_any_reference_is_a_clear_error():
 
     with pytest.raises(ValueError, match="reference summary"):
         evaluate_summaries([Judgment("a", ["原告起诉。"]), Judgment("b", ["被告答辩。"])])
+
+
+def package_oracle(sentences, summary):
+    """The greedy oracle scored by the `rouge` package on each candidate selection's whole text (the definition)."""
+    from rouge import Rouge
+
+    def score(selection):
+        text = " ".join(c for c in "".join(sentences[i] for i in selection) if not c.isspace())
+        reference = " ".join(c for c in summary if not c.isspace())
+        if not text.replace(".", "").strip() or not reference.replace(".", "").strip():
+            return 0.0
+        result = Rouge(metrics=["rouge-1", "rouge-2"]).get_scores(text, reference)[0]
+        return 0.2 * result["rouge-1"]["f"] + 0.4 * result["rouge-2"]["f"]
+
+    chosen, best = [], 0.0
+    while True:
+        candidates = [(score(sorted([*chosen, i])), i) for i in range(len(sentences)) if i not in chosen]
+        if not candidates or max(candidates)[0] <= best:
+            return [int(i in chosen) for i in range(len(sentences))]
+        best, index = max(candidates)
+        chosen.append(index)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_oracle_equals_the_package_scored_greedy_search(seed):
+    """The oracle scores selections from per-sentence n-grams (fast); it must pick what the package would."""
+    rng = random.Random(seed)
+    alphabet = "原告被告法院判决本院认为支付借款利息" + (". " if seed % 2 else "")
+    sentences = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12))) + "。" for _ in range(25)]
+    summary = "".join(rng.sample(sentences, 3)) + "".join(rng.choice(alphabet) for _ in range(6))
+    assert oracle_labels(sentences, summary) == package_oracle(sentences, summary)

@@ -20,6 +20,11 @@ import nezha_hf
     (dict(attention_probs_dropout_prob=1.0), "attention_probs_dropout_prob"),
     (dict(hidden_dropout_prob=-0.1), "hidden_dropout_prob"),
     (dict(classifier_dropout=1.5), "classifier_dropout"),
+    (dict(layer_norm_eps=float("inf")), "layer_norm_eps must be"),  # non-finite values were accepted
+    (dict(initializer_range=float("nan")), "initializer_range"),
+    (dict(copy_loss_weight=float("nan")), "copy_loss_weight"),
+    (dict(copy_loss_weight=float("inf")), "copy_loss_weight"),
+    (dict(hidden_dropout_prob=float("nan")), "hidden_dropout_prob"),
 ])
 def test_bad_config_values_are_rejected(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -370,3 +370,64 @@ def test_static_cache_and_beam_search_give_their_uncached_tokens():
                        model.generate(input_ids, attention_mask=attention_mask, use_cache=False, **beams))
 
 
+
+
+# --- the generation contract (what transformers' GenerationTesterMixin checks of a decoder) --------------------
+
+
+@pytest.mark.parametrize("decoding", [dict(do_sample=False), dict(num_beams=2, do_sample=False),
+                                      dict(do_sample=True, num_return_sequences=2)], ids=["greedy", "beams", "sample"])
+def test_return_dict_in_generate_has_outputs_of_the_right_shapes(decoding):
+    model = tiny_unilm()
+    _, input_ids, attention_mask = left_padded_prompts([6, 9])
+    batch, prompt, new = input_ids.shape[0], input_ids.shape[1], 5
+    rows = batch * decoding.get("num_beams", decoding.get("num_return_sequences", 1))
+    torch.manual_seed(0)
+    out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new, min_new_tokens=new,
+                         eos_token_id=SEP, pad_token_id=PAD, return_dict_in_generate=True, output_scores=True,
+                         output_logits=True, output_hidden_states=True, output_attentions=True, **decoding)
+    config = model.config
+    assert out.sequences.shape == (batch * decoding.get("num_return_sequences", 1), prompt + new)
+    assert len(out.scores) == len(out.logits) == new
+    assert all(s.shape == (rows, config.vocab_size) for s in (*out.scores, *out.logits))
+    hidden, attentions = out.hidden_states, out.attentions
+    assert len(hidden) == len(attentions) == new
+    for step, (states, probs) in enumerate(zip(hidden, attentions)):
+        queries = prompt if step == 0 else 1
+        assert len(states) == config.num_hidden_layers + 1 and len(probs) == config.num_hidden_layers
+        assert all(s.shape == (rows, queries, config.hidden_size) for s in states)
+        assert all(p.shape == (rows, config.num_attention_heads, queries, prompt + step) for p in probs)
+    from transformers import DynamicCache
+
+    assert isinstance(out.past_key_values, DynamicCache)
+    assert out.past_key_values.get_seq_length() == prompt + new - 1
+
+
+def test_stopping_criteria_end_generation(tokenizer):
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class AfterThree(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= prompt + 3, dtype=torch.bool)
+
+    model = tiny_unilm(vocab_size=len(tokenizer))
+    input_ids = tokenizer(["原告起诉被告"], return_tensors="pt")["input_ids"]
+    prompt = input_ids.shape[1]
+    out = model.generate(input_ids, max_new_tokens=20, eos_token_id=SEP, pad_token_id=PAD,
+                         stopping_criteria=StoppingCriteriaList([AfterThree()]))
+    assert out.shape[1] == prompt + 3
+
+
+@pytest.mark.slow
+def test_compiled_static_cache_gives_the_uncompiled_tokens():
+    from transformers import CompileConfig
+
+    model, input_ids, attention_mask, settings, plain = greedy_setup((9, 5))
+    config = CompileConfig(fullgraph=True, dynamic=False)
+    config._compile_all_devices = True  # transformers compiles on accelerators only unless told otherwise
+    compiled_forwards = []
+    original = model.get_compiled_call
+    model.get_compiled_call = lambda *a: compiled_forwards.append(1) or original(*a)
+    compiled = model.generate(input_ids, attention_mask=attention_mask, cache_implementation="static",
+                              compile_config=config, **settings)
+    assert compiled_forwards and torch.equal(compiled, plain)

@@ -150,6 +150,9 @@ def test_legacy_bin_with_bert_prefix_and_buffers_loads():
         (dict(input_ids=torch.tensor([[1, 2, 3]]), token_type_ids=torch.tensor([[0, 1]])), "token_type_ids has shape"),
         (dict(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[1, 1]])), "attention_mask must be"),
         (dict(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 1, 3, 3)), "attention_mask must be"),
+        (dict(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[1, -1, 1]])), "only 0 and 1"),
+        # an additive mask (0 for tokens, -10000 for padding) read as 0/1 masked the tokens and kept the padding
+        (dict(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[0.0, 0.0, -10000.0]])), "additive"),
         (dict(input_ids=torch.tensor([1, 2, 3])), "input_ids must be"),
         (dict(input_ids=torch.tensor([[1, 2, 3]]), position_ids=torch.tensor([[0, 1, 2]])), "position_ids"),
         (dict(), "exactly one"),
@@ -159,6 +162,32 @@ def test_bad_input_raises_value_error(kwargs, message):
     model = NezhaModel(tiny_config()).eval()
     with pytest.raises(ValueError, match=message):
         model(**kwargs)
+
+
+@pytest.mark.parametrize("mask", [torch.tensor([[1, 1, 0]]), torch.tensor([[True, True, False]]),
+                                  torch.tensor([[1.0, 1.0, 0.0]])], ids=["int", "bool", "float"])
+def test_zero_one_masks_of_any_dtype_are_accepted(mask):
+    model = NezhaModel(tiny_config()).eval()
+    with torch.no_grad():
+        expected = model(torch.tensor([[1, 2]])).last_hidden_state
+        got = model(torch.tensor([[1, 2, 3]]), attention_mask=mask).last_hidden_state[:, :2]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_a_config_with_layers_the_checkpoint_lacks_is_refused(tmp_path):
+    """A config saying 4 layers over a 2-layer checkpoint loaded with 2 random layers and a log line only."""
+    NezhaForMaskedLM(tiny_config()).save_pretrained(tmp_path / "two")
+    config = json.loads((tmp_path / "two" / "config.json").read_text())
+    config["num_hidden_layers"] = 4
+    (tmp_path / "two" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="2 layers.*4|layers"):
+        NezhaForMaskedLM.from_pretrained(tmp_path / "two")
+    model = NezhaForMaskedLM.from_pretrained(tmp_path / "two", allow_new_layers=True)  # asked for: new layers
+    assert len(model.nezha.encoder.layer) == 4
+    config["num_hidden_layers"] = 1
+    (tmp_path / "two" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="layers"):
+        NezhaForMaskedLM.from_pretrained(tmp_path / "two")  # and layers the config would drop
 
 
 def test_attention_backends_that_would_drop_relative_terms_are_refused():

@@ -64,21 +64,22 @@ def test_pretrain_lowers_the_loss_and_resumes(tmp_path, tokenizer):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "more.jsonl:2" in done.stderr and "more.jsonl:3" in done.stderr  # bad lines named, run went on
     assert loss_of(tmp_path / "out") < 0.9 * loss_of(start)
-    assert (tmp_path / "out" / "checkpoint-60").is_dir()
+    assert (tmp_path / "out.checkpoints" / "checkpoint-60").is_dir()
     assert len(AutoTokenizer.from_pretrained(tmp_path / "out")) == len(tokenizer)
-    # Rerun with more steps: continues from checkpoint-60 instead of starting over.
-    checkpoint = tmp_path / "out" / "checkpoint-60"
+    # Rerun with more steps (replacing the finished model): continues from checkpoint-60 instead of starting over.
+    checkpoint = tmp_path / "out.checkpoints" / "checkpoint-60"
     saved = snapshot(checkpoint)
     again = subprocess.run(
         [sys.executable, "-m", "nezha_hf.cli", "pretrain", str(start), str(corpus), "--output", str(tmp_path / "out"),
-         "--max-length", "128", "--max-steps", "70", "--batch-size", "8", "--save-steps", "30"],
+         "--max-length", "128", "--max-steps", "70", "--batch-size", "8", "--save-steps", "30", "--learning-rate",
+         "2e-3", "--overwrite"],
         capture_output=True, text=True, timeout=600,
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"Resuming from {checkpoint}" in again.stderr
     assert snapshot(checkpoint) == saved
     before = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
-    after = json.loads((tmp_path / "out" / "checkpoint-70" / "trainer_state.json").read_text())
+    after = json.loads((tmp_path / "out.checkpoints" / "checkpoint-70" / "trainer_state.json").read_text())
     # The first 60 steps' logs (learning rates of the first run's schedule) are carried over, not re-run.
     assert after["global_step"] == 70 and after["log_history"][: len(before)] == before and before
 
@@ -100,7 +101,7 @@ def run(start, corpus, output):
     from nezha_hf.pretraining import continue_pretraining
 
     return continue_pretraining(start, [corpus], output, max_length=64, max_steps=30, save_steps=10, logging_steps=5,
-                                per_device_train_batch_size=4, learning_rate=2e-3, show_progress=False)
+                                per_device_train_batch_size=4, learning_rate=2e-3, show_progress=False, overwrite=True)
 
 
 def weights(folder):
@@ -119,13 +120,14 @@ def test_resume_skips_an_incomplete_checkpoint_and_reaches_the_uninterrupted_wei
     run(start, corpus, tmp_path / "uninterrupted")
     interrupted = tmp_path / "interrupted"
     run(start, corpus, interrupted)
-    newest = interrupted / "checkpoint-30"
+    checkpoints = tmp_path / "interrupted.checkpoints"
+    newest = checkpoints / "checkpoint-30"
     if damage.startswith("killed"):
         (newest / "trainer_state.json").unlink()
     else:
         data = (newest / "model.safetensors").read_bytes()
         (newest / "model.safetensors").write_bytes(data[: len(data) // 2])
-    earlier = snapshot(interrupted / "checkpoint-20")
+    earlier = snapshot(checkpoints / "checkpoint-20")
     steps = []
     original = Trainer.training_step
     monkeypatch.setattr(Trainer, "training_step", lambda *a, **k: steps.append(1) or original(*a, **k))
@@ -137,7 +139,7 @@ def test_resume_skips_an_incomplete_checkpoint_and_reaches_the_uninterrupted_wei
         hf_logging.disable_propagation()
     assert f"Skipping the incomplete checkpoint {newest}" in caplog.text
     assert len(steps) == 10  # only the steps after checkpoint-20
-    assert snapshot(interrupted / "checkpoint-20") == earlier
+    assert snapshot(checkpoints / "checkpoint-20") == earlier
     expected, got = weights(tmp_path / "uninterrupted"), weights(interrupted)
     assert expected.keys() == got.keys()
     for name in expected:

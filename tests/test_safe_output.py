@@ -18,7 +18,10 @@ def test_a_failed_write_leaves_the_old_folder_as_it_was(tmp_path):
         (staging / "config.json").write_text("new")
         raise RuntimeError("verification failed")
     assert [p.name for p in tmp_path.iterdir()] == ["model"] and (old / "config.json").read_text() == "old"
-    with staged_folder(old) as staging:
+    with pytest.raises(FileExistsError, match="--overwrite"), staged_folder(old) as staging:
+        (staging / "model.safetensors").write_text("new")
+    assert (old / "config.json").read_text() == "old"
+    with staged_folder(old, overwrite=True) as staging:
         (staging / "model.safetensors").write_text("new")
     assert sorted(p.name for p in old.iterdir()) == ["model.safetensors"]  # replaced whole
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
