@@ -28,6 +28,8 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
+from .distributed import all_true, local_tensor, processes
+
 logger = logging.get_logger(__name__)
 TRAINER_STATE = "trainer_state.json"
 
@@ -110,7 +112,7 @@ class RunRecord:
     def create(cls, command: str, base, data, settings: dict) -> "RunRecord":
         """The record of a run of `command` from the model folder `base` on the files `data`."""
         base = Path(base)
-        weights = [p for p in base.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json"]
+        weights = [p for p in base.rglob("*") if p.suffix in (".safetensors", ".bin") or p.name == "config.json"]
         return cls(command, str(base.resolve()), fingerprint(weights), sorted(str(Path(d).resolve()) for d in data),
                    fingerprint(data), json.loads(json.dumps(settings)))
 
@@ -170,8 +172,10 @@ class StopWhenNotFinite(TrainerCallback):
     and before that step's checkpoint is saved, so nothing non-finite is written."""
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        norms = torch._foreach_norm([p.detach() for p in model.parameters()])
-        if not bool(torch.stack(norms).isfinite().all()):
+        # Each process checks its own part of a sharded model; all of them stop, or none.
+        weights = [local_tensor(p.detach()) for p in model.parameters()]
+        finite = not weights or bool(torch.stack(torch._foreach_norm(weights)).isfinite().all())
+        if not all_true(processes(), finite):
             raise NotFiniteError(f"training diverged at step {state.global_step}: the weights are not finite "
                                  f"(learning rate {args.learning_rate:g}); nothing was written")
 

@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_argument("--no-resume", action="store_true",
                           help="start over, deleting the checkpoints of an earlier run in OUTPUT.checkpoints")
     pretrain.add_argument("--seed", type=int, default=42)
+    pretrain.add_argument("--fsdp", action="store_true",
+                          help="with several processes (accelerate launch, torchrun): shard the model with "
+                               "transformers' FSDP2 instead of a whole copy per process (DDP)")
 
     summarize = command(sub, "summarize", help="summarise judgments: extract with NEZHA, then generate")
     summarize.add_argument("model", help="a summariser folder (from train-summarizer)")
@@ -186,11 +189,15 @@ def _read_inputs(paths):
 
 def _summarize(args) -> None:
     import json
+    import shutil
+    from dataclasses import asdict
 
-    from .checkpoints import model_folder
+    from .checkpoints import RunRecord, model_folder
+    from .distributed import claimed_by_main, processes, run_batches
     from .safe_output import check_destination, write_text_atomically
     from .summarization import Summarizer
 
+    state = processes()
     model_folder(args.model, "summarizer.json")
     if args.output:
         check_destination(args.output, [args.model, *args.inputs], args.overwrite, kind="file")
@@ -201,21 +208,36 @@ def _summarize(args) -> None:
     options = {"num_beams": args.num_beams} if args.num_beams else {}
     if args.no_copy_constraint:
         options["copy_constraint"] = False
-    results = summarizer.summarize(judgments, extract_only=args.extract_only, batch_size=args.batch_size,
-                                   show_progress=True, max_new_tokens=args.max_new_tokens, **options)
-    if args.output and args.output.suffix == ".txt":
-        text = "\n\n".join(f"{r['id']}\n{r['summary']}" for r in results) + "\n"
-    else:
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
-    if args.output:
-        write_text_atomically(args.output, text, overwrite=args.overwrite)
-        print(f"wrote {len(results)} summaries to {args.output}", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
+    options["max_new_tokens"] = args.max_new_tokens
+
+    def summarize(start, stop):
+        return summarizer.summarize(judgments[start:stop], extract_only=args.extract_only, batch_size=args.batch_size,
+                                    **options)
+
+    # Finished batches are kept beside the output: a rerun after a kill goes on from there.
+    journal = args.output.with_name(f".{args.output.name}.progress") if args.output else None
+    record = asdict(RunRecord.create("summarize", args.model, args.inputs, {
+        **summarizer.settings(), **options, "extract_only": args.extract_only, "batch_size": args.batch_size}))
+    with claimed_by_main(state, *([args.output] if args.output else [])):
+        results = run_batches(state, len(judgments), args.batch_size, summarize, journal, record, show_progress=True,
+                              unit="judgments")
+        if not state.is_main_process:
+            return
+        if args.output and args.output.suffix == ".txt":
+            text = "\n\n".join(f"{r['id']}\n{r['summary']}" for r in results) + "\n"
+        else:
+            text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
+        if args.output:
+            write_text_atomically(args.output, text, overwrite=args.overwrite)
+            shutil.rmtree(journal)
+            print(f"wrote {len(results)} summaries to {args.output}", file=sys.stderr)
+        else:
+            sys.stdout.write(text)
 
 
 def _train_summarizer(args) -> None:
     from .checkpoints import model_folder
+    from .distributed import processes
     from .summarization import train_summarizer
 
     model_folder(args.base)
@@ -225,7 +247,8 @@ def _train_summarizer(args) -> None:
         learning_rate=args.learning_rate, save_steps=args.save_steps, copy_mechanism=args.copy,
         overwrite=args.overwrite, resume=not args.no_resume,
     )
-    print(f"saved {args.output}; " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+    if processes().is_main_process:
+        print(f"saved {args.output}; " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
 
 
 def _evaluate(args) -> None:
@@ -277,6 +300,7 @@ def _demo(args) -> None:
 
 def _pretrain(args) -> None:
     from .checkpoints import model_folder
+    from .distributed import processes
     from .pretraining import continue_pretraining
 
     model_folder(args.model)
@@ -285,9 +309,10 @@ def _pretrain(args) -> None:
         txt_split=args.txt_split, resume=not args.no_resume, max_steps=args.max_steps, num_train_epochs=args.epochs,
         per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate, save_steps=args.save_steps, bf16=args.bf16, seed=args.seed,
-        overwrite=args.overwrite,
+        overwrite=args.overwrite, fsdp=args.fsdp,
     )
-    print(f"saved {args.output}; " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
+    if processes().is_main_process:
+        print(f"saved {args.output}; " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
 
 
 def _export(args) -> None:
@@ -308,32 +333,54 @@ class Terminated(BaseException):
     """SIGTERM, raised where the process is, so that what it was writing is cleaned up on the way out."""
 
 
-def _terminate(signum, frame):
-    raise Terminated()
+_STOPPED_BY = {signal.SIGINT: ("interrupted", 130), signal.SIGTERM: ("terminated", 143)}
+
+
+def _leave_process_group() -> None:
+    """End a multi-process run's process group (`accelerate launch`, `torchrun`) before exit: gloo's threads, left
+    running, can abort the interpreter at teardown, failing a run that succeeded."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()
+
+
+def _new_line_if_a_progress_bar_is_drawing() -> str:
+    bar = getattr(sys.modules.get("tqdm.std"), "tqdm", None)
+    return "\n" if bar is not None and any(not getattr(b, "disable", True) for b in list(bar._instances)) else ""
 
 
 def main(argv=None) -> int:
     """Entry point of the `nezha-hf` console script; returns the exit status: 0; 2 on any failure; 130 after
     Ctrl-C and 143 after SIGTERM, with what the command was writing removed."""
     args = build_parser().parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    received = []  # the signal that stopped the command, however a library wrapped the exception it raised
+
+    def stop(signum, frame):
+        received.append(signum)
+        raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+
+    previous = {signum: signal.signal(signum, stop) for signum in _STOPPED_BY}
     try:
         COMMANDS[args.command](args)
-    except (KeyboardInterrupt, Terminated) as stop:
+        _leave_process_group()
+    except SystemExit:
+        raise
+    # BaseException: PyTorch's distributed checkpoints wrap what interrupted them in a non-`Exception` of their own.
+    except BaseException as error:
         if args.debug:
             raise
-        how, code = ("interrupted", 130) if isinstance(stop, KeyboardInterrupt) else ("terminated", 143)
-        # On a line of its own: a progress bar may have been drawing when the signal came.
-        print(f"\nnezha-hf {args.command}: {how}; outputs not yet in place were removed", file=sys.stderr)
-        return code
-    except Exception as error:  # every failure: one line naming the problem, unless --debug asks for more
-        if args.debug:
-            raise
+        if received or isinstance(error, (KeyboardInterrupt, Terminated)):
+            how, code = _STOPPED_BY[received[0] if received else signal.SIGINT]
+            # On a line of its own: a progress bar may have been drawing when the signal came.
+            print(f"\nnezha-hf {args.command}: {how}; outputs not yet in place were removed", file=sys.stderr)
+            return code
+        # Every failure: one line naming the problem, unless --debug asks for more.
         message = " ".join(str(error).split()) or type(error).__name__
-        print(f"nezha-hf {args.command}: error: {message}", file=sys.stderr)
+        print(f"{_new_line_if_a_progress_bar_is_drawing()}nezha-hf {args.command}: error: {message}", file=sys.stderr)
         return 2
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
 
 

@@ -53,6 +53,19 @@ class NezhaConfig(PreTrainedConfig):
     """
 
     model_type = "nezha"
+    # How transformers' DistributedConfig shards NEZHA (`from_pretrained(..., distributed_config=...)`): every encoder
+    # layer its own FSDP2 unit; tensor parallel over the heads (query/key/value column-wise, the attention output
+    # row-wise) and the feed-forward (in column-wise, out row-wise), the relative table replicated (a buffer).
+    base_model_fsdp_plan = {"encoder.layer.*": "free_full_weight"}
+    base_model_tp_plan = {
+        "embeddings.word_embeddings": "embedding_rowwise",
+        "encoder.layer.*.attention.self.query": "colwise",
+        "encoder.layer.*.attention.self.key": "colwise",
+        "encoder.layer.*.attention.self.value": "colwise",
+        "encoder.layer.*.attention.output.dense": "rowwise",
+        "encoder.layer.*.intermediate.dense": "colwise",
+        "encoder.layer.*.output.dense": "rowwise",
+    }
 
     vocab_size: int = 21128
     hidden_size: int = 768

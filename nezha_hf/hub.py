@@ -138,7 +138,7 @@ def save_model(model, save, directory: str | Path, model_card: dict | bool = Tru
                 shutil.copy(readme, staging / "README.md")
             settings = {**(getattr(model.config, "nezha_card", None) or {}),
                         **(model_card if isinstance(model_card, dict) else {})}
-            write_model_card(staging, type(model).__name__, settings)
+            write_model_card(staging, model.head_info.model_class.__name__, settings)
         if remote_code:
             export_remote_code(staging)
 
@@ -149,14 +149,20 @@ def push_model_to_hub(
 ):
     """Save `model` with its NEZHA model card into a temporary folder and upload it as one commit.
 
-    Arguments as `NezhaPreTrainedModel.push_to_hub`. Returns `huggingface_hub`'s commit info.
+    Arguments as `NezhaPreTrainedModel.push_to_hub`. Returns `huggingface_hub`'s commit info. A model sharded over
+    several processes is pushed by calling this on every process: all gather the weights, the first uploads them
+    (and returns the commit info; the others None).
     """
+    uploads = model.should_save_on_this_rank(True)
     api = HfApi(token=token)
-    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    if uploads:
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
     settings = {"repo_id": repo_id, "tags": list(tags or []), **(model_card if isinstance(model_card, dict) else {})}
     with tempfile.TemporaryDirectory() as work_dir:
         model.save_pretrained(work_dir, max_shard_size=max_shard_size, model_card=settings if model_card else False,
                               remote_code=remote_code)
+        if not uploads:
+            return None
         return api.upload_folder(
             repo_id=repo_id, folder_path=work_dir, commit_message=commit_message or "Upload model",
             commit_description=commit_description, revision=revision, create_pr=create_pr,

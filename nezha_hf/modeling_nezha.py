@@ -396,6 +396,31 @@ class NezhaPreTrainedModel(PreTrainedModel):
                 f"(the relative table is rebuilt): {', '.join(dropped[:4])}{' ...' if len(dropped) > 4 else ''}"
             )
 
+    @property
+    def head_info(self) -> "NezhaHead":
+        """This model's row of `NEZHA_HEADS` (also for a subclass a wrapper made of it, such as FSDP's)."""
+        rows = {head.model_class: head for head in NEZHA_HEADS}
+        return next(rows[cls] for cls in type(self).__mro__ if cls in rows)
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """transformers' sharding for `from_pretrained(..., distributed_config=...)`, with tied weights tied first.
+
+        transformers 5.23 shards the model before it ties its weights: FSDP2 then manages the MLM decoder's own copy
+        beside the word embeddings, re-tying afterwards leaves that copy in FSDP's buffers, and from the second step
+        on training differs from one process (its own Llama with tied embeddings does the same). Tied here, they are
+        one parameter, in one FSDP unit.
+        """
+        if mesh_manager is not None:
+            if distributed_config.pp_size > 1:
+                raise ValueError(
+                    "NEZHA has no pipeline-parallel plan: transformers' pipeline engine splits the `layers`, "
+                    "`embed_tokens` and `norm` of decoder-only models. Use fsdp_size and tp_size."
+                )
+            if distributed_config.dp_size > 1:
+                model.tie_weights(recompute_mapping=False)
+        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
+
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
         # While the model is being built it has no parameters yet: it is built on the default device.
         parameter = next(self.parameters(), None)
@@ -416,11 +441,21 @@ class NezhaPreTrainedModel(PreTrainedModel):
         The files are written into a temporary sibling of `save_directory` and moved in once all of them
         are complete. Cards and remote code need nezha_hf installed; loaded as remote code, this is
         transformers' own `save_pretrained`.
+
+        A model sharded by `from_pretrained(..., distributed_config=...)` is saved as transformers saves it: every
+        process calls this, all of them gather the weights, the first writes them, and none returns before the
+        folder is in place. `distributed_checkpoint=True` writes transformers' per-process distributed checkpoint.
         """
-        if self.hub_integration is None or not kwargs.get("is_main_process", True):
+        if self.hub_integration is None or kwargs.get("distributed_checkpoint"):
             return super().save_pretrained(save_directory, *args, **kwargs)
-        save = functools.partial(PreTrainedModel.save_pretrained, self, *args, **kwargs)
-        self.hub_integration.save_model(self, save, save_directory, model_card=model_card, remote_code=remote_code)
+        if not self.should_save_on_this_rank(kwargs.get("is_main_process", True)):
+            # Writes nothing; joins the gathers and barriers of a sharded model.
+            super().save_pretrained(save_directory, *args, **{**kwargs, "is_main_process": False})
+        else:
+            save = functools.partial(PreTrainedModel.save_pretrained, self, *args, **kwargs)
+            self.hub_integration.save_model(self, save, save_directory, model_card=model_card, remote_code=remote_code)
+        # transformers' own barrier comes before the files are moved into place: wait for them too.
+        self.barrier_after_gathered_checkpoint_save(getattr(self.config, "distributed_config", None))
 
     def push_to_hub(self, repo_id: str, *, model_card: dict | bool = True, remote_code: bool = False, **kwargs):
         """Upload to the Hub with a NEZHA model card (see `save_pretrained`); the only method that uses the network.
@@ -749,6 +784,9 @@ class _LMHeadTying:
         "cls.predictions.decoder.weight": "nezha.embeddings.word_embeddings.weight",
         "cls.predictions.decoder.bias": "cls.predictions.bias",
     }
+    # Tensor parallel: the decoder's vocabulary rows split as the word embeddings' are (`embedding_rowwise`), the
+    # logits gathered. Its bias is the head's `bias` (tied), split the same way.
+    _tp_plan = {"cls.predictions.decoder": "colwise_gather_output", "cls.predictions.bias": "colwise"}
 
     def get_output_embeddings(self):
         return self.cls.predictions.decoder

@@ -11,9 +11,12 @@ text gives it back. This module does that with Trainer:
 - documents packed into sequences of `max_length` tokens (default 1,024), `[SEP]` between documents;
 - resumable: rerunning with the same output continues from the last complete checkpoint of the same
   run (one whose save was interrupted is skipped, with a warning naming it); checkpoints of a run with
-  another base model, other data or other settings are refused.
+  another base model, other data or other settings are refused;
+- on several processes (`accelerate launch`, `torchrun`): DDP, or transformers' FSDP2 with `--fsdp`
+  (`nezha_hf.distributed`).
 
     nezha-hf pretrain converted-bert/ corpus/*.txt --output nezha-adapted/ --max-steps 20000
+    accelerate launch --num_processes 4 -m nezha_hf pretrain converted-bert/ corpus/ --output nezha-adapted/ --fsdp
 
 or, in Python, `continue_pretraining("converted-bert/", ["corpus/"], "nezha-adapted/", max_steps=20000)`.
 """
@@ -24,14 +27,23 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+from transformers import AutoTokenizer, TrainerCallback, TrainingArguments
+from transformers.distributed import DistributedConfig
 from transformers.utils import logging
 
 from .checkpoints import RunRecord, StopWhenNotFinite, finished, prepare_checkpoints
+from .distributed import (
+    DistributedCheckpointTrainer,
+    claimed_by_main,
+    cpu_only,
+    on_main,
+    processes,
+    shared_staged_folder,
+)
 from .documents import read_documents
 from .modeling_nezha import NezhaForMaskedLM
 from .padding import attention_mask_for, pad_rows
-from .safe_output import check_destination, claimed, staged_folder
+from .safe_output import check_destination
 
 logger = logging.get_logger(__name__)
 NOT_A_WORD = -1
@@ -162,6 +174,7 @@ def continue_pretraining(
     resume: bool = True,
     overwrite: bool = False,
     show_progress: bool = True,
+    fsdp: bool = False,
     **training_arguments,
 ) -> dict:
     """Continue masked-LM training of the model in `model_path` on `files`; save the result in `output_dir`.
@@ -177,6 +190,9 @@ def continue_pretraining(
         resume: continue from the last complete checkpoint of the same run (same base model, data and
             settings; `checkpoints.prepare_checkpoints`); checkpoints of another run are refused. False starts
             over (deleting the old checkpoints). A run already at its end is not trained further.
+        fsdp: with several processes (`accelerate launch`, `torchrun`), shard the model with transformers' FSDP2
+            (`DistributedConfig(fsdp_size=<processes>)`, every encoder layer its own unit) instead of keeping a
+            whole copy per process (DDP). Checkpoints of either resume on any number of processes.
         training_arguments: passed to `TrainingArguments` (`max_steps`, `per_device_train_batch_size`,
             `learning_rate`, `save_steps`, `gradient_accumulation_steps`, `bf16`, ...).
 
@@ -184,44 +200,53 @@ def continue_pretraining(
         Trainer's training metrics (`train_loss`, `train_runtime`, ...); empty when the run had already ended.
         A loss or weights that stop being finite end the run with `checkpoints.NotFiniteError`, writing nothing.
     """
+    state = processes()
     output_dir = check_destination(output_dir, [model_path, *files], overwrite)
     checkpoints = output_dir.with_name(output_dir.name + ".checkpoints")
     check_destination(checkpoints, [model_path, *files], overwrite=True)
     defaults = dict(
         per_device_train_batch_size=8, learning_rate=5e-5, warmup_steps=0.06, weight_decay=0.01, save_steps=500,
-        save_total_limit=2, logging_steps=50, report_to=[], disable_tqdm=not show_progress,
+        save_total_limit=2, logging_steps=50, report_to=[], disable_tqdm=not show_progress, use_cpu=cpu_only(),
     )
     settings = {**defaults, **training_arguments}
-    with claimed(output_dir), claimed(checkpoints):
+    show_progress = show_progress and state.is_main_process
+    with claimed_by_main(state, output_dir, checkpoints):
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = NezhaForMaskedLM.from_pretrained(model_path)
+        sharding = {}
+        if fsdp and state.num_processes > 1:
+            sharding["distributed_config"] = DistributedConfig(fsdp_size=state.num_processes)
+        model = NezhaForMaskedLM.from_pretrained(model_path, **sharding)
         problems = []
         texts = [document.text for document in read_documents(files, txt_split=txt_split, problems=problems)]
         if not texts:
             raise ValueError(f"No text found in {list(map(str, files))}.")
         dataset = pack_documents(tokenizer, texts, max_length, show_progress)
-        logger.warning(f"Packed {len(texts)} documents into {len(dataset)} sequences of up to {max_length} tokens "
-                       f"({len(problems)} input lines skipped).")
+        if state.is_main_process:
+            logger.warning(f"Packed {len(texts)} documents into {len(dataset)} sequences of up to {max_length} "
+                           f"tokens ({len(problems)} input lines skipped).")
         arguments = TrainingArguments(output_dir=str(checkpoints), remove_unused_columns=False, **settings)
         shaping = {key: settings[key] for key in RESUMED_SETTINGS if key in settings}
         record = RunRecord.create("pretrain", model_path, files, {
             "max_length": max_length, "mlm_probability": mlm_probability, "txt_split": txt_split,
             "seed": arguments.seed, **shaping})
-        last = prepare_checkpoints(checkpoints, record, resume)
-        with staged_folder(output_dir, overwrite) as staging:  # the final model and tokenizer appear together
+        last = on_main(state, lambda: prepare_checkpoints(checkpoints, record, resume))
+        with shared_staged_folder(state, output_dir, overwrite) as staging:  # model and tokenizer appear together
             if finished(last, arguments.max_steps):
-                logger.warning(f"{last} already ends this run: nothing more to train.")
-                NezhaForMaskedLM.from_pretrained(last).save_pretrained(staging)
+                if state.is_main_process:
+                    logger.warning(f"{last} already ends this run: nothing more to train.")
+                    NezhaForMaskedLM.from_pretrained(last).save_pretrained(staging)
                 metrics = {}
             else:
                 collator = WholeWordMaskCollator(tokenizer, mlm_probability, seed=arguments.seed)
-                trainer = Trainer(model=model, args=arguments, train_dataset=dataset, data_collator=collator,
-                                  callbacks=[MaskingEpochCallback(collator), StopWhenNotFinite()])
-                if last:
+                trainer = DistributedCheckpointTrainer(
+                    model=model, args=arguments, train_dataset=dataset, data_collator=collator,
+                    callbacks=[MaskingEpochCallback(collator), StopWhenNotFinite()])
+                if last and state.is_main_process:
                     logger.warning(f"Resuming from {last}.")
                 metrics = trainer.train(resume_from_checkpoint=str(last) if last else None).metrics
                 trainer.save_model(str(staging))
-            tokenizer.save_pretrained(str(staging))
+            if state.is_main_process:
+                tokenizer.save_pretrained(str(staging))
     return metrics
 
 

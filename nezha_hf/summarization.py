@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, Trainer, TrainingArguments
+from transformers import AutoTokenizer, TrainingArguments
 from transformers.utils import logging
 
 from .cail import Judgment, lead, oracle_labels, rouge_scores
@@ -31,7 +31,15 @@ from .checkpoints import (
 )
 from .modeling_nezha import NezhaForSentenceExtraction, NezhaForUniLM
 from .padding import attention_mask_for, pad_rows
-from .safe_output import check_destination, claimed, staged_folder
+from .distributed import (
+    DistributedCheckpointTrainer,
+    claimed_by_main,
+    cpu_only,
+    on_main,
+    processes,
+    shared_staged_folder,
+)
+from .safe_output import check_destination
 from .unilm import UniLMDataCollator, generate_text
 
 logger = logging.get_logger(__name__)
@@ -228,17 +236,18 @@ def train_summarizer(
     jointly on `copy_tags` labels; its `generate()` then keeps copied spans on source n-grams.
     Returns the validation metrics.
     """
+    state = processes()
     data_files = {re.sub(r":\d+$", "", j.source) for j in judgments if j.source}  # "file:line" -> file
     output_dir = check_destination(output_dir, [base_model, *data_files], overwrite)
     checkpoints = output_dir.with_name(output_dir.name + ".checkpoints")
     check_destination(checkpoints, [base_model], overwrite=True)
-    with claimed(output_dir), claimed(checkpoints):
-        return _train_summarizer(judgments, base_model, output_dir, checkpoints, data_files, validation_fraction,
-                                 extractor_steps, generator_steps, max_length, copy_mechanism, seed, show_progress,
-                                 overwrite, resume, training_arguments)
+    with claimed_by_main(state, output_dir, checkpoints):
+        return _train_summarizer(state, judgments, base_model, output_dir, checkpoints, data_files,
+                                 validation_fraction, extractor_steps, generator_steps, max_length, copy_mechanism, seed,
+                                 show_progress, overwrite, resume, training_arguments)
 
 
-def _train_summarizer(judgments, base_model, output_dir, checkpoints, data_files, validation_fraction,
+def _train_summarizer(state, judgments, base_model, output_dir, checkpoints, data_files, validation_fraction,
                       extractor_steps, generator_steps, max_length, copy_mechanism, seed, show_progress, overwrite,
                       resume, training_arguments) -> dict:
     usable = [j for j in judgments if j.summary]
@@ -260,21 +269,21 @@ def _train_summarizer(judgments, base_model, output_dir, checkpoints, data_files
 
     defaults = dict(per_device_train_batch_size=1, learning_rate=5e-5, logging_steps=10, save_steps=500,
                     save_total_limit=1, report_to=[], seed=seed, disable_tqdm=not show_progress,
-                    remove_unused_columns=False)
+                    remove_unused_columns=False, use_cpu=cpu_only())
     settings = {**defaults, **training_arguments}
     record = RunRecord.create("train-summarizer", base_model, sorted(data_files), {
         "validation_fraction": validation_fraction, "max_length": max_length, "copy_mechanism": copy_mechanism,
         "seed": seed, "per_device_train_batch_size": settings["per_device_train_batch_size"]})
-    prepare_checkpoints(checkpoints, record, resume)
+    on_main(state, lambda: prepare_checkpoints(checkpoints, record, resume))
     metrics = {}
 
     def train_stage(name, model, collator, make_examples, steps, label_names):
-        trainer = Trainer(model=model, data_collator=collator, train_dataset=make_examples(train),
-                          eval_dataset=make_examples(validation) if validation else None,
-                          args=TrainingArguments(str(checkpoints / name), max_steps=steps, label_names=label_names,
-                                                 **settings),
-                          callbacks=[StopWhenNotFinite()])
-        last = last_complete_checkpoint(checkpoints / name)
+        trainer = DistributedCheckpointTrainer(
+            model=model, data_collator=collator, train_dataset=make_examples(train),
+            eval_dataset=make_examples(validation) if validation else None,
+            args=TrainingArguments(str(checkpoints / name), max_steps=steps, label_names=label_names, **settings),
+            callbacks=[StopWhenNotFinite()])
+        last = on_main(state, lambda: last_complete_checkpoint(checkpoints / name))
         trainer.train(resume_from_checkpoint=str(last) if last else None)
         if validation:
             metrics[f"{name}_eval_loss"] = trainer.evaluate()["eval_loss"]
@@ -291,9 +300,11 @@ def _train_summarizer(judgments, base_model, output_dir, checkpoints, data_files
     generator.generation_config.eos_token_id = tokenizer.sep_token_id
     generator.generation_config.pad_token_id = tokenizer.pad_token_id
     generator.generation_config.bos_token_id = tokenizer.cls_token_id  # never a copy candidate
-    with staged_folder(output_dir, overwrite) as staging:
-        Summarizer(extractor.eval(), generator.eval(), tokenizer, token_budget=max_length // 2).save_pretrained(staging)
-        (staging / "validation_ids.json").write_text(json.dumps([j.id for j, _ in validation]))
+    with shared_staged_folder(state, output_dir, overwrite) as staging:
+        if state.is_main_process:
+            Summarizer(extractor.eval(), generator.eval(), tokenizer,
+                       token_budget=max_length // 2).save_pretrained(staging)
+            (staging / "validation_ids.json").write_text(json.dumps([j.id for j, _ in validation]))
     return metrics
 
 

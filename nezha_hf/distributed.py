@@ -1,0 +1,247 @@
+"""More than one process: NEZHA's commands under `accelerate launch` / `torchrun`, and a Trainer that resumes models
+sharded by transformers' own `DistributedConfig`.
+
+    accelerate launch --num_processes 2 -m nezha_hf.cli pretrain MODEL corpus/ --output OUT          # DDP
+    accelerate launch --num_processes 2 -m nezha_hf.cli pretrain MODEL corpus/ --output OUT --fsdp   # FSDP2
+    torchrun --nproc_per_node 2 -m nezha_hf.cli summarize SUMMARIZER judgments/ --output S.jsonl
+
+Which process does what (`accelerate.PartialState`, so any launcher works): every process reads, trains and
+computes; the main process alone claims an output, prepares the checkpoints folder and puts the output in place
+(`claimed_by_main`, `shared_staged_folder`), and nobody returns before the output is there.
+
+`DistributedCheckpointTrainer` is `Trainer` with checkpoints that resume on any number of processes, including for a
+model loaded with `from_pretrained(..., distributed_config=...)` (FSDP2 or tensor parallel): transformers 5.23's
+Trainer trains such a model but refuses to checkpoint its optimizer, and cannot load its own checkpoint weights back
+into sharded parameters. The optimizer goes into a PyTorch distributed checkpoint (DCP), which loads into any sharding.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list, gather_object, reduce
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from tqdm.auto import tqdm
+from transformers import Trainer
+from transformers.distributed.checkpoint import load_optimizer_distributed, save_optimizer_distributed
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
+
+from .safe_output import claimed, staged_folder
+
+logger = logging.get_logger(__name__)
+OPTIMIZER_DCP, SCHEDULER_FILE = "optimizer", "scheduler.pt"
+
+
+def cpu_only() -> bool:
+    """No GPU (or other accelerator) here. accelerate and Trainer must then be told to use the CPU
+    (`PartialState(cpu=True)`, `TrainingArguments(use_cpu=True)`): otherwise every process of a multi-process launch
+    runs as if it were alone, each training on all the data."""
+    return not torch.accelerator.is_available()
+
+
+def processes():
+    """This process's place in the run: accelerate's `PartialState` (one process unless launched with several; then
+    the process group is up, gloo on CPU, NCCL on GPUs)."""
+    return PartialState(cpu=cpu_only())
+
+
+@contextlib.contextmanager
+def claimed_by_main(state, *destinations) -> Iterator[None]:
+    """The main process holds `destinations` (`safe_output.claimed`: a second run is refused, leftovers of killed
+    runs cleaned) for the whole block; the others start once that is done."""
+    with contextlib.ExitStack() as stack:
+        if state.is_main_process:
+            for destination in destinations:
+                stack.enter_context(claimed(destination))
+        state.wait_for_everyone()
+        yield
+
+
+@contextlib.contextmanager
+def shared_staged_folder(state, destination, overwrite: bool = False) -> Iterator[Path]:
+    """`safe_output.staged_folder` for several processes: every process gets the main process's staging folder (to
+    join the collective saves of a sharded model); once all are done with it, the main process puts it in place, and
+    none returns before that."""
+    if state.num_processes == 1:
+        with staged_folder(destination, overwrite) as staging:
+            yield staging
+        return
+    if state.is_main_process:
+        with staged_folder(destination, overwrite) as staging:
+            broadcast_object_list([str(staging)])
+            yield staging
+            state.wait_for_everyone()
+    else:
+        path = [None]
+        broadcast_object_list(path)
+        yield Path(path[0])
+        state.wait_for_everyone()
+    state.wait_for_everyone()
+
+
+def on_main(state, work):
+    """`work()` on the main process (files only it may write); every process gets its result."""
+    result = [work() if state.is_main_process else None]
+    if state.num_processes > 1:
+        broadcast_object_list(result)
+    return result[0]
+
+
+def all_true(state, flag: bool) -> bool:
+    """`flag` and the same flag of every other process (one all-reduce when there are several)."""
+    if state.num_processes == 1:
+        return flag
+    return bool(reduce(torch.tensor([float(flag)], device=state.device), reduction="sum").item() == state.num_processes)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a sharded (DTensor) parameter; a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def run_batches(state, count: int, batch_size: int, work, journal=None, record: dict | None = None,
+                show_progress: bool = False, unit: str = "items") -> list | None:
+    """`work(start, stop)` (a list of JSON-able results, one per item) for each batch `[start, stop)` of `count` items,
+    the batches shared out among the processes; returns every result in item order on the main process, None on the
+    others. Batches are the same whatever the number of processes, so results are too.
+
+    With `journal` (a folder beside the output being made), each finished batch is appended there at once, one JSONL
+    file per process; a rerun with the same `record` (what the results depend on) skips the batches already there,
+    whatever its number of processes; a journal of another record is discarded. The caller removes it when done.
+    """
+    batches = [(start, min(start + batch_size, count)) for start in range(0, count, batch_size)]
+    done = {}
+    if journal is not None:
+        journal = Path(journal)
+        on_main(state, lambda: _open_journal(journal, record))
+        done = _read_journal(journal)
+        if done and state.is_main_process:
+            logger.warning(f"{len(done)} of {count} {unit} already done ({journal}): going on from there.")
+    mine = [b for b in batches if any(i not in done for i in range(*b))][state.process_index :: state.num_processes]
+    computed = []
+    log = open(journal / f"done-{state.process_index}.jsonl", "a", encoding="utf-8") if journal is not None else None
+    try:
+        for start, stop in tqdm(mine, desc="batches", disable=not (show_progress and state.is_main_process)):
+            results = [{"index": start + offset, "result": result} for offset, result in enumerate(work(start, stop))]
+            if log is not None:
+                log.write("".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in results))
+                log.flush()
+                os.fsync(log.fileno())
+            computed += results
+    finally:
+        if log is not None:
+            log.close()
+    if state.num_processes > 1:
+        computed = gather_object(computed)
+    if not state.is_main_process:
+        return None
+    done.update((entry["index"], entry["result"]) for entry in computed)
+    missing = [i for i in range(count) if i not in done]
+    if missing:
+        raise RuntimeError(f"no result for items {missing[:5]}: a process ended without its share")
+    return [done[i] for i in range(count)]
+
+
+def _open_journal(journal: Path, record: dict | None) -> None:
+    """Keep a journal of the same record, with any line a kill cut short removed; start one otherwise."""
+    saved = journal / "record.json"
+    if journal.is_dir() and (not saved.is_file() or json.loads(saved.read_text(encoding="utf-8")) != record):
+        logger.warning(f"Discarding {journal}: its results are of an earlier run with other inputs or settings.")
+        shutil.rmtree(journal)
+    journal.mkdir(exist_ok=True)
+    for part in journal.glob("done-*.jsonl"):
+        text = part.read_bytes()
+        if text and not text.endswith(b"\n"):
+            part.write_bytes(text[: text.rfind(b"\n") + 1])
+    saved.write_text(json.dumps(record), encoding="utf-8")
+
+
+def _read_journal(journal: Path) -> dict:
+    done = {}
+    for part in sorted(journal.glob("done-*.jsonl")):
+        for line in part.read_text(encoding="utf-8").splitlines():
+            entry = json.loads(line)
+            done.setdefault(entry["index"], entry["result"])
+    return done
+
+
+class DistributedCheckpointTrainer(Trainer):
+    """`Trainer` whose checkpoints resume on any number of processes, including models sharded by
+    `from_pretrained(..., distributed_config=...)` (transformers' FSDP2 and tensor parallel).
+
+    Each `checkpoint-N` holds the gathered model weights and `trainer_state.json` (Trainer's `save_only_model=True`
+    part, which this class sets), plus the optimizer state as a PyTorch distributed checkpoint (`optimizer/`, which
+    loads into any sharding), the scheduler and every process's random state, all written before
+    `trainer_state.json`, so a checkpoint that has it is complete. `train(resume_from_checkpoint=...)` loads them back,
+    whether the checkpoint was written by one process or several. transformers 5.23's own Trainer trains a sharded
+    model but refuses to checkpoint its optimizer, and cannot load its checkpoint weights into sharded parameters.
+
+        model = NezhaForMaskedLM.from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=2))
+        DistributedCheckpointTrainer(model=model, args=TrainingArguments(...), ...).train(resume_from_checkpoint=True)
+    """
+
+    def __init__(self, model=None, args=None, **kwargs):
+        if args is not None:
+            # Trainer then writes the model and its state only; the rest is written by `_save_checkpoint` below.
+            args.save_only_model = True
+        super().__init__(model=model, args=args, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.args.should_save:  # a checkpoint of this step left by a killed run: none of its files may remain
+            shutil.rmtree(folder / OPTIMIZER_DCP, ignore_errors=True)
+        save_optimizer_distributed(self.model, self.optimizer, str(folder / OPTIMIZER_DCP))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
+        self._save_rng_state(str(folder))
+        super()._save_checkpoint(model, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if not self.is_distributed_loading_by_transformers:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        weights = read_weights(resume_from_checkpoint)
+        for target, source in self.model.all_tied_weights_keys.items():  # saved once, under the source's name
+            if target not in weights and source in weights:
+                weights[target] = weights[source]
+        set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None or not os.path.isdir(os.path.join(checkpoint, OPTIMIZER_DCP)):
+            return super()._load_optimizer_and_scheduler(checkpoint)  # none, or a plain Trainer checkpoint
+        load_optimizer_distributed(self.model, self.optimizer, os.path.join(checkpoint, OPTIMIZER_DCP))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
+
+
+def read_weights(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors weights in a model folder (one file, or the shards its index lists)."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = ["model.safetensors"]
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    weights = {}
+    for name in files:
+        weights.update(load_file(folder / name))
+    return weights
+
+
+__all__ = [
+    "DistributedCheckpointTrainer",
+    "all_true",
+    "claimed_by_main",
+    "cpu_only",
+    "local_tensor",
+    "on_main",
+    "processes",
+    "read_weights",
+    "run_batches",
+    "shared_staged_folder",
+]
