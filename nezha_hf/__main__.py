@@ -1,7 +1,7 @@
-"""`python -m nezha_hf`: the `nezha-hf` command line (also for launchers, e.g. `accelerate launch -m nezha_hf ...`)."""
+"""`python -m nezha_hf`: the `nezha-hf` command line, for launchers (`accelerate launch -m nezha_hf ...`, `torchrun`)."""
 
 import sys
 
-from .cli import main
+from nezha_hf_cli import main
 
 sys.exit(main())

@@ -98,7 +98,11 @@ def _tokens(text: str, unit: str) -> str:
     if unit == "char":
         return " ".join(ch for ch in text if not ch.isspace())
     if unit == "word":
+        import logging
+
         import jieba
+
+        jieba.setLogLevel(logging.WARNING)  # not its dictionary-loading chatter on every run
 
         return " ".join(word for word in jieba.cut(text) if word.strip())
     raise ValueError(f"unit must be one of {UNITS}, got {unit!r}.")

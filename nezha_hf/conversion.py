@@ -57,7 +57,7 @@ TF_TRAINING_STATE = [
 # Config fields of BERT that NEZHA does not have.
 BERT_ONLY_CONFIG = {
     "position_embedding_type": "NEZHA's positions are relative and built in",
-    "gradient_checkpointing": "a training option, not part of the model (use model.gradient_checkpointing_enable())",
+    "gradient_checkpointing": "a training option, not part of the model: use TrainingArguments(activation_checkpointing=True)",
     "directionality": "Google BERT metadata",
     "pooler_fc_size": "Google BERT metadata",
     "pooler_num_attention_heads": "Google BERT metadata",

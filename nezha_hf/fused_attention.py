@@ -176,7 +176,9 @@ def _load_kernel():
     try:
         directory.mkdir(parents=True, exist_ok=True)
         source = _source_in(directory)
-        logger.info("Loading NEZHA's fused attention kernel (it is compiled the first time, which takes a while).")
+        if not (directory / f"{directory.name}.so").is_file():  # a pause of a minute deserves a word
+            logger.warning(f"Compiling NEZHA's attention kernel into {directory}: once per environment, about a "
+                           "minute on 2 cores.")
         with _bounded_lock_wait(lock_timeout()):
             return load(name=directory.name, sources=[str(source)], build_directory=str(directory),
                         extra_cflags=KERNEL_FLAGS, extra_ldflags=["-fopenmp"])

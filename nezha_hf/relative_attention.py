@@ -10,7 +10,7 @@ For a head of size `d`, query position `i`, key position `j` and `K = max_relati
 shape. Four engines compute it exactly: `ENGINES` declares each one (what it is, when it cannot run
 and what runs instead), `relative_attention` is the one function every `attn_implementation` goes
 through, and `implementation_table()` renders the declarations as the table of which engine runs
-where (docs/attention.md holds it; a test keeps the two equal). The engine that ran is logged once
+where (README.md holds it; a test keeps the two equal). The engine that ran is logged once
 per situation at INFO and recorded for `recorded_attention_calls()`.
 
 The mask is a `RelativeAttentionMask` (key padding, causal or UniLM prefix) rather than a dense
@@ -406,7 +406,7 @@ DOCUMENTED_SITUATIONS = {
 
 def implementation_table() -> str:
     """The Markdown table of which engine runs for each `attn_implementation` in `DOCUMENTED_SITUATIONS`,
-    computed from `ENGINES` (docs/attention.md holds its output)."""
+    computed from `ENGINES` (README.md holds its output)."""
     header = "| situation | " + " | ".join(f"`{engine.value}`" for engine in Engine) + " |"
     lines = [header, "|---" * (len(Engine) + 1) + "|"]
     for label, situation in DOCUMENTED_SITUATIONS.items():

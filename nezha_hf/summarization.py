@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, TrainingArguments
+from transformers.trainer_callback import PrinterCallback
 from transformers.utils import logging
 
 from .cail import Judgment, lead, oracle_labels, rouge_scores
@@ -283,6 +284,8 @@ def _train_summarizer(state, judgments, base_model, output_dir, checkpoints, dat
             eval_dataset=make_examples(validation) if validation else None,
             args=TrainingArguments(str(checkpoints / name), max_steps=steps, label_names=label_names, **settings),
             callbacks=[StopWhenNotFinite()])
+        if not show_progress:  # with its progress bar off, Trainer would print every log line instead
+            trainer.remove_callback(PrinterCallback)
         last = on_main(state, lambda: last_complete_checkpoint(checkpoints / name))
         trainer.train(resume_from_checkpoint=str(last) if last else None)
         if validation:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import make_tokenizer
 
-from nezha_hf import cli
+import nezha_hf_cli as cli
 
 # Tests never reach the network: offline mode for everything transformers and huggingface_hub do
 # (inherited by subprocesses), and a guard that refuses any connection that is not loopback.

@@ -1,20 +1,60 @@
 """The console script: help, and the summariser commands end to end."""
 
+import argparse
 import json
 import random
 import subprocess
 import sys
+from importlib import metadata
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import VOCAB, synthetic_judgment, tiny_config, write_jsonl
 
+import nezha_hf
+import nezha_hf_cli
 from nezha_hf import NezhaForMaskedLM
 
 
-def test_console_script_help():
-    result = subprocess.run([sys.executable, "-m", "nezha_hf.cli", "--help"], capture_output=True, text=True)
+def test_console_script_help_and_version():
+    result = subprocess.run(["nezha-hf", "--help"], capture_output=True, text=True,
+                            env={**__import__("os").environ, "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"})
     assert result.returncode == 0 and "demo" in result.stdout and "convert" in result.stdout
+    version = subprocess.run([sys.executable, "-m", "nezha_hf", "--version"], capture_output=True, text=True)
+    assert version.stdout.strip() == f"nezha-hf {nezha_hf.__version__}" == f"nezha-hf {metadata.version('nezha_hf')}"
+
+
+def test_help_loads_neither_pytorch_nor_transformers():
+    """`--help` answers at once: the parser is built without the heavy libraries (a command imports them)."""
+    probe = ("import sys, contextlib, io, nezha_hf_cli\n"
+             "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+             "    nezha_hf_cli.main(['pretrain', '--help'])\n"
+             "print(sorted(m for m in ('torch', 'transformers', 'nezha_hf') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.stdout.strip() == "[]", done.stderr
+
+
+def subcommands(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield name, child
+                yield from subcommands(child)
+
+
+def test_every_option_has_help_and_every_command_an_example():
+    from nezha_hf.documents import TXT_SPLITS
+
+    parser = nezha_hf_cli.build_parser()
+    for name, command in subcommands(parser):
+        assert command.epilog and command.epilog.startswith("example:"), name
+        for action in command._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest}"
+    pretrain = dict(subcommands(parser))["pretrain"]
+    txt_split = next(a for a in pretrain._actions if "--txt-split" in a.option_strings)
+    assert all(split in txt_split.help for split in TXT_SPLITS)  # the help names every value the reader accepts
+    assert "(default: 1024)" in pretrain.format_help()
 
 
 @pytest.mark.slow
@@ -27,7 +67,7 @@ def test_cli_trains_summarizes_and_evaluates_end_to_end(tmp_path, tokenizer):
     tokenizer.save_pretrained(base)
 
     def cli(*args):
-        done = subprocess.run([sys.executable, "-m", "nezha_hf.cli", *map(str, args)], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", "nezha_hf", *map(str, args)], capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         return done
@@ -39,7 +79,7 @@ def test_cli_trains_summarizes_and_evaluates_end_to_end(tmp_path, tokenizer):
     # A rerun into the finished folder is refused (nothing is lost); with --overwrite it resumes from the kept
     # checkpoints (no step is trained again) and replaces the folder whole.
     trained = (tmp_path / "model" / "extractor" / "model.safetensors").read_bytes()
-    refused = subprocess.run([sys.executable, "-m", "nezha_hf.cli", "train-summarizer", str(data), "--base", str(base),
+    refused = subprocess.run([sys.executable, "-m", "nezha_hf", "train-summarizer", str(data), "--base", str(base),
                               "--output", str(tmp_path / "model")], capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "--overwrite" in refused.stderr
     assert (tmp_path / "model" / "extractor" / "model.safetensors").read_bytes() == trained
@@ -101,7 +141,7 @@ def test_summarize_checks_its_arguments_and_output_before_any_work(tmp_path, run
 def test_debug_shows_the_traceback(tmp_path, run_cli):
     with pytest.raises(FileNotFoundError, match="not a model folder"):
         run_cli("summarize", tmp_path / "nowhere", "x.jsonl", "--debug")
-    done = subprocess.run([sys.executable, "-m", "nezha_hf.cli", "summarize", str(tmp_path / "nowhere"), "x.jsonl",
+    done = subprocess.run([sys.executable, "-m", "nezha_hf", "summarize", str(tmp_path / "nowhere"), "x.jsonl",
                            "--debug"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "Traceback" in done.stderr and "FileNotFoundError" in done.stderr
 

@@ -176,13 +176,13 @@ def test_legacy_nezha_release_converts_and_matches_v4_outputs(tmp_path):
 def test_cli_convert_prints_the_report(tmp_path):
     save_layout(small_bert(), tmp_path / "bert", "safetensors")
     done = subprocess.run(
-        [sys.executable, "-m", "nezha_hf.cli", "convert", "bert", str(tmp_path / "bert"), str(tmp_path / "nezha")],
+        [sys.executable, "-m", "nezha_hf", "convert", "bert", str(tmp_path / "bert"), str(tmp_path / "nezha")],
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr
     assert "position_embeddings" in done.stdout and "absolute position embeddings" in done.stdout
     failed = subprocess.run(
-        [sys.executable, "-m", "nezha_hf.cli", "convert", "bert", str(tmp_path / "nowhere"), str(tmp_path / "x")],
+        [sys.executable, "-m", "nezha_hf", "convert", "bert", str(tmp_path / "nowhere"), str(tmp_path / "x")],
         capture_output=True, text=True, timeout=300,
     )
     assert failed.returncode == 2 and "nowhere" in failed.stderr

@@ -82,7 +82,7 @@ def test_export_refuses_what_it_cannot_do_and_writes_nothing(tmp_path):
 def test_cli_exports_and_says_it_verified(tmp_path):
     torch.manual_seed(0)
     NezhaForSequenceClassification(tiny_config(num_labels=2)).save_pretrained(tmp_path / "model")
-    done = subprocess.run([sys.executable, "-m", "nezha_hf.cli", "export", "onnx", str(tmp_path / "model"),
+    done = subprocess.run([sys.executable, "-m", "nezha_hf", "export", "onnx", str(tmp_path / "model"),
                            str(tmp_path / "model.onnx")], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "onnxruntime matches PyTorch to" in done.stdout and (tmp_path / "model.onnx").is_file()

@@ -250,7 +250,7 @@ def test_gradient_checkpointing_gives_same_gradients():
 
     model.train()
     plain = grads()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     checkpointed = grads()
     for a, b in zip(plain, checkpointed):
         torch.testing.assert_close(a, b)

@@ -81,8 +81,8 @@ def test_gradient_accumulation_with_dropout_keeps_the_loss_scale(cls, tmp_path, 
 def test_trainer_gradient_checkpointing_and_bf16(tmp_path):
     batch = head_batch(NezhaForMaskedLM, rows=4)
     _, trainer = train(NezhaForMaskedLM, tmp_path / "gc", batch, per_device_train_batch_size=2, max_steps=2,
-                       gradient_checkpointing=True)
-    assert trainer.model.is_gradient_checkpointing
+                       activation_checkpointing=True)
+    assert trainer.model.is_activation_checkpointing
     _, trainer = train(NezhaForSequenceClassification, tmp_path / "bf16", head_batch(NezhaForSequenceClassification),
                        per_device_train_batch_size=2, max_steps=2, bf16=True)
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in trainer.state.log_history if "loss" in e)

@@ -21,7 +21,7 @@ from nezha_hf import NezhaForMaskedLM, NezhaForTokenClassification
 from nezha_hf import safe_output
 from nezha_hf.hub import export_remote_code
 
-CLI = [sys.executable, "-m", "nezha_hf.cli"]
+CLI = [sys.executable, "-m", "nezha_hf"]
 
 
 def one_line_failure(done, *needles, code=2):

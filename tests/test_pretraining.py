@@ -56,7 +56,7 @@ def test_pretrain_lowers_the_loss_and_resumes(tmp_path, tokenizer):
             return model(**WholeWordMaskCollator(tokenizer)(held_out)).loss.item()
 
     done = subprocess.run(
-        [sys.executable, "-m", "nezha_hf.cli", "pretrain", str(start), str(corpus), "--output", str(tmp_path / "out"),
+        [sys.executable, "-m", "nezha_hf", "pretrain", str(start), str(corpus), "--output", str(tmp_path / "out"),
          "--max-length", "128", "--max-steps", "60", "--batch-size", "8", "--learning-rate", "2e-3",
          "--save-steps", "30"],
         capture_output=True, text=True, timeout=600,
@@ -70,7 +70,7 @@ def test_pretrain_lowers_the_loss_and_resumes(tmp_path, tokenizer):
     checkpoint = tmp_path / "out.checkpoints" / "checkpoint-60"
     saved = snapshot(checkpoint)
     again = subprocess.run(
-        [sys.executable, "-m", "nezha_hf.cli", "pretrain", str(start), str(corpus), "--output", str(tmp_path / "out"),
+        [sys.executable, "-m", "nezha_hf", "pretrain", str(start), str(corpus), "--output", str(tmp_path / "out"),
          "--max-length", "128", "--max-steps", "70", "--batch-size", "8", "--save-steps", "30", "--learning-rate",
          "2e-3", "--overwrite"],
         capture_output=True, text=True, timeout=600,

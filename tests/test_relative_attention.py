@@ -219,11 +219,11 @@ def test_the_engine_that_ran_is_logged_once_at_info(caplog, monkeypatch):
                      "no KV cache): the fused kernel computes in float32 (it takes float32, bfloat16 and float16)."]
 
 
-def test_the_docs_table_is_the_engine_table():
-    """docs/attention.md shows which engine runs where; it must be what `ENGINES` declares."""
-    docs = (Path(__file__).parents[1] / "docs" / "attention.md").read_text(encoding="utf-8")
-    assert ra.implementation_table() in docs, (
-        "docs/attention.md is out of date: paste the output of "
+def test_the_readme_table_is_the_engine_table():
+    """The README shows which engine runs where; it must be what `ENGINES` declares."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    assert ra.implementation_table() in readme, (
+        "README.md's attention table is out of date: paste the output of "
         "`python -c 'from nezha_hf.relative_attention import implementation_table; print(implementation_table())'`"
     )
 

@@ -163,6 +163,16 @@ MUTATIONS = [
     Mutation("2-D masks are not checked for 0/1", "nezha_hf/modeling_nezha.py",
              "    if mask.dtype != torch.bool and values_known(mask)", "    if False and values_known(mask)",
              ["tests/test_modeling_nezha.py", "-k", "bad_input"]),
+    # --- several processes ---
+    Mutation("FSDP2 shards the model before its tied weights are tied", "nezha_hf/modeling_nezha.py",
+             "            if distributed_config.dp_size > 1:\n                model.tie_weights(recompute_mapping=False)\n",
+             "", ["tests/test_distributed.py", "-k", "fsdp_makes"]),
+    Mutation("a resumed sharded run starts with a fresh optimizer", "nezha_hf/distributed.py",
+             "            load_optimizer_distributed(self.model, self.optimizer, os.path.join(checkpoint, OPTIMIZER_DCP))\n",
+             "            pass\n", ["tests/test_distributed.py", "-k", "killed"]),
+    Mutation("a rerun of summarize does again what the killed run wrote", "nezha_hf/distributed.py",
+             "        done = _read_journal(journal)\n", "        done = {}\n",
+             ["tests/test_distributed.py", "-k", "summarize"]),
     # --- export ---
     Mutation("exporting a model object switches the caller's model to the L x L gather path", "nezha_hf/export.py",
              "_from_config(copy.deepcopy(model_or_path.config), ", "_from_config(model_or_path.config, ",

@@ -1,35 +1,48 @@
-"""The `nezha-hf` command line.
+"""The `nezha-hf` command line (`python -m nezha_hf` runs it too, e.g. under `accelerate launch` or `torchrun`).
 
-    nezha-hf demo                                    the main job, end to end
-    nezha-hf convert bert SRC_DIR OUT_DIR            a Hugging Face BERT (any head) into NEZHA
-    nezha-hf convert tf CKPT OUT_DIR --config bert_config.json --vocab vocab.txt
-    nezha-hf convert nezha SRC_DIR OUT_DIR           an older PyTorch NEZHA release
-    nezha-hf pretrain MODEL_DIR FILE... --output OUT continue masked-LM training (after converting a BERT)
-    nezha-hf summarize MODEL_DIR INPUT... [--output F] summarise judgments (.txt, folders, JSONL)
+    nezha-hf demo                                         the main jobs, end to end
+    nezha-hf convert bert|tf|nezha SOURCE OUT_DIR         BERT and older NEZHA checkpoints into NEZHA
+    nezha-hf pretrain MODEL_DIR FILE... --output OUT      continue masked-LM training (after converting a BERT)
     nezha-hf train-summarizer DATA.jsonl --base MODEL_DIR --output DIR
-    nezha-hf evaluate DATA.jsonl [--predictions P.jsonl] ROUGE / CAIL scores with lead-N and oracle
-    nezha-hf export onnx MODEL_DIR OUT.onnx          ONNX for serving, checked with onnxruntime
+    nezha-hf summarize SUMMARIZER INPUT... [--output F]   summarise judgments (.txt, folders, JSONL)
+    nezha-hf evaluate DATA.jsonl [--predictions P.jsonl]  ROUGE / CAIL scores beside lead-N and the oracle
+    nezha-hf export onnx MODEL_DIR OUT                    ONNX for serving, checked with onnxruntime first
 
-`nezha-hf COMMAND --help` lists each command's options. Arguments, input files and output paths
-are checked before any long work starts. Every failure is one line naming the problem, with exit
-status 2 and no traceback (`--debug` shows it). Outputs are written beside their destination and
-renamed into place once complete; an existing output is replaced only with `--overwrite`.
+`nezha-hf COMMAND --help` lists a command's options, their defaults and an example. Arguments, input files and
+output paths are checked before any long work starts. Every failure is one line naming the problem, with exit status
+2 and no traceback (`--debug` shows it); Ctrl-C and SIGTERM end with 130 and 143. Outputs are written beside their
+destination and renamed into place once complete; an existing output is replaced only with `--overwrite`.
+
+This module lives outside the `nezha_hf` package so that `--help` and `--version` answer at once: importing the
+package loads PyTorch and transformers, which a command only does when it runs.
 """
 
 import argparse
 import math
 import signal
 import sys
+from importlib.metadata import version
 from pathlib import Path
-
-from .documents import TXT_SPLITS
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors as one line (not usage plus error) and exit status 2."""
+    """argparse, with its errors as one line (not usage plus error) and exit status 2, and defaults in the help."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=_HelpFormatter, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default (unless it is none, off, or already in the help), keeps the examples' lines."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, [], argparse.SUPPRESS) or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: {action.default})"
 
 
 def _number(kind, low=None, high=None, high_open=False):
@@ -47,6 +60,7 @@ def _number(kind, low=None, high=None, high_open=False):
             raise argparse.ArgumentTypeError(f"must be at least {low}{upper}, got {text}")
         return value
 
+    parse.__name__ = kind.__name__  # what argparse calls the type in its messages
     return parse
 
 
@@ -57,9 +71,13 @@ PROBABILITY = _number(float, 0.0, 1.0)
 POSITIVE = _number(float, 1e-12)
 
 
+def _examples(*lines: str) -> str:
+    return "example:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 def _add_conversion_options(parser):
-    parser.add_argument("output", help="directory to write (must not be the source, nor inside it)")
-    parser.add_argument("--architecture", help="NEZHA class to produce, e.g. NezhaForMaskedLM (default: from the source)")
+    parser.add_argument("output", help="folder to write (not the source, nor inside it)")
+    parser.add_argument("--architecture", help="NEZHA class to produce, e.g. NezhaForMaskedLM (default: the source's)")
     parser.add_argument("--allow-missing", action="append", default=[], metavar="PATTERN",
                         help="glob of NEZHA head weights that may stay uninitialised (repeatable)")
     parser.add_argument("--remote-code", action="store_true",
@@ -68,77 +86,97 @@ def _add_conversion_options(parser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = _Parser(add_help=False)
+    """The parser of every command (no heavy import: see the module docstring)."""
+    common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show the traceback of a failure")
-    parser = _Parser(prog="nezha-hf", description="NEZHA for transformers v5", parents=[common])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="nezha-hf", description=__doc__.split("\n\n")[1], parents=[common])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('nezha_hf')}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
 
-    def command(subparsers, name, **kwargs):
-        return subparsers.add_parser(name, parents=[common], **kwargs)
+    def command(subparsers, name, help, example):
+        return subparsers.add_parser(name, parents=[common], help=help, description=help, epilog=example)
 
-    demo = command(sub, "demo", help="the main jobs, end to end: convert a real BERT, long inputs, the summariser")
-    demo.add_argument("--workdir", type=Path, default=Path("demo-output"), help="where to write (default demo-output/)")
-    demo.add_argument("--tokens", type=COUNT, default=4096, help="input length for step 2")
+    demo = command(sub, "demo", "the main jobs, end to end: convert a real BERT, long inputs, the summariser",
+                   _examples("nezha-hf demo --workdir demo-output"))
+    demo.add_argument("--workdir", type=Path, default=Path("demo-output"), help="folder the demo writes into")
+    demo.add_argument("--tokens", type=COUNT, default=4096, help="input length of step 2 (the v4 checkpoint)")
     demo.add_argument("--quick", action="store_true", help="train the step-3 summariser for a few steps only")
     demo.add_argument("--copy", action="store_true", help="step 3 with the SPACES copy mechanism")
 
-    convert = command(sub, "convert", help="convert BERT or older NEZHA checkpoints").add_subparsers(
-        dest="source_format", required=True
-    )
-    bert = command(convert, "bert", help="a Hugging Face BERT directory (safetensors or .bin)")
-    bert.add_argument("source", help="BERT directory with config.json and weights")
+    convert = command(sub, "convert", "convert BERT or older NEZHA checkpoints into NEZHA",
+                      _examples("nezha-hf convert bert bert-base-chinese/ nezha-from-bert/")).add_subparsers(
+        dest="source_format", required=True, metavar="SOURCE_FORMAT", help="what the source is")
+    bert = command(convert, "bert", "a Hugging Face BERT folder (safetensors or .bin, any head)",
+                   _examples("nezha-hf convert bert bert-base-chinese/ nezha-from-bert/"))
+    bert.add_argument("source", help="BERT folder with config.json and weights")
     _add_conversion_options(bert)
-    bert.add_argument("--max-relative-position", type=COUNT, help="K for the new model (default 64)")
-    tf = command(convert, "tf", help="a TensorFlow checkpoint, Google BERT or Huawei NEZHA naming (needs nezha_hf[tf])")
+    bert.add_argument("--max-relative-position", type=COUNT, default=64, help="K of the new model")
+    tf = command(convert, "tf", "a TensorFlow checkpoint, Google BERT or Huawei NEZHA naming (needs nezha_hf[tf])",
+                 _examples("nezha-hf convert tf chinese_L-12_H-768_A-12/bert_model.ckpt nezha-tf/ \\",
+                           "    --config chinese_L-12_H-768_A-12/bert_config.json --vocab chinese_L-12_H-768_A-12/vocab.txt"))
     tf.add_argument("checkpoint", help="checkpoint prefix, e.g. model.ckpt-900000")
     _add_conversion_options(tf)
     tf.add_argument("--config", required=True, help="bert_config.json")
-    tf.add_argument("--vocab", help="vocab.txt")
+    tf.add_argument("--vocab", help="vocab.txt (copied beside the model, with a tokenizer config)")
     tf.add_argument("--max-relative-position", type=COUNT, help="K (default: the config's, else 64)")
     tf.add_argument("--cased", action="store_true", help="do not lower-case (the Chinese releases lower-case)")
-    legacy = command(convert, "nezha", help="an older PyTorch NEZHA release (bert. prefix, persisted buffers)")
-    legacy.add_argument("source")
+    legacy = command(convert, "nezha", "an older PyTorch NEZHA release (bert. prefix, persisted buffers)",
+                     _examples("nezha-hf convert nezha nezha-cn-base-old/ nezha-cn-base/"))
+    legacy.add_argument("source", help="the release's folder")
     _add_conversion_options(legacy)
 
-    pretrain = command(sub, "pretrain", help="continue masked-LM training (after converting a BERT)")
-    pretrain.add_argument("model", help="NEZHA checkpoint directory (with tokenizer)")
+    pretrain = command(sub, "pretrain", "continue masked-LM training (after converting a BERT)",
+                       _examples("nezha-hf pretrain nezha-from-bert/ corpus/ --output nezha-adapted/ --max-steps 20000",
+                                 "accelerate launch --num_processes 4 -m nezha_hf pretrain nezha-from-bert/ corpus/ \\",
+                                 "    --output nezha-adapted/ --max-steps 20000 --fsdp"))
+    pretrain.add_argument("model", help="NEZHA checkpoint folder (with tokenizer)")
     pretrain.add_argument("files", nargs="+", help=".txt / .jsonl files or folders")
     pretrain.add_argument("--output", required=True,
                           help="the final model's folder (Trainer checkpoints go to OUTPUT.checkpoints, resumed on rerun)")
     pretrain.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
-    pretrain.add_argument("--max-length", type=_number(int, 8), default=1024)
-    pretrain.add_argument("--mlm-probability", type=_number(float, 1e-6, 1.0, high_open=True), default=0.15)
-    pretrain.add_argument("--txt-split", choices=TXT_SPLITS, default="blank-lines")
-    pretrain.add_argument("--max-steps", type=_number(int, -1), default=-1, help="-1: as many as --epochs make")
-    pretrain.add_argument("--epochs", type=POSITIVE, default=1.0)
-    pretrain.add_argument("--batch-size", type=COUNT, default=8)
-    pretrain.add_argument("--gradient-accumulation-steps", type=COUNT, default=1)
-    pretrain.add_argument("--learning-rate", type=POSITIVE, default=5e-5)
-    pretrain.add_argument("--save-steps", type=COUNT, default=500)
-    pretrain.add_argument("--bf16", action="store_true")
+    pretrain.add_argument("--max-length", type=_number(int, 8), default=1024, help="tokens per packed sequence")
+    pretrain.add_argument("--mlm-probability", type=_number(float, 1e-6, 1.0, high_open=True), default=0.15,
+                          help="share of the tokens masked (whole jieba words)")
+    pretrain.add_argument("--txt-split", default="blank-lines",
+                          help="how a .txt file splits into documents: file, blank-lines or lines")
+    pretrain.add_argument("--max-steps", type=_number(int, -1), default=-1,
+                          help="optimizer steps; -1: as many as --epochs make")
+    pretrain.add_argument("--epochs", type=POSITIVE, default=1.0, help="passes over the data (unless --max-steps)")
+    pretrain.add_argument("--batch-size", type=COUNT, default=8, help="sequences per step and process")
+    pretrain.add_argument("--gradient-accumulation-steps", type=COUNT, default=1, help="batches per optimizer step")
+    pretrain.add_argument("--learning-rate", type=POSITIVE, default=5e-5, help="peak learning rate (linear decay)")
+    pretrain.add_argument("--save-steps", type=COUNT, default=500, help="steps between checkpoints")
+    pretrain.add_argument("--bf16", action="store_true", help="train in bfloat16 mixed precision")
     pretrain.add_argument("--no-resume", action="store_true",
                           help="start over, deleting the checkpoints of an earlier run in OUTPUT.checkpoints")
-    pretrain.add_argument("--seed", type=int, default=42)
+    pretrain.add_argument("--seed", type=int, default=42, help="seed of the masking and the data order")
     pretrain.add_argument("--fsdp", action="store_true",
                           help="with several processes (accelerate launch, torchrun): shard the model with "
                                "transformers' FSDP2 instead of a whole copy per process (DDP)")
 
-    summarize = command(sub, "summarize", help="summarise judgments: extract with NEZHA, then generate")
+    summarize = command(sub, "summarize", "summarise judgments: extract with NEZHA, then generate",
+                        _examples("nezha-hf summarize my-summarizer/ judgments/ more.jsonl --output summaries.jsonl",
+                                  "torchrun --nproc_per_node 4 -m nezha_hf summarize my-summarizer/ judgments/ "
+                                  "--output summaries.jsonl"))
     summarize.add_argument("model", help="a summariser folder (from train-summarizer)")
     summarize.add_argument("inputs", nargs="+", help=".txt files, folders, or JSONL (CAIL2020 or a `text` string)")
     summarize.add_argument("--output", type=Path,
-                           help="JSONL (one {id, summary, extracted} per input) or .txt; default: stdout")
+                           help="JSONL (one {id, summary, extracted} per input) or .txt; default: standard output")
     summarize.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     summarize.add_argument("--extract-only", action="store_true", help="output the extracted sentences")
-    summarize.add_argument("--batch-size", type=COUNT, default=4)
-    summarize.add_argument("--threshold", type=PROBABILITY, help="extraction probability threshold")
-    summarize.add_argument("--token-budget", type=COUNT, help="tokens of extracted source given to the generator")
+    summarize.add_argument("--batch-size", type=COUNT, default=4, help="judgments generated together")
+    summarize.add_argument("--threshold", type=PROBABILITY,
+                           help="extraction probability threshold (default: the summariser's own)")
+    summarize.add_argument("--token-budget", type=COUNT,
+                           help="tokens of extracted source given to the generator (default: the summariser's own)")
     summarize.add_argument("--num-beams", type=COUNT, help="beams of the generator (default: the summariser's own)")
     summarize.add_argument("--no-copy-constraint", action="store_true",
                            help="decode freely even if the generator has a copy head")
-    summarize.add_argument("--max-new-tokens", type=COUNT, default=512)
+    summarize.add_argument("--max-new-tokens", type=COUNT, default=512, help="longest summary, in tokens")
 
-    train = command(sub, "train-summarizer", help="train the extractor and the generator from CAIL2020 JSONL")
+    train = command(sub, "train-summarizer", "train the extractor and the generator from CAIL2020 JSONL",
+                    _examples("nezha-hf train-summarizer cail2020_train.jsonl --base nezha-cn-base/ "
+                              "--output my-summarizer/"))
     train.add_argument("data", nargs="+", help="CAIL2020 JSONL with summaries (labels optional: oracle otherwise)")
     train.add_argument("--base", required=True, help="NEZHA checkpoint with tokenizer to start from")
     train.add_argument("--output", required=True, type=Path,
@@ -146,23 +184,28 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
     train.add_argument("--no-resume", action="store_true",
                        help="start over, deleting the checkpoints of an earlier run in OUTPUT.checkpoints")
-    train.add_argument("--validation-fraction", type=RATE, default=0.1)
-    train.add_argument("--extractor-steps", type=STEPS, default=1000)
-    train.add_argument("--generator-steps", type=STEPS, default=2000)
+    train.add_argument("--validation-fraction", type=RATE, default=0.1, help="share of judgments held out")
+    train.add_argument("--extractor-steps", type=STEPS, default=1000, help="training steps of the extractor")
+    train.add_argument("--generator-steps", type=STEPS, default=2000, help="training steps of the generator")
     train.add_argument("--max-length", type=_number(int, 8), default=1024, help="generator source + summary tokens")
-    train.add_argument("--learning-rate", type=POSITIVE, default=5e-5)
-    train.add_argument("--save-steps", type=COUNT, default=500)
+    train.add_argument("--learning-rate", type=POSITIVE, default=5e-5, help="peak learning rate of both stages")
+    train.add_argument("--save-steps", type=COUNT, default=500, help="steps between checkpoints")
     train.add_argument("--copy", action="store_true",
                        help="SPACES copy mechanism: copy tags trained jointly, copied spans follow source n-grams")
 
-    export = command(sub, "export", help="export a model for serving").add_subparsers(dest="format", required=True)
-    onnx = command(export, "onnx", help="ONNX (dynamic batch and length), checked with onnxruntime before it is written")
+    export = command(sub, "export", "export a model for serving",
+                     _examples("nezha-hf export onnx my-nezha/ my-nezha.onnx")).add_subparsers(
+        dest="format", required=True, metavar="FORMAT", help="the format to write")
+    onnx = command(export, "onnx", "ONNX (dynamic batch and length), checked with onnxruntime before it is written",
+                   _examples("nezha-hf export onnx my-nezha/ my-nezha.onnx",
+                             "nezha-hf export onnx my-summarizer/ my-summarizer-onnx/"))
     onnx.add_argument("model", help="a NEZHA model folder (an encoder head), or a summariser folder (train-summarizer)")
     onnx.add_argument("output", help="the .onnx file to write; for a summariser, the folder to write")
     onnx.add_argument("--atol", type=POSITIVE, default=1e-4, help="largest allowed |onnxruntime - PyTorch|")
-    onnx.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    onnx.add_argument("--overwrite", action="store_true", help="replace an existing output")
 
-    evaluate = command(sub, "evaluate", help="ROUGE-1/2/L and CAIL score, over characters and jieba words")
+    evaluate = command(sub, "evaluate", "ROUGE-1/2/L and CAIL score, over characters and jieba words",
+                       _examples("nezha-hf evaluate cail2020_test.jsonl --predictions summaries.jsonl"))
     evaluate.add_argument("data", nargs="+", help="judgments with reference summaries (CAIL2020 JSONL)")
     evaluate.add_argument("--predictions", type=Path, help="JSONL of {id, summary} to score (e.g. from summarize)")
     evaluate.add_argument("--lead", type=COUNT, default=3, help="N of the lead-N baseline")
@@ -177,7 +220,7 @@ def _report_problems(problems) -> None:
 
 
 def _read_inputs(paths):
-    from .cail import read_judgments
+    from nezha_hf.cail import read_judgments
 
     problems = []
     judgments = read_judgments(paths, problems)
@@ -192,10 +235,10 @@ def _summarize(args) -> None:
     import shutil
     from dataclasses import asdict
 
-    from .checkpoints import RunRecord, model_folder
-    from .distributed import claimed_by_main, processes, run_batches
-    from .safe_output import check_destination, write_text_atomically
-    from .summarization import Summarizer
+    from nezha_hf.checkpoints import RunRecord, model_folder
+    from nezha_hf.distributed import claimed_by_main, processes, run_batches
+    from nezha_hf.safe_output import check_destination, write_text_atomically
+    from nezha_hf.summarization import Summarizer
 
     state = processes()
     model_folder(args.model, "summarizer.json")
@@ -236,9 +279,9 @@ def _summarize(args) -> None:
 
 
 def _train_summarizer(args) -> None:
-    from .checkpoints import model_folder
-    from .distributed import processes
-    from .summarization import train_summarizer
+    from nezha_hf.checkpoints import model_folder
+    from nezha_hf.distributed import processes
+    from nezha_hf.summarization import train_summarizer
 
     model_folder(args.base)
     metrics = train_summarizer(
@@ -254,9 +297,9 @@ def _train_summarizer(args) -> None:
 def _evaluate(args) -> None:
     import json
 
-    from .documents import iter_jsonl
-    from .safe_output import check_destination, write_text_atomically
-    from .summarization import evaluate_summaries, format_scores
+    from nezha_hf.documents import iter_jsonl
+    from nezha_hf.safe_output import check_destination, write_text_atomically
+    from nezha_hf.summarization import evaluate_summaries, format_scores
 
     if args.output:
         check_destination(args.output, [*args.data, *([args.predictions] if args.predictions else [])], args.overwrite,
@@ -277,7 +320,7 @@ def _evaluate(args) -> None:
 
 
 def _convert(args) -> None:
-    from .conversion import convert_bert, convert_legacy_nezha, convert_tf
+    from nezha_hf.conversion import convert_bert, convert_legacy_nezha, convert_tf
 
     if args.source_format == "bert":
         report = convert_bert(args.source, args.output, args.architecture, args.allow_missing,
@@ -293,16 +336,19 @@ def _convert(args) -> None:
 
 
 def _demo(args) -> None:
-    from .demo import run_demo
+    from nezha_hf.demo import run_demo
 
     run_demo(args.workdir, args.tokens, args.quick, args.copy)
 
 
 def _pretrain(args) -> None:
-    from .checkpoints import model_folder
-    from .distributed import processes
-    from .pretraining import continue_pretraining
+    from nezha_hf.checkpoints import model_folder
+    from nezha_hf.distributed import processes
+    from nezha_hf.documents import TXT_SPLITS
+    from nezha_hf.pretraining import continue_pretraining
 
+    if args.txt_split not in TXT_SPLITS:  # not an argparse choice: listing them there would load PyTorch
+        raise ValueError(f"--txt-split must be one of {', '.join(TXT_SPLITS)}; got {args.txt_split!r}")
     model_folder(args.model)
     metrics = continue_pretraining(
         args.model, args.files, args.output, max_length=args.max_length, mlm_probability=args.mlm_probability,
@@ -316,7 +362,7 @@ def _pretrain(args) -> None:
 
 
 def _export(args) -> None:
-    from .export import export_onnx, export_summarizer
+    from nezha_hf.export import export_onnx, export_summarizer
 
     if (Path(args.model) / "summarizer.json").is_file():
         report = export_summarizer(args.model, args.output, atol=args.atol, overwrite=args.overwrite)
