@@ -206,6 +206,26 @@ class Summarizer:
                 for j, chosen, summary in zip(judgments, selections, summaries)]
 
 
+def extractor_from(base_model) -> NezhaForSentenceExtraction:
+    """A `NezhaForSentenceExtraction` to train, with `base_model`'s encoder. A masked-LM checkpoint has a head the
+    extractor does not use (`cls.*`) and no sentence scorer (`classifier.*`, which starts untrained): said in one
+    line, instead of transformers' table of unexpected and missing keys; anything else missing or left over is a
+    warning naming it."""
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        model, info = NezhaForSentenceExtraction.from_pretrained(base_model, output_loading_info=True)
+    finally:
+        logging.set_verbosity(verbosity)
+    unexpected = sorted(key for key in info["unexpected_keys"] if not key.startswith("cls."))
+    missing = sorted(key for key in info["missing_keys"] if not key.startswith("classifier."))
+    if unexpected or missing:
+        logger.warning(f"Loading the extractor from {base_model}: left over {unexpected}, missing (random) {missing}.")
+    else:
+        logger.info(f"The extractor starts from {base_model}'s encoder, with an untrained sentence scorer.")
+    return model
+
+
 def train_summarizer(
     judgments: list[Judgment],
     base_model: str | Path,
@@ -292,7 +312,7 @@ def _train_summarizer(state, judgments, base_model, output_dir, checkpoints, dat
             metrics[f"{name}_eval_loss"] = trainer.evaluate()["eval_loss"]
         return model
 
-    extractor = train_stage("extractor", NezhaForSentenceExtraction.from_pretrained(base_model),
+    extractor = train_stage("extractor", extractor_from(base_model),
                             ExtractionCollator(tokenizer), examples_for_extraction, extractor_steps, ["labels"])
     # Trainer would look for every label the head takes (copy_labels too) and, not finding them, compute no loss.
     generator = train_stage("generator", NezhaForUniLM.from_pretrained(base_model, unilm_copy_tags=copy_mechanism),

@@ -57,3 +57,29 @@ def test_select_sentences_threshold_and_budget(tokenizer):
     assert select_sentences([0.1, 0.2, 0.3, 0.4], sentences, threshold=0.5) == [3]  # at least the best one
     budgeted = select_sentences([0.9, 0.8, 0.7, 0.1], sentences, tokenizer, threshold=0.5, token_budget=6)
     assert budgeted == [0]  # 原告。 (3 tokens) fits; 被告被告被告。 (7) would exceed 6
+
+
+def test_the_extractor_starts_from_an_encoder_without_a_load_table(tmp_path, caplog):
+    """A masked-LM base: its head left over and the sentence scorer missing are what is expected, not a warning;
+    anything else missing is named."""
+    from safetensors.torch import load_file, save_file
+    from transformers.utils import logging as hf_logging
+
+    from nezha_hf import NezhaForMaskedLM
+    from nezha_hf.summarization import extractor_from
+
+    torch.manual_seed(0)
+    NezhaForMaskedLM(tiny_config()).save_pretrained(tmp_path / "base")
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            extractor_from(tmp_path / "base")
+        assert not caplog.text  # neither transformers' LOAD REPORT nor a warning of ours
+        weights = load_file(tmp_path / "base" / "model.safetensors")
+        del weights["nezha.embeddings.token_type_embeddings.weight"]
+        save_file(weights, tmp_path / "base" / "model.safetensors", metadata={"format": "pt"})
+        with caplog.at_level("WARNING"):
+            extractor_from(tmp_path / "base")
+    finally:
+        hf_logging.disable_propagation()
+    assert "missing (random) ['nezha.embeddings.token_type_embeddings.weight']" in caplog.text
