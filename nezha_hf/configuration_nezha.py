@@ -3,10 +3,20 @@
 import functools
 import math
 
+import transformers
 from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassError
+from packaging.version import Version
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
+
+# The oldest transformers this code runs on (it names the KV cache `cache`, as 5.24 does); pyproject.toml's floor,
+# which a test keeps equal. Remote code installs nothing, so an older transformers is refused here, in words,
+# rather than with a TypeError in the first forward.
+MINIMUM_TRANSFORMERS = "5.24"
+if Version(transformers.__version__) < Version(MINIMUM_TRANSFORMERS):
+    raise ImportError(f"NEZHA needs transformers>={MINIMUM_TRANSFORMERS}; this is {transformers.__version__}: "
+                      f"pip install -U 'transformers>={MINIMUM_TRANSFORMERS}'")
 
 
 @strict(accept_kwargs=True)

@@ -10,7 +10,7 @@ computes; the main process alone claims an output, prepares the checkpoints fold
 (`claimed_by_main`, `shared_staged_folder`), and nobody returns before the output is there.
 
 `DistributedCheckpointTrainer` is `Trainer` with checkpoints that resume on any number of processes, including for a
-model loaded with `from_pretrained(..., distributed_config=...)` (FSDP2 or tensor parallel): transformers 5.23's
+model loaded with `from_pretrained(..., distributed_config=...)` (FSDP2 or tensor parallel): transformers 5.24's
 Trainer trains such a model but refuses to checkpoint its optimizer, and cannot load its own checkpoint weights back
 into sharded parameters. The optimizer goes into a PyTorch distributed checkpoint (DCP), which loads into any sharding.
 """
@@ -181,7 +181,7 @@ class DistributedCheckpointTrainer(Trainer):
     part, which this class sets), plus the optimizer state as a PyTorch distributed checkpoint (`optimizer/`, which
     loads into any sharding), the scheduler and every process's random state, all written before
     `trainer_state.json`, so a checkpoint that has it is complete. `train(resume_from_checkpoint=...)` loads them back,
-    whether the checkpoint was written by one process or several. transformers 5.23's own Trainer trains a sharded
+    whether the checkpoint was written by one process or several. transformers 5.24's own Trainer trains a sharded
     model but refuses to checkpoint its optimizer, and cannot load its checkpoint weights into sharded parameters.
 
         model = NezhaForMaskedLM.from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=2))

@@ -170,7 +170,7 @@ def generate_exported(generator, input_ids: torch.Tensor, attention_mask: torch.
     processors = LogitsProcessorList(logits_processor or [])
     traced = generator.components["decode"].metadata.kwargs
     size = None
-    if traced["past_key_values"].get("container") == "StaticCache":
+    if traced["cache"].get("container") == "StaticCache":
         size = traced["attention_mask"]["shape"][1]  # a static cache's masks span the whole cache
         if input_ids.shape[1] + max_new_tokens > size:
             raise ValueError(f"The prompt ({input_ids.shape[1]} tokens) and {max_new_tokens} new tokens do not fit the "
@@ -184,7 +184,7 @@ def generate_exported(generator, input_ids: torch.Tensor, attention_mask: torch.
 
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     out = generator.runners["prefill"](input_ids=input_ids, attention_mask=mask_for(attention_mask),
-                                       token_type_ids=torch.zeros_like(input_ids), past_key_values=cache)
+                                       token_type_ids=torch.zeros_like(input_ids), cache=cache)
     sequences, unfinished = input_ids, torch.ones(input_ids.shape[0], dtype=torch.bool)
     for _ in range(max_new_tokens):
         for processor in processors:
@@ -199,7 +199,7 @@ def generate_exported(generator, input_ids: torch.Tensor, attention_mask: torch.
         if not unfinished.any():
             break
         out = generator.runners["decode"](input_ids=token[:, None], attention_mask=mask_for(attention_mask),
-                                          past_key_values=out.past_key_values)
+                                          cache=out.cache)
     return sequences
 
 

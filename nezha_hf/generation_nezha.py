@@ -25,6 +25,7 @@ from transformers.generation import (
     LogitsProcessor,
     LogitsProcessorList,
 )
+from transformers.utils.deprecation import deprecate_kwarg
 
 from .relative_attention import values_known
 
@@ -33,10 +34,10 @@ COPY_TAGS = ("generated", "copy-start", "copy-continue")
 DEFAULT_NEW_TOKENS = 20
 
 
-def cache_length(past_key_values: Cache | None) -> int | torch.Tensor:
+def cache_length(cache: Cache | None) -> int | torch.Tensor:
     """Tokens already in the cache (0 without one). A static cache reports a tensor: eager code gets an int,
     traced code keeps the tensor (its value changes from one decoding step to the next)."""
-    length = past_key_values.get_seq_length() if past_key_values is not None else 0
+    length = cache.get_seq_length() if cache is not None else 0
     return int(length) if isinstance(length, torch.Tensor) and values_known(length) else length
 
 
@@ -127,6 +128,7 @@ class CopySpanLogitsProcessor(LogitsProcessor):
 class NezhaUniLMGenerationMixin(GenerationMixin):
     """`GenerationMixin` for `NezhaForUniLM`: the prompt as the UniLM source, SPACES copy decoding, no length cap."""
 
+    @deprecate_kwarg("past_key_values", "6.0.0", new_name="cache")
     def generate(self, inputs: torch.Tensor | None = None, *args, copy_constraint: bool | None = None, **kwargs):
         """`GenerationMixin.generate`, with the prompt as the UniLM source.
 
@@ -141,7 +143,7 @@ class NezhaUniLMGenerationMixin(GenerationMixin):
                 (`CopySpanLogitsProcessor`); default True when the model has a copy head. The copy source is
                 every attended prompt token except padding, `bos_token_id` and `eos_token_id`.
             source_length: where the source ends in the sequence (default: the prompt's length, or the
-                length of a cache passed in `past_key_values`); an assistant model receives it from the main
+                length of the `cache` passed in); an assistant model receives it from the main
                 model's `generate`.
         """
         prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
@@ -149,7 +151,7 @@ class NezhaUniLMGenerationMixin(GenerationMixin):
             kwargs["token_type_ids"] = torch.zeros(prompt.shape[:2], dtype=torch.long, device=prompt.device)
         if kwargs.get("source_length") is None and prompt is not None and not self.config.is_decoder:
             # Tokens after a non-empty cache are targets, like the ones generated after the prompt.
-            cached = cache_length(kwargs.get("past_key_values"))
+            cached = cache_length(kwargs.get("cache"))
             kwargs["source_length"] = min(prompt.shape[1], cached) if isinstance(cached, int) and cached else prompt.shape[1]
         if not self._length_given(kwargs):
             kwargs["max_new_tokens"] = DEFAULT_NEW_TOKENS
@@ -185,17 +187,18 @@ class NezhaUniLMGenerationMixin(GenerationMixin):
             special.update(value if isinstance(value, list) else [] if value is None else [value])
         return CopySpanLogitsProcessor.for_prompt(prompt, kwargs.get("attention_mask"), special)
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, inputs_embeds=None,
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def prepare_inputs_for_generation(self, input_ids, cache=None, inputs_embeds=None,
                                       source_length: int | None = None, **kwargs):
         """transformers' inputs for one forward of `generate`, with the token types of the UniLM sequence (see the
         module docstring): positions before `source_length` keep the prompt's types, later ones are targets."""
         inputs = super().prepare_inputs_for_generation(
-            input_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds, **kwargs
+            input_ids, cache=cache, inputs_embeds=inputs_embeds, **kwargs
         )
         types = inputs.get("token_type_ids")
         if source_length is None or types is None:
             return inputs
-        past = cache_length(past_key_values)
+        past = cache_length(cache)
         if isinstance(past, int) and past >= source_length:
             del inputs["token_type_ids"]  # only targets from here on: the model's default after a cache
             return inputs
@@ -205,12 +208,13 @@ class NezhaUniLMGenerationMixin(GenerationMixin):
             inputs["source_length"] = source_length  # source tokens re-run after a cropped cache
         return inputs
 
-    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, **kwargs):
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, **kwargs):
         """For static caches: the 2D padding mask (`forward` builds the prefix mask from it), padded to the
         cache's size, so that its shape is the same at every step and a compiled forward compiles once."""
-        if attention_mask is None or past_key_values is None:
+        if attention_mask is None or cache is None:
             return attention_mask
-        cache_size = past_key_values.get_mask_sizes(inputs_embeds.shape[1], 0)[0]
+        cache_size = cache.get_mask_sizes(inputs_embeds.shape[1], 0)[0]
         return nn.functional.pad(attention_mask, (0, cache_size - attention_mask.shape[1]))
 
 

@@ -38,6 +38,7 @@ from transformers.modeling_utils import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import ModelOutput, TransformersKwargs, logging
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -133,7 +134,7 @@ class NezhaSelfAttention(nn.Module):
         hidden_states: torch.Tensor,
         relative_table: torch.Tensor,
         attention_mask: RelativeAttentionMask | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -147,13 +148,13 @@ class NezhaSelfAttention(nn.Module):
         hidden_shape = (*input_shape, -1, self.attention_head_size)
         query_layer = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
         if self.is_cross_attention:
-            key_layer, value_layer = self._encoder_keys_and_values(encoder_hidden_states, past_key_values)
+            key_layer, value_layer = self._encoder_keys_and_values(encoder_hidden_states, cache)
         else:
             key_layer = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
             value_layer = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
-            if past_key_values is not None:
-                cache = past_key_values.self_attention_cache if isinstance(past_key_values, EncoderDecoderCache) else past_key_values
-                key_layer, value_layer = cache.update(key_layer, value_layer, self.layer_idx)
+            if cache is not None:
+                self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+                key_layer, value_layer = self_cache.update(key_layer, value_layer, self.layer_idx)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, _gather_attention
@@ -171,17 +172,17 @@ class NezhaSelfAttention(nn.Module):
         )
         return attn_output.reshape(*input_shape, -1).contiguous(), attn_weights
 
-    def _encoder_keys_and_values(self, encoder_hidden_states, past_key_values):
+    def _encoder_keys_and_values(self, encoder_hidden_states, cache):
         """The encoder's keys and values: computed once, then read from the cross-attention cache."""
-        if isinstance(past_key_values, EncoderDecoderCache) and past_key_values.is_updated.get(self.layer_idx):
-            layer = past_key_values.cross_attention_cache.layers[self.layer_idx]
+        if isinstance(cache, EncoderDecoderCache) and cache.is_updated.get(self.layer_idx):
+            layer = cache.cross_attention_cache.layers[self.layer_idx]
             return layer.keys, layer.values
         shape = (*encoder_hidden_states.shape[:-1], -1, self.attention_head_size)
         key_layer = self.key(encoder_hidden_states).view(shape).transpose(1, 2)
         value_layer = self.value(encoder_hidden_states).view(shape).transpose(1, 2)
-        if isinstance(past_key_values, EncoderDecoderCache):
-            key_layer, value_layer = past_key_values.cross_attention_cache.update(key_layer, value_layer, self.layer_idx)
-            past_key_values.is_updated[self.layer_idx] = True
+        if isinstance(cache, EncoderDecoderCache):
+            key_layer, value_layer = cache.cross_attention_cache.update(key_layer, value_layer, self.layer_idx)
+            cache.is_updated[self.layer_idx] = True
         return key_layer, value_layer
 
 
@@ -203,9 +204,9 @@ class NezhaAttention(nn.Module):
         self.self = NezhaSelfAttention(config, layer_idx=layer_idx, is_cross_attention=is_cross_attention)
         self.output = NezhaSelfOutput(config)
 
-    def forward(self, hidden_states, relative_table: torch.Tensor, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, relative_table: torch.Tensor, attention_mask=None, cache=None, **kwargs):
         attention_output, attn_weights = self.self(
-            hidden_states, relative_table, attention_mask, past_key_values, **kwargs
+            hidden_states, relative_table, attention_mask, cache, **kwargs
         )
         return self.output(attention_output, hidden_states), attn_weights
 
@@ -245,16 +246,16 @@ class NezhaLayer(GradientCheckpointingLayer):
         self.output = NezhaOutput(config)
 
     def forward(
-        self, hidden_states, relative_table: torch.Tensor, attention_mask=None, past_key_values=None,
+        self, hidden_states, relative_table: torch.Tensor, attention_mask=None, cache=None,
         encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: RelativeAttentionMask | None = None,
         **kwargs,
     ) -> torch.Tensor:
         attention_output, _ = self.attention(
-            hidden_states, relative_table, attention_mask, past_key_values=past_key_values, **kwargs
+            hidden_states, relative_table, attention_mask, cache=cache, **kwargs
         )
         if encoder_hidden_states is not None:
             attention_output, _ = self.crossattention(
-                attention_output, relative_table, encoder_attention_mask, past_key_values=past_key_values,
+                attention_output, relative_table, encoder_attention_mask, cache=cache,
                 encoder_hidden_states=encoder_hidden_states, **kwargs,
             )
         return self.output(self.intermediate(attention_output), attention_output)
@@ -267,16 +268,16 @@ class NezhaEncoder(nn.Module):
         self.layer = nn.ModuleList([NezhaLayer(config, layer_idx=i) for i in range(config.num_hidden_layers)])
 
     def forward(
-        self, hidden_states, relative_table: torch.Tensor, attention_mask=None, past_key_values=None, use_cache=None,
+        self, hidden_states, relative_table: torch.Tensor, attention_mask=None, cache=None, use_cache=None,
         encoder_hidden_states=None, encoder_attention_mask=None, **kwargs,
     ):
         for layer_module in self.layer:
             hidden_states = layer_module(
-                hidden_states, relative_table, attention_mask, past_key_values=past_key_values,
+                hidden_states, relative_table, attention_mask, cache=cache,
                 encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=encoder_attention_mask, **kwargs,
             )
         return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
+            last_hidden_state=hidden_states, cache=cache if use_cache else None
         )
 
 
@@ -406,7 +407,7 @@ class NezhaPreTrainedModel(PreTrainedModel):
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         """transformers' sharding for `from_pretrained(..., distributed_config=...)`, with tied weights tied first.
 
-        transformers 5.23 shards the model before it ties its weights: FSDP2 then manages the MLM decoder's own copy
+        transformers 5.24 shards the model before it ties its weights: FSDP2 then manages the MLM decoder's own copy
         beside the word embeddings, re-tying afterwards leaves that copy in FSDP's buffers, and from the second step
         on training differs from one process (its own Llama with tied embeddings does the same). Tied here, they are
         one parameter, in one FSDP unit.
@@ -591,6 +592,7 @@ class NezhaModel(NezhaPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # the name before transformers 5.24
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -599,7 +601,7 @@ class NezhaModel(NezhaPreTrainedModel):
         attention_mask: torch.Tensor | RelativeAttentionMask | None = None,
         token_type_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
@@ -611,7 +613,7 @@ class NezhaModel(NezhaPreTrainedModel):
         attention_mask: `[batch, past + length]` with 1 for tokens to attend to, 0 for padding (or a
             `RelativeAttentionMask`, used as it is).
         token_type_ids: `[batch, length]` segment ids in `[0, type_vocab_size)`.
-        past_key_values: a transformers `Cache` (decoders only); created when `use_cache` and `is_decoder`
+        cache: a transformers `Cache` (decoders only); created when `use_cache` and `is_decoder`
             (an `EncoderDecoderCache` with `encoder_hidden_states`).
         encoder_hidden_states: `[batch, encoder_length, hidden]` for the cross-attention of a decoder made
             with `add_cross_attention=True`. As in transformers 4.x, decoder position i and encoder position
@@ -632,18 +634,18 @@ class NezhaModel(NezhaPreTrainedModel):
         if isinstance(attention_mask, RelativeAttentionMask):
             mask = attention_mask
         else:
-            mask = self.build_attention_mask(attention_mask, batch_size, length, past_key_values, source_mask)
+            mask = self.build_attention_mask(attention_mask, batch_size, length, cache, source_mask)
         # A cache only makes sense when no query sees a later key: decoders and the UniLM prefix mask.
-        if past_key_values is not None and not mask.causal:
+        if cache is not None and not mask.causal:
             raise ValueError(
-                "past_key_values needs a causal mask (config.is_decoder, or NezhaForUniLM's prefix mask): in a "
+                "A cache needs a causal mask (config.is_decoder, or NezhaForUniLM's prefix mask): in a "
                 "bidirectional encoder earlier tokens would have to see the new ones."
             )
         use_cache = bool(use_cache) and mask.causal
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
             if encoder_hidden_states is not None:
-                past_key_values = EncoderDecoderCache(past_key_values, DynamicCache(config=self.config))
+                cache = EncoderDecoderCache(cache, DynamicCache(config=self.config))
         encoder_mask = None
         if encoder_hidden_states is not None:
             encoder_mask = self.build_encoder_attention_mask(encoder_attention_mask, encoder_hidden_states, mask)
@@ -652,7 +654,7 @@ class NezhaModel(NezhaPreTrainedModel):
             embedding_output,
             self.relative_table,
             attention_mask=mask,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             encoder_hidden_states=encoder_hidden_states,
             encoder_attention_mask=encoder_mask,
@@ -662,7 +664,7 @@ class NezhaModel(NezhaPreTrainedModel):
         return BaseModelOutputWithPoolingAndCrossAttentions(
             last_hidden_state=sequence_output,
             pooler_output=self.pooler(sequence_output) if self.pooler is not None else None,
-            past_key_values=encoder_outputs.past_key_values,
+            cache=encoder_outputs.cache,
         )
 
     def _check_inputs(self, input_ids, inputs_embeds, token_type_ids, kwargs):
@@ -703,7 +705,7 @@ class NezhaModel(NezhaPreTrainedModel):
         attention_mask: torch.Tensor | None,
         batch_size: int,
         length: int,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         source_mask: torch.Tensor | None = None,
     ) -> RelativeAttentionMask:
         """Turn a 0/1 padding mask into the `RelativeAttentionMask` the attention functions take.
@@ -712,7 +714,7 @@ class NezhaModel(NezhaPreTrainedModel):
             attention_mask: `[batch, past + length]` 0/1 (a static cache: `[batch, past + length]` or
                 `[batch, cache size]`), or None: nothing is padded.
             batch_size, length: shape of the new tokens.
-            past_key_values: the cache the new tokens extend, if any.
+            cache: the cache the new tokens extend, if any.
             source_mask: `[batch, length]` bool, True on UniLM source tokens: gives the prefix mask
                 (source tokens see the whole source, others see the source and what precedes them).
                 None gives a causal mask if `config.is_decoder`, else a bidirectional one.
@@ -721,9 +723,9 @@ class NezhaModel(NezhaPreTrainedModel):
         (compile, export, jit) the mask is always kept, so a trace made with an unpadded example
         still honours padding later.
         """
-        past_length = cache_length(past_key_values)
+        past_length = cache_length(cache)
         # A pre-allocated (static) cache has more key slots than are filled.
-        key_length = past_key_values.get_mask_sizes(length, 0)[0] if past_key_values is not None else length
+        key_length = cache.get_mask_sizes(length, 0)[0] if cache is not None else length
         device = self.relative_table.device
         key_position = torch.arange(key_length, device=device)
         partly_filled = not isinstance(past_length, int) or past_length + length != key_length
@@ -949,6 +951,7 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, NezhaUniLMGenerationMixi
         self.loss_type = "ForCausalLM"
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
         self,
@@ -956,7 +959,7 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, NezhaUniLMGenerationMixi
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
         labels: torch.Tensor | None = None,
         copy_labels: torch.Tensor | None = None,
@@ -984,7 +987,7 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, NezhaUniLMGenerationMixi
         if copy_labels is not None and self.copy_head is None:
             raise ValueError("copy_labels given, but this model has no copy head: set config.unilm_copy_tags=True.")
         batch_size, length = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
-        past_length = cache_length(past_key_values)
+        past_length = cache_length(cache)
         source_mask = None
         if not self.config.is_decoder:  # a decoder is a plain causal language model: no source
             if token_type_ids is None:
@@ -1005,7 +1008,7 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, NezhaUniLMGenerationMixi
             attention_mask=attention_mask,
             token_type_ids=token_type_ids,
             inputs_embeds=inputs_embeds,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache if use_cache is not None else self.config.use_cache,
             encoder_hidden_states=encoder_hidden_states,
             encoder_attention_mask=encoder_attention_mask,
@@ -1028,7 +1031,7 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, NezhaUniLMGenerationMixi
             loss=loss,
             logits=logits,
             copy_logits=copy_logits,
-            past_key_values=outputs.past_key_values,
+            cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

@@ -332,17 +332,20 @@ def test_prompt_lookup_decoding_gives_greedy_tokens():
     assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=4, **settings), reference)
 
 
-def test_generation_continues_from_a_cache():
-    """The source in one forward call, then generate() with that cache and the source plus the first new token."""
+@pytest.mark.parametrize("cache_keyword", ["cache", "past_key_values"])
+def test_generation_continues_from_a_cache(cache_keyword):
+    """The source in one forward call, then generate() with that cache and the source plus the first new token.
+    `past_key_values` is the keyword before transformers 5.24: code written for it keeps working."""
     from transformers import DynamicCache
 
     model, input_ids, _, settings, plain = greedy_setup()
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids, token_type_ids=torch.zeros_like(input_ids), past_key_values=cache, use_cache=True)
+        model(input_ids, token_type_ids=torch.zeros_like(input_ids), **{cache_keyword: cache}, use_cache=True)
+    assert cache.get_seq_length() == input_ids.shape[1]
     start = input_ids.shape[1] + 1
-    continued = model.generate(plain[:, :start], past_key_values=cache, **{**settings, "max_new_tokens": 9,
-                                                                            "min_new_tokens": 9})
+    continued = model.generate(plain[:, :start], **{cache_keyword: cache}, **{**settings, "max_new_tokens": 9,
+                                                                             "min_new_tokens": 9})
     assert torch.equal(continued, plain)
 
 
@@ -357,7 +360,7 @@ def test_generation_from_inputs_embeds_and_continuing_from_them():
     so_far = torch.cat([input_ids, first.sequences], 1)
     mask = torch.cat([attention_mask, torch.ones_like(first.sequences)], 1)
     more = model.generate(inputs_embeds=model.get_input_embeddings()(so_far), attention_mask=mask,
-                          past_key_values=first.past_key_values, **{**settings, "max_new_tokens": 5, "min_new_tokens": 5})
+                          cache=first.cache, **{**settings, "max_new_tokens": 5, "min_new_tokens": 5})
     assert torch.equal(torch.cat([first.sequences, more], 1), plain[:, input_ids.shape[1]:])
 
 
@@ -399,8 +402,8 @@ def test_return_dict_in_generate_has_outputs_of_the_right_shapes(decoding):
         assert all(p.shape == (rows, config.num_attention_heads, queries, prompt + step) for p in probs)
     from transformers import DynamicCache
 
-    assert isinstance(out.past_key_values, DynamicCache)
-    assert out.past_key_values.get_seq_length() == prompt + new - 1
+    assert isinstance(out.cache, DynamicCache)
+    assert out.cache.get_seq_length() == prompt + new - 1
 
 
 def test_stopping_criteria_end_generation(tokenizer):

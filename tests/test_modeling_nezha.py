@@ -96,18 +96,20 @@ def test_causal_decoder_matches_reference(attn_implementation, length, path, see
 
 
 @pytest.mark.parametrize("attn_implementation", ["eager", Engine.FUSED.value, Engine.CHUNKED.value])
-def test_cached_decoding_equals_full_pass(attn_implementation, seed):
+@pytest.mark.parametrize("cache_keyword", ["cache", "past_key_values"])  # the keyword before transformers 5.24
+def test_cached_decoding_equals_full_pass(attn_implementation, cache_keyword, seed):
     model = NezhaModel(tiny_config(is_decoder=True)).eval()
     model.set_attn_implementation(attn_implementation)
     input_ids, token_type_ids, _ = padded_batch(30)
     with torch.no_grad():
         full = model(input_ids, token_type_ids=token_type_ids, use_cache=False).last_hidden_state
         out = model(input_ids[:, :5], token_type_ids=token_type_ids[:, :5], use_cache=True)
-        assert isinstance(out.past_key_values, transformers.Cache)
-        steps, cache = [out.last_hidden_state], out.past_key_values
+        assert isinstance(out.cache, transformers.Cache)
+        steps, cache = [out.last_hidden_state], out.cache
         for t in range(5, 30):
-            out = model(input_ids[:, t : t + 1], token_type_ids=token_type_ids[:, t : t + 1], past_key_values=cache)
-            cache = out.past_key_values
+            out = model(input_ids[:, t : t + 1], token_type_ids=token_type_ids[:, t : t + 1],
+                        **{cache_keyword: cache})
+            cache = out.cache
             steps.append(out.last_hidden_state)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
 
@@ -392,11 +394,11 @@ def test_cross_attention_cached_decoding_equals_the_full_pass():
     with torch.no_grad():
         full = model(ids, encoder_hidden_states=memory, encoder_attention_mask=memory_mask, use_cache=False)
         out = model(ids[:, :4], encoder_hidden_states=memory, encoder_attention_mask=memory_mask, use_cache=True)
-        assert isinstance(out.past_key_values, transformers.EncoderDecoderCache)
+        assert isinstance(out.cache, transformers.EncoderDecoderCache)
         steps = [out.last_hidden_state]
         for t in range(4, 12):
             out = model(ids[:, t : t + 1], encoder_hidden_states=memory, encoder_attention_mask=memory_mask,
-                        past_key_values=out.past_key_values)
+                        cache=out.cache)
             steps.append(out.last_hidden_state)
     torch.testing.assert_close(torch.cat(steps, 1), full.last_hidden_state, atol=1e-5, rtol=0)
 

@@ -113,9 +113,9 @@ def test_bad_unilm_input_is_a_clear_error():
     out = model(batch["input_ids"][:, :7], token_type_ids=batch["token_type_ids"][:, :7], use_cache=True)
     with pytest.raises(ValueError, match="first call"):
         model(batch["input_ids"][:, 7:8], token_type_ids=torch.zeros(1, 1, dtype=torch.long),
-              past_key_values=out.past_key_values)
+              cache=out.cache)
     with pytest.raises(ValueError, match="causal"):
-        NezhaForMaskedLM(tiny_config())(batch["input_ids"], past_key_values=out.past_key_values)
+        NezhaForMaskedLM(tiny_config())(batch["input_ids"], cache=out.cache)
 
 
 def test_copy_loss_is_lm_loss_plus_weighted_tag_cross_entropy():
@@ -137,4 +137,4 @@ def test_splitting_a_source_across_calls_is_still_refused_outside_generate():
     out = model(batch["input_ids"][:, :4], token_type_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=True)
     with pytest.raises(ValueError, match="first call"):
         model(batch["input_ids"][:, 4:6], token_type_ids=torch.zeros(1, 2, dtype=torch.long),
-              past_key_values=out.past_key_values)
+              cache=out.cache)

@@ -54,6 +54,22 @@ def test_no_import_cycles_not_even_lazy_ones():
     assert "modeling_nezha" not in graph["generation_nezha"]
 
 
+def test_an_older_transformers_is_refused_in_words():
+    """The floor the code states is pyproject.toml's, and an older transformers (a remote-code user's) gets it said."""
+    import tomllib
+
+    from nezha_hf.configuration_nezha import MINIMUM_TRANSFORMERS
+
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["dependencies"]
+    assert f"transformers>={MINIMUM_TRANSFORMERS},<6" in dependencies
+    # transformers replaces its top module while importing its model layers: the version is set after that.
+    older = subprocess.run([sys.executable, "-c", "import transformers.modeling_layers, transformers; "
+                            "transformers.__version__ = '5.23.0'; import nezha_hf"],
+                           capture_output=True, text=True, timeout=300)
+    assert older.returncode != 0
+    assert f"ImportError: NEZHA needs transformers>={MINIMUM_TRANSFORMERS}; this is 5.23.0" in older.stderr
+
+
 @pytest.mark.slow
 def test_installed_package_runs_the_demo_from_any_folder(tmp_path):
     """Build the wheel, install it into a fresh virtual environment, and run `nezha-hf demo --quick` from elsewhere."""
