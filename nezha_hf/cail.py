@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .documents import expand_paths, iter_jsonl, read_documents, report_problem
+from .documents import expand_paths, iter_jsonl, jieba_words, read_documents, report_problem
 
 # A sentence ends after one of these, together with any closing quotes or brackets that follow.
 _SENTENCE_END = re.compile(r"([。！？；!?;]+[”’」』）)]*|\n+)")
@@ -98,13 +98,7 @@ def _tokens(text: str, unit: str) -> str:
     if unit == "char":
         return " ".join(ch for ch in text if not ch.isspace())
     if unit == "word":
-        import logging
-
-        import jieba
-
-        jieba.setLogLevel(logging.WARNING)  # not its dictionary-loading chatter on every run
-
-        return " ".join(word for word in jieba.cut(text) if word.strip())
+        return " ".join(word for word in jieba_words(text) if word.strip())
     raise ValueError(f"unit must be one of {UNITS}, got {unit!r}.")
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModel, AutoModelForMaskedLM, AutoTokenizer
+from transformers.utils import logging
 
 from .cail import read_judgments
 from .conversion import convert_bert
@@ -175,8 +176,6 @@ def summarizer_pipeline(workdir: Path, quick: bool = False, copy: bool = False) 
 
 def run_demo(workdir: Path = Path("demo-output"), tokens: int = 4096, quick: bool = False, copy: bool = False) -> None:
     """Run the three steps, writing into `workdir`."""
-    from transformers.utils import logging
-
     logging.disable_progress_bar()  # transformers' per-load bars; the demo says what it loads
     workdir.mkdir(parents=True, exist_ok=True)
     convert_real_bert(workdir)

@@ -5,7 +5,9 @@ with file and line number (a logged warning, and in the `problems` list the call
 skipped; reading goes on.
 """
 
+import functools
 import json
+import logging as std_logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +20,20 @@ logger = logging.get_logger(__name__)
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".json")
 TXT_SPLITS = ("file", "blank-lines", "lines")
+
+
+@functools.cache
+def _jieba():
+    """jieba, imported on first use (it loads its dictionary then), without its dictionary-loading messages."""
+    import jieba
+
+    jieba.setLogLevel(std_logging.WARNING)
+    return jieba
+
+
+def jieba_words(text: str) -> Iterator[str]:
+    """The words jieba finds in `text` (Chinese word segmentation), in order; joined, they give `text` back."""
+    return _jieba().cut(text)
 
 
 @dataclass

@@ -22,7 +22,6 @@ or, in Python, `continue_pretraining("converted-bert/", ["corpus/"], "nezha-adap
 """
 
 import bisect
-import logging as std_logging
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ from .distributed import (
     processes,
     shared_staged_folder,
 )
-from .documents import read_documents
+from .documents import jieba_words, read_documents
 from .modeling_nezha import NezhaForMaskedLM
 from .padding import attention_mask_for, pad_rows
 from .safe_output import check_destination
@@ -51,11 +50,8 @@ NOT_A_WORD = -1
 
 def jieba_word_ids(text: str, offsets: list[tuple[int, int]]) -> list[int]:
     """For each token (given by its character offsets in `text`), the index of the jieba word it starts in."""
-    import jieba
-
-    jieba.setLogLevel(std_logging.WARNING)
     word_starts, position = [], 0
-    for word in jieba.cut(text):
+    for word in jieba_words(text):
         word_starts.append(position)
         position += len(word)
     return [bisect.bisect_right(word_starts, start) - 1 for start, _ in offsets]

@@ -2,6 +2,8 @@
 
 import json
 import random
+import subprocess
+import sys
 
 import pytest
 from helpers import synthetic_judgment, write_jsonl
@@ -19,6 +21,25 @@ def test_sentence_splitter_on_legal_text():
     text = "原告诉称：被告欠款。被告辩称；已还清！法院认为？\n本院认为“合同有效。”判决如下"
     assert split_sentences(text) == ["原告诉称：被告欠款。", "被告辩称；", "已还清！", "法院认为？", "本院认为“合同有效。”",
                                      "判决如下"]
+
+
+def test_word_scores_and_whole_word_masking_keep_jieba_quiet():
+    """jieba announces loading its dictionary on standard error; word-level ROUGE and the pretraining word ids (both
+    through `documents.jieba_words`) print nothing, and segment as jieba does."""
+    done = subprocess.run([sys.executable, "-c", "import jieba\n"
+                           "from nezha_hf.cail import rouge_scores\n"
+                           "from nezha_hf.pretraining import jieba_word_ids\n"
+                           "text = '原告要求被告支付加班工资'\n"
+                           "print(rouge_scores(text, text, 'word')['rouge-1'])\n"
+                           "print(jieba_word_ids(text, [(i, i + 1) for i in range(len(text))]))\n"
+                           "print([len(word) for word in jieba.cut(text)])"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "dictionary" not in done.stderr and "Loading model" not in done.stderr, done.stderr
+    score, word_ids, lengths = done.stdout.splitlines()
+    assert float(score) == pytest.approx(1.0)
+    expected = [index for index, length in enumerate(json.loads(lengths)) for _ in range(length)]
+    assert json.loads(word_ids) == expected
 
 
 def test_metric_matches_a_hand_computed_example():
