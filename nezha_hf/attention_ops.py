@@ -25,6 +25,11 @@ import torch
 from torch import nn
 
 
+def max_relative_position(table: torch.Tensor) -> int:
+    """`K` of a `(2K + 1) x head_size` table."""
+    return (table.shape[0] - 1) // 2
+
+
 def query_positions(query_length: int, query_offset: int | torch.Tensor = 0, device=None) -> torch.Tensor:
     """Positions of the queries: `query_offset + arange(query_length)` (the offset is the KV-cache length)."""
     return torch.arange(query_length, device=device) + query_offset
@@ -159,4 +164,4 @@ def engine_op(name: str, forward: Callable, forward_fake: Callable, backward: Ca
     return attention
 
 
-__all__ = ["engine_op", "gather_attention", "relative_position_index", "visible_keys"]
+__all__ = ["engine_op", "gather_attention", "max_relative_position", "relative_position_index", "visible_keys"]

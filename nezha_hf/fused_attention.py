@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
-from .attention_ops import engine_op
+from .attention_ops import engine_op, max_relative_position
 
 logger = logging.get_logger(__name__)
 
 KERNEL_SOURCE = Path(__file__).with_name("csrc") / "fused_attention.cpp"
-KERNEL_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+KERNEL_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 # Query rows and keys per block of the kernel; 0 lets it choose (as PyTorch's flash kernel does).
 KERNEL_BLOCK_SIZES = (0, 0)
 # How long to wait for another process's build (its lock file) before giving up; seconds.
@@ -200,16 +200,14 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(output [batch, queries, heads, head_size], lse [batch, heads, queries])`; see `attention_ops`.
 
-    bfloat16 and float16 inputs are computed in float32 (products and accumulation) and the output returned in
-    their dtype: on CPUs without AMX, PyTorch's own reduced-precision attention multiplies at float32 speed or
-    slower (benchmarks/results/attention-bfloat16.md), so this is the fast choice and the exact one."""
+    bfloat16 and float16 inputs are multiplied in their own type (float32 accumulation) where oneDNN packs that type
+    for the CPU's tile instructions (AMX), and computed in float32 elsewhere, where that is faster
+    (`product_routine`, and the kernel source's header)."""
     kernel = fused_kernel()
     if kernel is None:
         raise RuntimeError("NEZHA's fused attention kernel is unavailable here (see the logged warning).")
-    K = (table.shape[0] - 1) // 2
-    output, lse = kernel.forward(query.float(), key.float(), value.float(), table.float(), K, scaling, causal,
-                                 key_is_valid, key_is_source, int(query_offset), dropout, int(seed), *KERNEL_BLOCK_SIZES)
-    return output.to(query.dtype), lse
+    return kernel.forward(query, key, value, table.float(), max_relative_position(table), scaling, causal, key_is_valid,
+                          key_is_source, int(query_offset), dropout, int(seed), *KERNEL_BLOCK_SIZES)
 
 
 def _forward_fake(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed):
@@ -223,10 +221,9 @@ def _backward(
     query_offset: torch.Tensor, dropout: float, seed: torch.Tensor, output: torch.Tensor, lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of query, key and value, `[batch, heads, length, head_size]` views of `[batch, length, heads, ...]`."""
-    K = (table.shape[0] - 1) // 2
-    grads = fused_kernel().backward(grad_output.float(), query.float(), key.float(), value.float(), output.float(), lse,
-                                    table.float(), K, scaling, causal, key_is_valid, key_is_source, int(query_offset),
-                                    dropout, int(seed), *KERNEL_BLOCK_SIZES)
+    grads = fused_kernel().backward(grad_output, query, key, value, output, lse, table.float(),
+                                    max_relative_position(table), scaling, causal, key_is_valid, key_is_source,
+                                    int(query_offset), dropout, int(seed), *KERNEL_BLOCK_SIZES)
     return tuple(grad.to(query.dtype).transpose(1, 2) for grad in grads)
 
 

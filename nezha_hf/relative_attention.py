@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from .attention_ops import gather_attention, relative_position_index, visible_keys
+from .attention_ops import gather_attention, max_relative_position, relative_position_index, visible_keys
 from .chunked_attention import chunked_attention
 from .fused_attention import fused_attention, fused_kernel, fused_kernel_loaded
 from .three_regions import AVAILABLE as THREE_REGIONS_AVAILABLE
@@ -66,11 +66,6 @@ def sinusoid_relative_table(max_relative_position: int, head_size: int) -> torch
     table[:, 0::2] = torch.sin(position * div_term)
     table[:, 1::2] = torch.cos(position * div_term)
     return table
-
-
-def max_relative_position(table: torch.Tensor) -> int:
-    """`K` of a `(2K + 1) x head_size` table."""
-    return (table.shape[0] - 1) // 2
 
 
 @dataclass

@@ -1,4 +1,4 @@
-// NEZHA relative-position attention as one fused CPU kernel (float32), forward and backward.
+// NEZHA relative-position attention as one fused CPU kernel, forward and backward, in float32, bfloat16 and float16.
 //
 // The maths is `nezha_hf/relative_attention.py`'s (see its module docstring):
 //     s_ij  = (q_i . k_j + q_i . T[r(i, j)]) * scale + mask,   r(i, j) = clip(j - i, -K, K) + K
@@ -16,7 +16,18 @@
 // backward regenerates the forward's mask instead of storing it (`Problem::row_key` and `keep_factor` are the
 // definition; tests re-derive it independently).
 //
-// Matrix products go to PyTorch's CPU micro-kernel (`gemm` below); the loader in fused_attention.py falls back to the
+// The block products (q k^T, p v and those of the backward) go to the routines PyTorch's own CPU flash attention
+// uses, chosen per call by `products_for`:
+// - float32: `cpublas::brgemm` on float32 blocks (oneDNN's micro-kernel).
+// - bfloat16 / float16 where oneDNN can pack that type for its tile instructions (`cpublas::could_pack`: AMX,
+//   e.g. every Xeon since Sapphire Rapids): the products take the reduced-precision blocks themselves with float32
+//   accumulation through `cpublas::brgemm` on operands packed by `cpublas::pack` (`Packed`): keys and values once
+//   per call, the query blocks and their output gradients once per block. Scores,
+//   softmax, the relative terms and every accumulator stay float32; only the probabilities (and their gradients)
+//   are rounded to the input type before their products, as in PyTorch's kernel.
+// - bfloat16 / float16 elsewhere (AVX512-BF16 without AMX, other CPUs): converted to float32 and computed as float32,
+//   the faster choice there (benchmarks/results: the bfloat16 file measured on such a CPU).
+// Which one ran is counted (`routine_calls`), so tests can tell. The loader in fused_attention.py falls back to the
 // chunked engine if this file does not build or load.
 
 #include <torch/extension.h>
@@ -24,33 +35,154 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
+namespace cpublas = at::native::cpublas;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Row-major C[M, N] = A[M, K] @ B[K, N] (+ C when `accumulate`), with leading dimensions (row strides). This is
-// PyTorch's own micro-kernel for its CPU flash attention (oneDNN's brgemm where available, BLAS otherwise),
-// about 30% faster than BLAS sgemm on these block sizes (benchmarks/results/attention-bfloat16.md); it takes
-// no transposes, so keys and values are transposed once per call where a product needs them that way.
+// --- the block products -----------------------------------------------------------------------------------------
+
+// The routine that multiplies a call's blocks (see the header), and how many calls each has run.
+enum Routine : int { kFloat32 = 0, kReducedPacked = 1, kRoutines = 2 };
+constexpr std::array<const char*, kRoutines> kRoutineNames = {"float32", "reduced-precision packed"};
+std::array<std::atomic<int64_t>, kRoutines> routine_counts{};
+
+bool is_reduced(at::ScalarType type) { return type == at::kBFloat16 || type == at::kHalf; }
+
+Routine products_for(at::ScalarType type) {
+  return is_reduced(type) && cpublas::could_pack(type) ? kReducedPacked : kFloat32;
+}
+
+// Row-major C[M, N] = A[M, K] @ B[K, N] (+ C when `accumulate`), float32, with leading dimensions (row strides):
+// PyTorch's own micro-kernel for its CPU flash attention, about 30% faster than BLAS sgemm on these block sizes. It
+// takes no transposes, so keys and values are transposed once per call where a product needs them that way.
 inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
                  int64_t ldc, bool accumulate) {
-  if (M > 0 && N > 0) at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, false);
+  if (M > 0 && N > 0) cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, false);
 }
 
-// `columns`-wide rows of a `rows` x `columns` matrix (row stride `ld`) as a contiguous `columns` x `rows` matrix.
-inline void transpose_into(float* out, const float* in, int64_t rows, int64_t columns, int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < columns; ++c) out[c * rows + r] = in[r * ld + c];
+constexpr int64_t kPanel = 64;  // columns per packed panel (oneDNN packs 16, 32, 48 or 64)
+inline int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+inline int64_t even(int64_t x) { return x + (x & 1); }
+// The width of the panel starting at column j of N: 64, or what is left rounded up to 16.
+inline int64_t panel_width(int64_t N, int64_t j) { return round_up(std::min(kPanel, N - j), 16); }
+
+template <typename T>
+at::ScalarType type_of() {
+  return std::is_same_v<T, at::BFloat16> ? at::kBFloat16 : at::kHalf;
 }
 
-// expf to about 1 ulp, written so the compiler vectorises the loops that call it; 0 below -87, NaN stays NaN.
+// Packs the B operand [K, N], B[k][n] = source[k * row + n * column], for the tile instructions into `out`: panels of
+// `kPanel` columns, each `even(K)` rows (zero past K) by `panel_width` columns (zero past N), panel j at
+// `out + j * even(K)`. `scratch` holds one unpacked panel.
+template <typename T>
+void pack(const T* source, int64_t row, int64_t column, int64_t K, int64_t N, T* out, std::vector<T>& scratch) {
+  const int64_t Ke = even(K);
+  for (int64_t j = 0; j < N; j += kPanel) {
+    const int64_t width = std::min(kPanel, N - j), padded = panel_width(N, j);
+    scratch.assign(Ke * padded, T(0));
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t c = 0; c < width; ++c) scratch[k * padded + c] = source[k * row + (j + c) * column];
+    cpublas::pack(Ke, padded, padded, padded, type_of<T>(), type_of<T>(), scratch.data(), out + j * Ke);
+  }
+}
+
+// A B operand [K, N] packed by `pack`.
+template <typename T>
+struct Packed {
+  const T* data;
+  int64_t K, N;
+
+  // C[M, 0 : count'] (+)= A[M, K] @ B[:, first : first + count], `first` a multiple of kPanel; whole panels are
+  // written, so C needs `round_up(count, kPanel)` columns. A's column K must be 0 when K is odd.
+  void multiply(int64_t M, const T* A, int64_t lda, int64_t first, int64_t count, float* C, int64_t ldc,
+                bool accumulate) const {
+    if (M <= 0) return;
+    const int64_t Ke = even(K);
+    for (int64_t j = first; j < first + count; j += kPanel) {
+      const int64_t width = panel_width(N, j);
+      cpublas::brgemm(M, width, Ke, lda, width, ldc, accumulate, A, data + j * Ke, C + (j - first), true);
+    }
+  }
+};
+
+// One head's rows [L, d] (row stride `ld`) packed two ways. As panels of rows: the B operand of `x @ rows^T` (scores
+// against keys, gradients against values), `Packed{d, L}` in `panels_size(L, d)` elements. As blocks of `block` rows:
+// for each block starting at n, the B operand of `weights @ rows[n : n + block]`, `Packed{rows in it, d}` at
+// `n * round_up(d, kPanel)`, in `blocks_size(L, d)` elements (`block` even).
+inline int64_t panels_size(int64_t L, int64_t d) { return even(d) * round_up(L, kPanel); }
+inline int64_t blocks_size(int64_t L, int64_t d) { return (L + 1) * round_up(d, kPanel); }
+
+template <typename T>
+Packed<T> row_panels(const T* storage, int64_t L, int64_t d) {
+  return {storage, d, L};
+}
+
+template <typename T>
+Packed<T> row_block(const T* storage, int64_t L, int64_t d, int64_t block, int64_t n) {
+  return {storage + n * round_up(d, kPanel), std::min(block, L - n), d};
+}
+
+template <typename T>
+void pack_rows(const T* rows, int64_t ld, int64_t L, int64_t d, int64_t block, T* panels, T* blocks,
+               std::vector<T>& scratch) {
+  if (panels) pack(rows, 1, ld, d, L, panels, scratch);  // B[dim][row] = rows[row][dim]
+  if (blocks)
+    for (int64_t n = 0; n < L; n += block)
+      pack(rows + n * ld, ld, 1, std::min(block, L - n), d, blocks + n * round_up(d, kPanel), scratch);
+}
+
+// A [rows, count] matrix (row stride `ld_in`) transposed into [count, rows] (row stride `ld_out`), in tiles.
+template <typename T>
+void transpose(const T* in, int64_t ld_in, int64_t rows, int64_t count, T* out, int64_t ld_out) {
+  constexpr int64_t tile = 32;
+  for (int64_t r0 = 0; r0 < rows; r0 += tile)
+    for (int64_t c0 = 0; c0 < count; c0 += tile)
+      for (int64_t c = c0; c < std::min(c0 + tile, count); ++c)
+        for (int64_t r = r0; r < std::min(r0 + tile, rows); ++r) out[c * ld_out + r] = in[r * ld_in + c];
+}
+
+// x rounded to bfloat16's bits, to nearest even (NaN kept), in integer arithmetic the compiler vectorises (c10's own
+// conversion branches on NaN per element).
+inline uint16_t bfloat16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t rounded = (u + 0x7fffU + ((u >> 16) & 1U)) >> 16;
+  return static_cast<uint16_t>(x != x ? 0x7fc0U : rounded);
+}
+
+// out[c] = x as the type T (float32 as it is, bfloat16 by `bfloat16_bits`, float16 by c10).
+template <typename T>
+inline void put(T* out, int64_t c, float x) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    reinterpret_cast<uint16_t*>(out)[c] = bfloat16_bits(x);
+  } else {
+    out[c] = static_cast<T>(x);
+  }
+}
+
+// `count` floats as the type T, by the CPU's conversion instruction where the compiler targets one (AVX512-BF16's
+// vcvtneps2bf16 rounds to nearest even and keeps NaN, as `put` does, but reads float32 subnormals as 0).
+template <typename T>
+inline void convert(const float* in, T* out, int64_t count);
+
+// --- the arithmetic of one row ----------------------------------------------------------------------------------
+
+// expf to about 1 ulp for x <= 0 (a score minus its row's maximum or log-sum-exp), written so the compiler vectorises
+// the loops that call it: 0 below -87 (and for -inf), NaN stays NaN.
 inline float fast_exp(float x) {
-  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float xc = x < -87.0f ? -87.0f : x;
   const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
   const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -63,7 +195,164 @@ inline float fast_exp(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float power;
   std::memcpy(&power, &bits, sizeof(float));
-  return x != x ? x : x < -87.0f ? 0.0f : p * power;
+  return x < -87.0f ? 0.0f : p * power;
+}
+
+// --- the passes over one column range of a row ------------------------------------------------------------------
+// Each works on `count` columns. `terms` are the range's relative terms: one per column in the band (`Band`), one for
+// the whole range in a tail. With AVX-512 (what the compiler targets) they run 16 columns at a time; elsewhere they
+// are plain loops the compiler vectorises. Both compute the same numbers, `fast_exp`'s included.
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define NEZHA_AVX512 1
+
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? __mmask16(0xffff) : __mmask16((1U << count) - 1);
+}
+
+// `fast_exp` of 16 lanes (vscalefps puts the power of two in).
+inline __m512 fast_exp16(__m512 x) {
+  const __mmask16 small = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // NaN stays NaN (vmaxps returns its second operand)
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc));
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~small), p, n);
+}
+
+// Stores the first lanes of x (by `mask`) as T.
+template <typename T>
+inline void store16(T* out, __mmask16 mask, __m512 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_mask_storeu_ps(out, mask, x);
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+#if defined(__AVX512BF16__)
+    const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+#else
+    const __m512i u = _mm512_castps_si512(x);
+    __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_set1_epi32(0x7fc00000), rounded);
+    const __m256i bits = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+    _mm256_mask_storeu_epi16(out, mask, bits);
+  } else {
+    _mm256_mask_storeu_epi16(out, mask, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+#endif
+
+// The range's maximum score, the scores being row[c] * scale + term. The band's scores are written into the row (their
+// terms differ per column); a tail's are left as they are and its maximum derived from theirs (`exponentials` applies
+// the affine map): one read of the row instead of a read and a write. -inf when empty; NaN scores do not count.
+template <bool Band>
+inline float scale_add_max(float* row, const float* terms, float scale, int64_t count) {
+  if (count <= 0) return kNegInf;
+#if NEZHA_AVX512
+  const __m512 factor = _mm512_set1_ps(scale);
+  __m512 largest = _mm512_set1_ps(kNegInf);
+  for (int64_t c = 0; c < count; c += 16) {
+    const __mmask16 mask = first_lanes(count - c);
+    __m512 x = _mm512_maskz_loadu_ps(mask, row + c);
+    if constexpr (Band) {
+      x = _mm512_fmadd_ps(x, factor, _mm512_maskz_loadu_ps(mask, terms + c));
+      _mm512_mask_storeu_ps(row + c, mask, x);
+    }
+    largest = _mm512_mask_max_ps(largest, mask, x, largest);  // vmaxps returns `largest` where x is NaN
+  }
+  const float range_max = _mm512_reduce_max_ps(largest);
+#else
+  float range_max = kNegInf;
+#pragma omp simd reduction(max : range_max)
+  for (int64_t c = 0; c < count; ++c) {
+    if constexpr (Band) row[c] = row[c] * scale + terms[c];
+    range_max = row[c] > range_max ? row[c] : range_max;
+  }
+#endif
+  return Band ? range_max : range_max * scale + terms[0];
+}
+
+// e = fast_exp(row[c] * scale + shift) into out[c] as T (in place for float32); in the band also bucket[c] += e.
+// Returns the sum of e.
+template <bool Band, typename T>
+inline float exponentials(const float* row, float scale, float shift, T* out, float* bucket, int64_t count) {
+#if NEZHA_AVX512
+  const __m512 factor = _mm512_set1_ps(scale), offset = _mm512_set1_ps(shift);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < count; c += 16) {
+    const __mmask16 mask = first_lanes(count - c);
+    const __m512 e = fast_exp16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, row + c), factor, offset));
+    sum = _mm512_mask_add_ps(sum, mask, sum, e);
+    if constexpr (Band) _mm512_mask_storeu_ps(bucket + c, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, bucket + c), e));
+    store16(out + c, mask, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+#else
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < count; ++c) {
+    const float e = fast_exp(row[c] * scale + shift);
+    sum += e;
+    if constexpr (Band) bucket[c] += e;
+    put(out, c, e);
+  }
+  return sum;
+#endif
+}
+
+// The backward's pass without dropout: p = fast_exp(prob[c] * scale + term - lse), dS = p (grad[c] + value_term -
+// dot), written into prob and grad; in the band also bucket[c] += dS. Returns the sum of dS.
+template <bool Band>
+inline float score_gradients(float* prob, float* grad, const float* terms, const float* value_terms, float scale,
+                             float lse, float dot, float* bucket, int64_t count) {
+  if (count <= 0) return 0.0f;
+#if NEZHA_AVX512
+  const __m512 factor = _mm512_set1_ps(scale), shift = _mm512_set1_ps(lse), row_dot = _mm512_set1_ps(dot);
+  const __m512 term = _mm512_set1_ps(terms[0]), value_term = _mm512_set1_ps(value_terms[0]);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < count; c += 16) {
+    const __mmask16 mask = first_lanes(count - c);
+    const __m512 t = Band ? _mm512_maskz_loadu_ps(mask, terms + c) : term;
+    const __m512 vt = Band ? _mm512_maskz_loadu_ps(mask, value_terms + c) : value_term;
+    const __m512 p = fast_exp16(_mm512_sub_ps(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, prob + c), factor, t), shift));
+    const __m512 g = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_add_ps(_mm512_maskz_loadu_ps(mask, grad + c), vt), row_dot));
+    _mm512_mask_storeu_ps(prob + c, mask, p);
+    _mm512_mask_storeu_ps(grad + c, mask, g);
+    sum = _mm512_mask_add_ps(sum, mask, sum, g);
+    if constexpr (Band) _mm512_mask_storeu_ps(bucket + c, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, bucket + c), g));
+  }
+  return _mm512_reduce_add_ps(sum);
+#else
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < count; ++c) {
+    prob[c] = fast_exp(prob[c] * scale + terms[Band ? c : 0] - lse);
+    grad[c] = prob[c] * (grad[c] + value_terms[Band ? c : 0] - dot);
+    sum += grad[c];
+    if constexpr (Band) bucket[c] += grad[c];
+  }
+  return sum;
+#endif
+}
+
+// `count` floats as the type T.
+template <typename T>
+inline void convert(const float* in, T* out, int64_t count) {
+#if NEZHA_AVX512
+  for (int64_t c = 0; c < count; c += 16) {
+    const __mmask16 mask = first_lanes(count - c);
+    store16(out + c, mask, _mm512_maskz_loadu_ps(mask, in + c));
+  }
+#else
+#pragma omp simd
+  for (int64_t c = 0; c < count; ++c) put(out, c, in[c]);
+#endif
 }
 
 // A 32-bit integer hash with full avalanche ("lowbias32", C. Wellons' hash prospector).
@@ -148,7 +437,7 @@ struct Problem {
 
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, int64_t K, double scale, bool causal,
                      const at::Tensor& key_valid, const at::Tensor& key_source, int64_t offset, double dropout_p,
-                     int64_t seed, int64_t q_block, int64_t kv_block) {
+                     int64_t seed, int64_t q_block, int64_t kv_block, Routine routine) {
   Problem p;
   p.B = q.size(0), p.H = q.size(1), p.Lq = q.size(2), p.Lk = k.size(2), p.d = q.size(3);
   p.K = K, p.R = 2 * K + 1, p.offset = offset;
@@ -168,9 +457,11 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, int64_t K, double
         if (valid) p.valid_source[b] = true;
       }
     }
-  // 0: PyTorch's own CPU flash kernel's choice (query blocks by length, 512 keys); tests pass small blocks.
+  // 0: PyTorch's own CPU flash kernel's choice (query blocks by length, 512 keys); tests pass small blocks. Packed
+  // keys come in whole panels, so a key block is a whole number of them.
   p.q_block = q_block > 0 ? q_block : p.Lq >= 768 ? 256 : p.Lq >= 192 ? 64 : 32;
   p.kv_block = kv_block > 0 ? kv_block : 512;
+  if (routine == kReducedPacked) p.kv_block = round_up(p.kv_block, kPanel);
   p.dropout = dropout_p > 0.0;
   p.threshold = static_cast<uint32_t>(std::min(std::ldexp(dropout_p, 32), 4294967295.0));
   p.keep_scale = p.dropout ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.0f;
@@ -191,9 +482,12 @@ at::Tensor rows_usable(const at::Tensor& t) {
 
 void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& table,
                   int64_t K, const at::Tensor& key_valid, const at::Tensor& key_source, double dropout_p) {
+  const auto type = query.scalar_type();
   for (const at::Tensor* t : {&query, &key, &value})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->dim() == 4,
-                "NEZHA kernel: expected float32 CPU tensors [batch, heads, length, head_size]");
+    TORCH_CHECK(t->scalar_type() == type && (type == at::kFloat || is_reduced(type)) && t->device().is_cpu() &&
+                    t->dim() == 4,
+                "NEZHA kernel: expected CPU tensors [batch, heads, length, head_size] of one type: float32, bfloat16 "
+                "or float16");
   TORCH_CHECK(key.sizes() == value.sizes(), "NEZHA kernel: key and value must have the same shape");
   TORCH_CHECK(key.size(0) == query.size(0) && key.size(1) == query.size(1) && key.size(3) == query.size(3),
               "NEZHA kernel: query, key and value must agree in batch, heads and head size");
@@ -206,176 +500,327 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tens
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "NEZHA kernel: dropout must be in [0, 1)");
 }
 
-}  // namespace
+// --- forward ----------------------------------------------------------------------------------------------------
+
+// The relative table prepared for its products: with queries (or output gradients), x T^T, and with the bucket masses,
+// bucket T. float32 multiplies float32 rows with the table as it is; reduced precision multiplies the rows as they
+// are with the table packed (the model's table reaches the kernel already rounded to the input type, so it is
+// exact), and rounds the bucket masses as it rounds the probabilities.
+template <typename T>
+struct TableOperands {
+  static constexpr bool reduced = !std::is_same_v<T, float>;
+  int64_t R, d, ld;  // ld: the row stride of `terms`' results (whole packed panels)
+  at::Tensor table, table_t;
+  std::vector<T> panels, block;
+
+  explicit TableOperands(const at::Tensor& table_float)
+      : R(table_float.size(0)), d(table_float.size(1)), ld(reduced ? round_up(R, kPanel) : R), table(table_float) {
+    if constexpr (reduced) {
+      const at::Tensor rounded = table_float.to(type_of<T>()).contiguous();
+      panels.resize(panels_size(R, d));
+      block.resize(blocks_size(R, d));
+      std::vector<T> scratch;
+      pack_rows(rounded.data_ptr<T>(), d, R, d, even(R), panels.data(), block.data(), scratch);
+    } else {
+      table_t = table_float.t().contiguous();
+    }
+  }
+
+  // out[qb, R] = rows[qb, d] T^T (row stride `ld`); reduced-precision rows `even(d)` wide.
+  void terms(int64_t qb, const T* rows, int64_t ld_rows, float* out) const {
+    if constexpr (reduced) {
+      row_panels(panels.data(), R, d).multiply(qb, rows, ld_rows, 0, R, out, ld, false);
+    } else {
+      gemm(qb, R, d, rows, ld_rows, table_t.data_ptr<float>(), R, out, ld, false);
+    }
+  }
+
+  // acc[qb, :d] += bucket[qb, R] T; reduced precision rounds the masses into `rounded` (`even(R)` wide) first.
+  void add_value_term(int64_t qb, const float* bucket, T* rounded, float* acc, int64_t ld_acc) const {
+    if constexpr (reduced) {
+      const int64_t width = even(R);
+      for (int64_t r = 0; r < qb; ++r) {
+        convert(bucket + r * R, rounded + r * width, R);
+        std::fill(rounded + r * width + R, rounded + (r + 1) * width, T(0));
+      }
+      row_block(block.data(), R, d, even(R), 0).multiply(qb, rounded, width, 0, d, acc, ld_acc, true);
+    } else {
+      gemm(qb, d, R, bucket, R, table.data_ptr<float>(), d, acc, ld_acc, true);
+    }
+  }
+};
+
+// The keys and values of every head prepared for the forward's products, once per call: float32, K^T [B, H, d, Lk]
+// and the values as they are; reduced precision, the keys packed as panels and the values as blocks (`pack_rows`).
+template <typename T>
+struct ForwardOperands {
+  const Problem& p;
+  const at::Tensor& value;
+  at::Tensor keys, values;
+
+  ForwardOperands(const Problem& p, const at::Tensor& key, const at::Tensor& value) : p(p), value(value) {
+    if constexpr (std::is_same_v<T, float>) {
+      keys = key.transpose(2, 3).contiguous();
+    } else {
+      keys = at::empty({p.B * p.H * panels_size(p.Lk, p.d)}, key.options());
+      values = at::empty({p.B * p.H * blocks_size(p.Lk, p.d)}, value.options());
+      at::parallel_for(0, p.B * p.H, 1, [&](int64_t begin, int64_t end) {
+        std::vector<T> scratch;
+        for (int64_t bh = begin; bh < end; ++bh) {
+          const int64_t b = bh / p.H, h = bh % p.H;
+          pack_rows(key.data_ptr<T>() + b * key.stride(0) + h * key.stride(1), key.stride(2), p.Lk, p.d, p.kv_block,
+                    keys.data_ptr<T>() + bh * panels_size(p.Lk, p.d), static_cast<T*>(nullptr), scratch);
+          pack_rows(value.data_ptr<T>() + b * value.stride(0) + h * value.stride(1), value.stride(2), p.Lk, p.d,
+                    p.kv_block, static_cast<T*>(nullptr), values.data_ptr<T>() + bh * blocks_size(p.Lk, p.d), scratch);
+        }
+      });
+    }
+  }
+
+  // scores[qb, :] = Q[qb, d] K[n : n + kb]^T of head `bh`; reduced precision takes Q `even(d)` wide.
+  void scores(int64_t bh, int64_t qb, const T* queries, int64_t ld_queries, int64_t n, int64_t kb, float* out,
+              int64_t ld_out) const {
+    if constexpr (std::is_same_v<T, float>) {
+      gemm(qb, kb, p.d, queries, ld_queries, keys.data_ptr<float>() + bh * p.d * p.Lk + n, p.Lk, out, ld_out, false);
+    } else {
+      row_panels(keys.data_ptr<T>() + bh * panels_size(p.Lk, p.d), p.Lk, p.d)
+          .multiply(qb, queries, ld_queries, n, kb, out, ld_out, false);
+    }
+  }
+
+  // acc[qb, :d] += probs[qb, kb] V[n : n + kb] of head `bh`.
+  void weighted_values(int64_t bh, int64_t qb, const T* probs, int64_t ld_probs, int64_t n, int64_t kb, float* acc,
+                       int64_t ld_acc) const {
+    if constexpr (std::is_same_v<T, float>) {
+      const int64_t b = bh / p.H, h = bh % p.H;
+      gemm(qb, p.d, kb, probs, ld_probs, value.data_ptr<float>() + b * value.stride(0) + h * value.stride(1) +
+           n * value.stride(2), value.stride(2), acc, ld_acc, true);
+    } else {
+      row_block(values.data_ptr<T>() + bh * blocks_size(p.Lk, p.d), p.Lk, p.d, p.kv_block, n)
+          .multiply(qb, probs, ld_probs, 0, p.d, acc, ld_acc, true);
+    }
+  }
+};
 
 // Returns (out [B, Lq, H, d] contiguous, lse [B, H, Lq]); a row that sees no key gets out 0, lse -inf.
-std::vector<at::Tensor> forward(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
-                                const at::Tensor& table, int64_t K, double scale, bool causal,
-                                const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source,
-                                int64_t offset, double dropout_p, int64_t seed, int64_t q_block, int64_t kv_block) {
-  const at::Tensor query = rows_usable(query_in), key = rows_usable(key_in), value = rows_usable(value_in);
-  const at::Tensor valid = optional_flags(key_valid), source = optional_flags(key_source), T = table.contiguous();
-  check_inputs(query, key, value, T, K, valid, source, dropout_p);
-  const Problem p = make_problem(query, key, K, scale, causal, valid, source, offset, dropout_p, seed, q_block, kv_block);
-  const int64_t B = p.B, H = p.H, Lq = p.Lq, d = p.d, R = p.R;
-  auto out = at::empty({B, Lq, H, d}, query.options());
-  auto lse = at::empty({B, H, Lq}, query.options());
-  const at::Tensor key_t = key.transpose(2, 3).contiguous(), table_t = T.t().contiguous();  // [B, H, d, Lk], [d, R]
-  const float *q = query.data_ptr<float>(), *kt = key_t.data_ptr<float>(), *v = value.data_ptr<float>();
-  const float *t = T.data_ptr<float>(), *tt = table_t.data_ptr<float>();
-  float *o = out.data_ptr<float>(), *l = lse.data_ptr<float>();
-  const int64_t qs = query.stride(2), vs = value.stride(2), Lk = p.Lk;
+template <typename T>
+void forward_impl(const Problem& p, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                  const at::Tensor& T_table, at::Tensor& out, at::Tensor& lse) {
+  constexpr bool reduced = !std::is_same_v<T, float>;
+  const int64_t B = p.B, H = p.H, Lq = p.Lq, d = p.d, R = p.R, Lk = p.Lk;
+  const ForwardOperands<T> operands(p, key, value);
+  const TableOperands<T> table(T_table);
+  const T* q = query.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  float* l = lse.data_ptr<float>();
+  const int64_t qs = query.stride(2);
   const int64_t num_q_blocks = (Lq + p.q_block - 1) / p.q_block;
+  // Row strides of the scores (and, reduced, of the probabilities and the accumulator): whole packed panels.
+  const int64_t ld_scores = reduced ? round_up(p.kv_block, kPanel) : p.kv_block;
+  const int64_t ld_probs = even(p.kv_block), ld_acc = reduced ? round_up(d, kPanel) : d;
+  const int64_t ld_query = even(d);
 
   // One task per (batch, head, query block); query blocks vary fastest so each thread gets whole heads.
   at::parallel_for(0, B * H * num_q_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(p.q_block * p.kv_block), qt(p.q_block * R), bucket(p.q_block * R), acc(p.q_block * d);
-    std::vector<float> row_max(p.q_block), row_sum(p.q_block);
+    std::vector<float> scores(p.q_block * ld_scores), qt(p.q_block * table.ld), bucket(p.q_block * R);
+    std::vector<float> acc(p.q_block * ld_acc), row_max(p.q_block), row_sum(p.q_block);
+    std::vector<T> probs(reduced ? p.q_block * ld_probs : 0), query_block(reduced ? p.q_block * ld_query : 0);
+    std::vector<T> rounded_bucket(reduced ? p.q_block * even(R) : 0);
     std::vector<uint32_t> row_keys(p.q_block);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (H * num_q_blocks), h = task / num_q_blocks % H;
+      const int64_t b = task / (H * num_q_blocks), h = task / num_q_blocks % H, bh = b * H + h;
       const int64_t m = task % num_q_blocks * p.q_block, qb = std::min(p.q_block, Lq - m);
-      const float* qm = q + b * query.stride(0) + h * query.stride(1) + m * qs;
-      const float* kth = kt + (b * H + h) * d * Lk;
-      const float* vh = v + b * value.stride(0) + h * value.stride(1);
-      gemm(qb, R, d, qm, qs, tt, R, qt.data(), R, false);  // q . T[p], scaled below like the scores
-      for (int64_t x = 0; x < qb * R; ++x) qt[x] *= p.scale;
+      const T* qm = q + b * query.stride(0) + h * query.stride(1) + m * qs;
+      if constexpr (reduced) {  // the A operand of the products: even(d) wide
+        for (int64_t r = 0; r < qb; ++r) {
+          std::copy(qm + r * qs, qm + r * qs + d, query_block.data() + r * ld_query);
+          if (d & 1) query_block[r * ld_query + d] = T(0);
+        }
+      }
+      table.terms(qb, reduced ? query_block.data() : qm, reduced ? ld_query : qs, qt.data());  // q . T[p]
+      for (int64_t x = 0; x < qb * table.ld; ++x) qt[x] *= p.scale;  // scaled like the scores
       std::fill(bucket.begin(), bucket.end(), 0.0f);
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(row_max.begin(), row_max.end(), kNegInf);
       std::fill(row_sum.begin(), row_sum.end(), 0.0f);
       if (p.dropout)
-        for (int64_t r = 0; r < qb; ++r) row_keys[r] = p.row_key(b * H + h, p.offset + m + r);
+        for (int64_t r = 0; r < qb; ++r) row_keys[r] = p.row_key(bh, p.offset + m + r);
       const int64_t keys = p.keys_for(b, p.offset + m + qb);
       for (int64_t n = 0; n < keys; n += p.kv_block) {
         const int64_t kb = std::min(p.kv_block, keys - n);
-        gemm(qb, kb, d, qm, qs, kth + n, Lk, scores.data(), kb, false);
+        const int64_t ld = reduced ? ld_scores : kb;
+        operands.scores(bh, qb, reduced ? query_block.data() : qm, reduced ? ld_query : qs, n, kb, scores.data(), ld);
+        // The probabilities the value product takes (reduced: their own buffer, as wide as the packed key block).
+        const int64_t value_keys = reduced ? std::min(p.kv_block, Lk - n) : kb;
         for (int64_t r = 0; r < qb; ++r) {
           const int64_t i = p.offset + m + r;
-          float* row = scores.data() + r * kb;
-          const float* terms = qt.data() + r * R;
+          float* row = scores.data() + r * ld;
+          T* kept = reduced ? probs.data() + r * ld_probs : nullptr;
+          const float* terms = qt.data() + r * table.ld;
           p.apply_mask(row, b, i, n, kb);
           float new_max = row_max[r];
           p.for_each_range(i, n, kb, [&](int64_t start, int64_t stop, int64_t first, auto step) {
-            float range_max = kNegInf;  // relative key term added, masked entries stay -inf
-            int not_a_number = 0;
-#pragma omp simd reduction(max : range_max) reduction(| : not_a_number)
-            for (int64_t c = start; c < stop; ++c) {
-              row[c] = row[c] * p.scale + terms[first + step * c];
-              range_max = row[c] > range_max ? row[c] : range_max;
-              not_a_number |= row[c] != row[c];
-            }
-            // A NaN score makes the row NaN, as in eager attention (a maximum would skip it).
-            new_max = not_a_number ? std::numeric_limits<float>::quiet_NaN() : std::max(new_max, range_max);
+            // Scores with the relative key term; masked entries stay -inf.
+            new_max = std::max(new_max, scale_add_max<step>(row + start, terms + first + step * start, p.scale, stop - start));
           });
+          // A NaN score makes the row NaN, as in eager attention. The maximum skips it, but beside any finite score
+          // its exponential is NaN and so is the row; only beside nothing but -inf must it be looked for.
+          if (new_max == kNegInf && std::any_of(row, row + kb, [](float x) { return x != x; }))
+            new_max = std::numeric_limits<float>::quiet_NaN();
           if (new_max == kNegInf) {  // nothing visible yet: this block adds nothing to the row
-            std::fill(row, row + kb, 0.0f);
+            if constexpr (reduced) {
+              std::fill(kept, kept + even(value_keys), T(0));
+            } else {
+              std::fill(row, row + kb, 0.0f);
+            }
             continue;
           }
           const float correction = fast_exp(row_max[r] - new_max);  // 0 while the row was empty
           float* row_bucket = bucket.data() + r * R;
-          float* row_acc = acc.data() + r * d;
+          float* row_acc = acc.data() + r * ld_acc;
           if (correction != 1.0f) {
             for (int64_t x = 0; x < R; ++x) row_bucket[x] *= correction;
             for (int64_t x = 0; x < d; ++x) row_acc[x] *= correction;
           }
-          float sum = 0.0f;
+          // The probabilities the value product takes: float32 in place, reduced precision rounded into `kept`.
+          T* stored = reduced ? kept : reinterpret_cast<T*>(row);
+          float sum = 0.0f;  // the softmax denominator counts every probability, dropped or not
           p.for_each_range(i, n, kb, [&](int64_t start, int64_t stop, int64_t first, auto step) {
-            float range_sum = 0.0f;
-#pragma omp simd reduction(+ : range_sum)
+            float* bucket_range = row_bucket + first + step * start;
+            // The band's scores are in the row; a tail's are q . k, to be scaled and given its term (`scale_add_max`).
+            const float range_scale = step ? 1.0f : p.scale, shift = (step ? 0.0f : terms[first]) - new_max;
+            if (!p.dropout) {
+              const float range_sum =
+                  exponentials<step>(row + start, range_scale, shift, stored + start, bucket_range, stop - start);
+              sum += range_sum;
+              if constexpr (!step) *bucket_range += range_sum;  // a tail's mass, to its one bucket
+              return;
+            }
+            float range_sum = 0.0f, kept_sum = 0.0f;  // both value terms see p_ij keep_ij / (1 - p)
+            const uint32_t key = row_keys[r];
+#pragma omp simd reduction(+ : range_sum, kept_sum)
             for (int64_t c = start; c < stop; ++c) {
-              row[c] = fast_exp(row[c] - new_max);
-              range_sum += row[c];
+              const float e = fast_exp(row[c] * range_scale + shift);
+              range_sum += e;
+              row[c] = e * p.keep_factor(key, n + c);
+              kept_sum += row[c];
             }
-            sum += range_sum;  // the softmax denominator counts every probability, dropped or not
-            if (p.dropout) {  // both value terms see p_ij keep_ij / (1 - p)
-              const uint32_t key = row_keys[r];
-              range_sum = 0.0f;
-#pragma omp simd reduction(+ : range_sum)
-              for (int64_t c = start; c < stop; ++c) {
-                row[c] *= p.keep_factor(key, n + c);
-                range_sum += row[c];
-              }
-            }
-            add_to_bucket(row_bucket, row, start, stop, first, step, range_sum);  // value term mass
+            sum += range_sum;
+            add_to_bucket(row_bucket, row, start, stop, first, step, kept_sum);  // value term mass
           });
+          if constexpr (reduced) {  // the value product's operand: zero past the keys this row sees
+            if (p.dropout) convert(row, kept, kb);
+            std::fill(kept + kb, kept + even(value_keys), T(0));
+          }
           row_sum[r] = row_sum[r] * correction + sum;
           row_max[r] = new_max;
         }
-        gemm(qb, d, kb, scores.data(), kb, vh + n * vs, vs, acc.data(), d, true);
+        operands.weighted_values(bh, qb, reduced ? probs.data() : reinterpret_cast<T*>(scores.data()),
+                                 reduced ? ld_probs : kb, n, kb, acc.data(), ld_acc);
       }
-      gemm(qb, d, R, bucket.data(), R, t, d, acc.data(), d, true);  // value term
+      table.add_value_term(qb, bucket.data(), rounded_bucket.data(), acc.data(), ld_acc);
       for (int64_t r = 0; r < qb; ++r) {
         const bool empty = p.sees_nothing(b, p.offset + m + r);
         const float inverse = empty ? 0.0f : 1.0f / row_sum[r];  // a sum of 0 otherwise: NaN, as in eager
-        float* out_row = o + ((b * Lq + m + r) * H + h) * d;
-        for (int64_t x = 0; x < d; ++x) out_row[x] = empty ? 0.0f : acc[r * d + x] * inverse;
+        T* out_row = o + ((b * Lq + m + r) * H + h) * d;
+        for (int64_t x = 0; x < d; ++x) out_row[x] = static_cast<T>(empty ? 0.0f : acc[r * ld_acc + x] * inverse);
         l[(b * H + h) * Lq + m + r] = empty                ? kNegInf
                                       : row_sum[r] == 0.0f ? std::numeric_limits<float>::quiet_NaN()
                                                            : row_max[r] + std::log(row_sum[r]);
       }
     }
+    if constexpr (reduced) cpublas::brgemm_release();  // this thread's tile state, for whoever uses the tiles next
   });
-  return {out, lse};
 }
 
-// Gradients of query [B, Lq, H, d], key and value [B, Lk, H, d] (contiguous), given the forward's output and lse.
-std::vector<at::Tensor> backward(const at::Tensor& grad_out_in, const at::Tensor& query_in, const at::Tensor& key_in,
-                                 const at::Tensor& value_in, const at::Tensor& out_in, const at::Tensor& lse,
-                                 const at::Tensor& table, int64_t K, double scale, bool causal,
-                                 const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source,
-                                 int64_t offset, double dropout_p, int64_t seed, int64_t q_block, int64_t kv_block) {
-  const at::Tensor query = rows_usable(query_in), key = rows_usable(key_in), value = rows_usable(value_in);
-  const at::Tensor grad_out = rows_usable(grad_out_in), out = rows_usable(out_in);
-  const at::Tensor valid = optional_flags(key_valid), source = optional_flags(key_source), T = table.contiguous();
-  check_inputs(query, key, value, T, K, valid, source, dropout_p);
-  TORCH_CHECK(grad_out.sizes() == query.sizes() && out.sizes() == query.sizes() && grad_out.scalar_type() == at::kFloat &&
-                  out.scalar_type() == at::kFloat,
-              "NEZHA kernel: the output and its gradient must be float32 and shaped like the query");
-  const at::Tensor row_lse = lse.contiguous();
-  const Problem p = make_problem(query, key, K, scale, causal, valid, source, offset, dropout_p, seed, q_block, kv_block);
+// --- backward ---------------------------------------------------------------------------------------------------
+
+// Gradients of query [B, Lq, H, d], key and value [B, Lk, H, d] (float32, contiguous), given the forward's output and
+// lse. float32 accumulates the key and value gradients transposed ([B, H, d, Lk], as its products give them); reduced
+// precision as rows as wide as the packed panels ([B, H, Lk, round_up(d, 64)]).
+template <typename T>
+std::vector<at::Tensor> backward_impl(const Problem& p, const at::Tensor& grad_out, const at::Tensor& query,
+                                      const at::Tensor& key, const at::Tensor& value, const at::Tensor& out,
+                                      const at::Tensor& row_lse, const at::Tensor& T_table) {
+  constexpr bool reduced = !std::is_same_v<T, float>;
   const int64_t B = p.B, H = p.H, Lq = p.Lq, Lk = p.Lk, d = p.d, R = p.R;
-  auto grad_query = at::empty({B, Lq, H, d}, query.options());
-  // Key and value gradients accumulate transposed, [B, H, d, Lk], as the products give them.
-  auto grad_key_t = at::zeros({B, H, d, Lk}, query.options()), grad_value_t = at::zeros({B, H, d, Lk}, query.options());
-  const at::Tensor key_t = key.transpose(2, 3).contiguous(), value_t = value.transpose(2, 3).contiguous();
-  const at::Tensor table_t = T.t().contiguous();
-  const float *q = query.data_ptr<float>(), *k = key.data_ptr<float>(), *kt = key_t.data_ptr<float>();
-  const float *vt = value_t.data_ptr<float>(), *tt = table_t.data_ptr<float>();
-  const float *go = grad_out.data_ptr<float>(), *o = out.data_ptr<float>(), *t = T.data_ptr<float>();
+  const int64_t ld_grad = reduced ? round_up(d, kPanel) : d;  // of the reduced key / value gradients and of `acc`
+  const auto float_options = query.options().dtype(at::kFloat);
+  auto grad_query = at::empty({B, Lq, H, d}, float_options);
+  auto grad_key = reduced ? at::zeros({B, H, Lk, ld_grad}, float_options) : at::zeros({B, H, d, Lk}, float_options);
+  auto grad_value = at::zeros_like(grad_key);
+  // float32's products take no transposes: K^T and V^T once per call.
+  const at::Tensor key_t = reduced ? at::Tensor() : key.transpose(2, 3).contiguous();
+  const at::Tensor value_t = reduced ? at::Tensor() : value.transpose(2, 3).contiguous();
+  const TableOperands<T> table(T_table);
+  const T *q = query.data_ptr<T>(), *k = key.data_ptr<T>(), *v = value.data_ptr<T>();
+  const T *go = grad_out.data_ptr<T>(), *o = out.data_ptr<T>();
   const float* lse_data = row_lse.data_ptr<float>();
-  float *gq = grad_query.data_ptr<float>(), *gkt = grad_key_t.data_ptr<float>(), *gvt = grad_value_t.data_ptr<float>();
-  const int64_t qs = query.stride(2), ks = key.stride(2), gos = grad_out.stride(2);
+  float *gq = grad_query.data_ptr<float>(), *gk = grad_key.data_ptr<float>(), *gv = grad_value.data_ptr<float>();
+  const int64_t qs = query.stride(2), ks = key.stride(2), vs = value.stride(2), gos = grad_out.stride(2);
   const int64_t os = out.stride(2), gs = H * d;  // the query gradient is [B, L, H, d]
+  const int64_t ld_scores = reduced ? round_up(p.kv_block, kPanel) : p.kv_block;
+  const int64_t ld_rows = even(d), ld_kept = even(p.kv_block), ld_kept_t = even(p.q_block);
 
   // One task per (batch, head): key and value gradients of a head are summed over its query blocks.
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs(p.q_block * p.kv_block), grad_scores(p.q_block * p.kv_block);
-    std::vector<float> qt(p.q_block * R), grad_terms(p.q_block * R), grad_bucket(p.q_block * R);
-    std::vector<float> acc(p.q_block * d), row_dot(p.q_block), row_lse_inf(p.q_block);
-    std::vector<float> query_t(d * p.q_block), grad_out_t(d * p.q_block);  // the query block's rows, transposed
+    std::vector<float> probs(p.q_block * ld_scores), grad_scores(p.q_block * ld_scores);
+    std::vector<float> qt(p.q_block * table.ld), grad_terms(p.q_block * table.ld), grad_bucket(p.q_block * R);
+    std::vector<float> acc(p.q_block * ld_grad), row_dot(p.q_block), row_lse_inf(p.q_block);
+    // float32: the query block's rows and their output gradients, transposed for the products.
+    std::vector<float> query_t(reduced ? 0 : d * p.q_block), grad_out_t(reduced ? 0 : d * p.q_block);
+    // Reduced precision: the query block and its output gradients as A operands and packed as B operands; keys and
+    // values packed; the probabilities and score gradients rounded for their products, as rows and transposed.
+    const int64_t reduced_size = reduced ? 1 : 0;
+    std::vector<T> query_rows(reduced_size * p.q_block * ld_rows), grad_rows(reduced_size * p.q_block * ld_rows);
+    std::vector<T> query_packed(reduced_size * blocks_size(p.q_block, d));
+    std::vector<T> grad_packed(reduced_size * blocks_size(p.q_block, d));
+    std::vector<T> key_panels(reduced_size * panels_size(Lk, d)), value_panels(reduced_size * panels_size(Lk, d));
+    std::vector<T> key_blocks(reduced_size * blocks_size(Lk, d));
+    std::vector<T> kept(reduced_size * p.q_block * ld_kept), grad_kept(reduced_size * p.q_block * ld_kept);
+    std::vector<T> kept_t(reduced_size * p.kv_block * ld_kept_t), grad_kept_t(reduced_size * p.kv_block * ld_kept_t);
+    std::vector<T> rounded_bucket(reduced_size * p.q_block * even(R));
+    std::vector<T> scratch;
     std::vector<uint32_t> row_keys(p.q_block);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
-      const float* qh = q + b * query.stride(0) + h * query.stride(1);
-      const float* kh = k + b * key.stride(0) + h * key.stride(1);
-      const float *kth = kt + (b * H + h) * d * Lk, *vth = vt + (b * H + h) * d * Lk;
-      const float* goh = go + b * grad_out.stride(0) + h * grad_out.stride(1);
-      const float* oh = o + b * out.stride(0) + h * out.stride(1);
+      const T* qh = q + b * query.stride(0) + h * query.stride(1);
+      const T* kh = k + b * key.stride(0) + h * key.stride(1);
+      const T* vh = v + b * value.stride(0) + h * value.stride(1);
+      const T* goh = go + b * grad_out.stride(0) + h * grad_out.stride(1);
+      const T* oh = o + b * out.stride(0) + h * out.stride(1);
       float* gqh = gq + b * Lq * gs + h * d;
-      float *gkth = gkt + (b * H + h) * d * Lk, *gvth = gvt + (b * H + h) * d * Lk;
+      float *gkh = gk + (b * H + h) * ld_grad * Lk, *gvh = gv + (b * H + h) * ld_grad * Lk;
+      if constexpr (reduced) {
+        pack_rows(kh, ks, Lk, d, p.kv_block, key_panels.data(), key_blocks.data(), scratch);
+        pack_rows(vh, vs, Lk, d, p.kv_block, value_panels.data(), static_cast<T*>(nullptr), scratch);
+      }
       for (int64_t m = 0; m < Lq; m += p.q_block) {
         const int64_t qb = std::min(p.q_block, Lq - m);
-        const float* qm = qh + m * qs;
-        const float* gom = goh + m * gos;
-        gemm(qb, R, d, qm, qs, tt, R, qt.data(), R, false);
-        for (int64_t x = 0; x < qb * R; ++x) qt[x] *= p.scale;
-        gemm(qb, R, d, gom, gos, tt, R, grad_terms.data(), R, false);  // dO . T[p]
-        transpose_into(query_t.data(), qm, qb, d, qs);
-        transpose_into(grad_out_t.data(), gom, qb, d, gos);
+        const T* qm = qh + m * qs;
+        const T* gom = goh + m * gos;
+        if constexpr (reduced) {  // A operands even(d) wide, and B operands packed
+          for (int64_t r = 0; r < qb; ++r) {
+            std::copy(qm + r * qs, qm + r * qs + d, query_rows.data() + r * ld_rows);
+            std::copy(gom + r * gos, gom + r * gos + d, grad_rows.data() + r * ld_rows);
+            if (d & 1) query_rows[r * ld_rows + d] = grad_rows[r * ld_rows + d] = T(0);
+          }
+          pack_rows(qm, qs, qb, d, p.q_block, static_cast<T*>(nullptr), query_packed.data(), scratch);
+          pack_rows(gom, gos, qb, d, p.q_block, static_cast<T*>(nullptr), grad_packed.data(), scratch);
+        } else {
+          for (int64_t r = 0; r < qb; ++r)
+            for (int64_t x = 0; x < d; ++x) {
+              query_t[x * qb + r] = qm[r * qs + x];
+              grad_out_t[x * qb + r] = gom[r * gos + x];
+            }
+        }
+        table.terms(qb, reduced ? query_rows.data() : qm, reduced ? ld_rows : qs, qt.data());
+        table.terms(qb, reduced ? grad_rows.data() : gom, reduced ? ld_rows : gos, grad_terms.data());  // dO . T[p]
+        for (int64_t x = 0; x < qb * table.ld; ++x) qt[x] *= p.scale;
         for (int64_t r = 0; r < qb; ++r) {
           row_dot[r] = 0.0f;  // D_i = dO_i . O_i (the output already holds the dropped probabilities)
-          for (int64_t x = 0; x < d; ++x) row_dot[r] += gom[r * gos + x] * oh[(m + r) * os + x];
+          for (int64_t x = 0; x < d; ++x)
+            row_dot[r] += static_cast<float>(gom[r * gos + x]) * static_cast<float>(oh[(m + r) * os + x]);
           const float value_lse = lse_data[(b * H + h) * Lq + m + r];
           row_lse_inf[r] = value_lse == kNegInf ? -kNegInf : value_lse;  // empty rows: every probability 0
           if (p.dropout) row_keys[r] = p.row_key(b * H + h, p.offset + m + r);
@@ -385,53 +830,152 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out_in, const at::Tensor
         const int64_t keys = p.keys_for(b, p.offset + m + qb);
         for (int64_t n = 0; n < keys; n += p.kv_block) {
           const int64_t kb = std::min(p.kv_block, keys - n);
-          gemm(qb, kb, d, qm, qs, kth + n, Lk, probs.data(), kb, false);
-          gemm(qb, kb, d, gom, gos, vth + n, Lk, grad_scores.data(), kb, false);
+          const int64_t ld = reduced ? ld_scores : kb;
+          if constexpr (reduced) {
+            row_panels(key_panels.data(), Lk, d).multiply(qb, query_rows.data(), ld_rows, n, kb, probs.data(), ld, false);
+            row_panels(value_panels.data(), Lk, d)
+                .multiply(qb, grad_rows.data(), ld_rows, n, kb, grad_scores.data(), ld, false);
+          } else {
+            gemm(qb, kb, d, qm, qs, key_t.data_ptr<float>() + (b * H + h) * d * Lk + n, Lk, probs.data(), kb, false);
+            gemm(qb, kb, d, gom, gos, value_t.data_ptr<float>() + (b * H + h) * d * Lk + n, Lk, grad_scores.data(), kb,
+                 false);
+          }
           for (int64_t r = 0; r < qb; ++r) {
             const int64_t i = p.offset + m + r;
-            float* prob = probs.data() + r * kb;
-            float* grad = grad_scores.data() + r * kb;
-            const float *terms = qt.data() + r * R, *value_terms = grad_terms.data() + r * R;
+            float* prob = probs.data() + r * ld;
+            float* grad = grad_scores.data() + r * ld;
+            const float *terms = qt.data() + r * table.ld, *value_terms = grad_terms.data() + r * table.ld;
             const float lse_i = row_lse_inf[r], dot = row_dot[r];
             p.apply_mask(prob, b, i, n, kb);
+            float* row_bucket = grad_bucket.data() + r * R;
             p.for_each_range(i, n, kb, [&](int64_t start, int64_t stop, int64_t first, auto step) {
-#pragma omp simd
-              for (int64_t c = start; c < stop; ++c) {
-                prob[c] = fast_exp(prob[c] * p.scale + terms[first + step * c] - lse_i);
-                grad[c] += value_terms[first + step * c];  // dP~_ij = dO_i . (v_j + T[r(i, j)])
+              // dP~_ij = dO_i . (v_j + T[r(i, j)]), and dS = P (dP - D).
+              if (!p.dropout) {
+                const float range_sum = score_gradients<step>(prob + start, grad + start, terms + first + step * start,
+                                                              value_terms + first + step * start, p.scale, lse_i, dot,
+                                                              row_bucket + first + start, stop - start);
+                if constexpr (!step) row_bucket[first] += range_sum;
+                return;
               }
-              if (p.dropout) {  // dP_ij = dP~_ij z_ij with z = keep / (1 - p); the value gradient takes P z
-                const uint32_t key = row_keys[r];
-#pragma omp simd
-                for (int64_t c = start; c < stop; ++c) {
-                  const float z = p.keep_factor(key, n + c);
-                  grad[c] = prob[c] * (z * grad[c] - dot);
-                  prob[c] *= z;
-                }
-              } else {
-#pragma omp simd
-                for (int64_t c = start; c < stop; ++c) grad[c] = prob[c] * (grad[c] - dot);  // dS = P (dP - D)
-              }
+              // With dropout dP_ij = dP~_ij z_ij, z = keep / (1 - p); the value gradient takes P z.
+              const uint32_t key = row_keys[r];
               float range_sum = 0.0f;
 #pragma omp simd reduction(+ : range_sum)
-              for (int64_t c = start; c < stop; ++c) range_sum += grad[c];
-              add_to_bucket(grad_bucket.data() + r * R, grad, start, stop, first, step, range_sum);
+              for (int64_t c = start; c < stop; ++c) {
+                const float e = fast_exp(prob[c] * p.scale + terms[first + step * c] - lse_i);
+                const float z = p.keep_factor(key, n + c);
+                grad[c] = e * (z * (grad[c] + value_terms[first + step * c]) - dot);
+                prob[c] = e * z;
+                range_sum += grad[c];
+              }
+              add_to_bucket(row_bucket, grad, start, stop, first, step, range_sum);
             });
+            if constexpr (reduced) {  // dS as the A operand against the packed key block: zero past the visible keys
+              T* row = grad_kept.data() + r * ld_kept;
+              convert(grad, row, kb);
+              std::fill(row + kb, row + even(std::min(p.kv_block, Lk - n)), T(0));
+              convert(prob, kept.data() + r * ld_kept, kb);
+            }
           }
-          gemm(d, kb, qb, grad_out_t.data(), qb, probs.data(), kb, gvth + n, Lk, true);  // dV^T += dO^T P
-          gemm(qb, d, kb, grad_scores.data(), kb, kh + n * ks, ks, acc.data(), d, true);
-          gemm(d, kb, qb, query_t.data(), qb, grad_scores.data(), kb, gkth + n, Lk, true);  // dK^T += Q^T dS
+          if constexpr (reduced) {
+            transpose(kept.data(), ld_kept, qb, kb, kept_t.data(), ld_kept_t);
+            transpose(grad_kept.data(), ld_kept, qb, kb, grad_kept_t.data(), ld_kept_t);
+            if (qb & 1)
+              for (int64_t c = 0; c < kb; ++c) kept_t[c * ld_kept_t + qb] = grad_kept_t[c * ld_kept_t + qb] = T(0);
+            const Packed<T> grad_out_block = row_block(grad_packed.data(), qb, d, p.q_block, 0);
+            const Packed<T> query_block = row_block(query_packed.data(), qb, d, p.q_block, 0);
+            grad_out_block.multiply(kb, kept_t.data(), ld_kept_t, 0, d, gvh + n * ld_grad, ld_grad, true);  // dV += P^T dO
+            row_block(key_blocks.data(), Lk, d, p.kv_block, n)
+                .multiply(qb, grad_kept.data(), ld_kept, 0, d, acc.data(), ld_grad, true);  // acc += dS K
+            query_block.multiply(kb, grad_kept_t.data(), ld_kept_t, 0, d, gkh + n * ld_grad, ld_grad, true);  // dK += dS^T Q
+          } else {
+            gemm(d, kb, qb, grad_out_t.data(), qb, probs.data(), kb, gvh + n, Lk, true);  // dV^T += dO^T P
+            gemm(qb, d, kb, grad_scores.data(), kb, kh + n * ks, ks, acc.data(), d, true);
+            gemm(d, kb, qb, query_t.data(), qb, grad_scores.data(), kb, gkh + n, Lk, true);  // dK^T += Q^T dS
+          }
         }
         // dq_i = scale * (sum_j dS_ij k_j + sum_p bucket_ip T[p])
-        gemm(qb, d, R, grad_bucket.data(), R, t, d, acc.data(), d, true);
+        table.add_value_term(qb, grad_bucket.data(), rounded_bucket.data(), acc.data(), ld_grad);
         for (int64_t r = 0; r < qb; ++r)
-          for (int64_t x = 0; x < d; ++x) gqh[(m + r) * gs + x] = p.scale * acc[r * d + x];
+          for (int64_t x = 0; x < d; ++x) gqh[(m + r) * gs + x] = p.scale * acc[r * ld_grad + x];
       }
     }
+    if constexpr (reduced) cpublas::brgemm_release();
   });
   // dK = scale * dS^T Q; both back to [B, Lk, H, d].
-  return {grad_query, grad_key_t.mul_(scale).permute({0, 3, 1, 2}).contiguous(),
-          grad_value_t.permute({0, 3, 1, 2}).contiguous()};
+  if constexpr (reduced)
+    return {grad_query, grad_key.narrow(3, 0, d).mul_(p.scale).permute({0, 2, 1, 3}).contiguous(),
+            grad_value.narrow(3, 0, d).permute({0, 2, 1, 3}).contiguous()};
+  return {grad_query, grad_key.mul_(p.scale).permute({0, 3, 1, 2}).contiguous(),
+          grad_value.permute({0, 3, 1, 2}).contiguous()};
+}
+
+// The call's operands in the type its routine computes in: float32, unless the reduced-precision products run.
+at::Tensor as_computed(const at::Tensor& t, Routine routine) {
+  return rows_usable(routine == kFloat32 ? t.to(at::kFloat) : t);
+}
+
+}  // namespace
+
+// Returns (out [B, Lq, H, d] contiguous in the query's type, lse [B, H, Lq] float32); a row that sees no key gets
+// out 0, lse -inf.
+std::vector<at::Tensor> forward(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
+                                const at::Tensor& table, int64_t K, double scale, bool causal,
+                                const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source,
+                                int64_t offset, double dropout_p, int64_t seed, int64_t q_block, int64_t kv_block) {
+  const at::Tensor valid = optional_flags(key_valid), source = optional_flags(key_source), T = table.contiguous();
+  check_inputs(query_in, key_in, value_in, T, K, valid, source, dropout_p);
+  const Routine routine = products_for(query_in.scalar_type());
+  const at::Tensor query = as_computed(query_in, routine), key = as_computed(key_in, routine);
+  const at::Tensor value = as_computed(value_in, routine);
+  const Problem p = make_problem(query, key, K, scale, causal, valid, source, offset, dropout_p, seed, q_block, kv_block,
+                                 routine);
+  auto out = at::empty({p.B, p.Lq, p.H, p.d}, query.options());
+  auto lse = at::empty({p.B, p.H, p.Lq}, query.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "nezha_forward", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) forward_impl<scalar_t>(p, query, key, value, T, out, lse);
+  });
+  routine_counts[routine] += 1;
+  return {out.to(query_in.scalar_type()), lse};
+}
+
+// Gradients of query [B, Lq, H, d], key and value [B, Lk, H, d] (float32, contiguous), given the forward's output and
+// lse.
+std::vector<at::Tensor> backward(const at::Tensor& grad_out_in, const at::Tensor& query_in, const at::Tensor& key_in,
+                                 const at::Tensor& value_in, const at::Tensor& out_in, const at::Tensor& lse,
+                                 const at::Tensor& table, int64_t K, double scale, bool causal,
+                                 const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source,
+                                 int64_t offset, double dropout_p, int64_t seed, int64_t q_block, int64_t kv_block) {
+  const at::Tensor valid = optional_flags(key_valid), source = optional_flags(key_source), T = table.contiguous();
+  check_inputs(query_in, key_in, value_in, T, K, valid, source, dropout_p);
+  TORCH_CHECK(grad_out_in.sizes() == query_in.sizes() && out_in.sizes() == query_in.sizes(),
+              "NEZHA kernel: the output and its gradient must be shaped like the query");
+  const Routine routine = products_for(query_in.scalar_type());
+  const at::Tensor query = as_computed(query_in, routine), key = as_computed(key_in, routine);
+  const at::Tensor value = as_computed(value_in, routine), grad_out = as_computed(grad_out_in, routine);
+  const at::Tensor out = as_computed(out_in.to(query_in.scalar_type()), routine);
+  const Problem p = make_problem(query, key, K, scale, causal, valid, source, offset, dropout_p, seed, q_block, kv_block,
+                                 routine);
+  std::vector<at::Tensor> grads;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "nezha_backward", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>)
+      grads = backward_impl<scalar_t>(p, grad_out, query, key, value, out, lse.contiguous(), T);
+  });
+  routine_counts[routine] += 1;
+  return grads;
+}
+
+// The routine that multiplies the blocks of a call with inputs of `type` ("float32", "bfloat16", "float16") here.
+std::string routine_for(const std::string& type) {
+  const at::ScalarType scalar = type == "bfloat16" ? at::kBFloat16 : type == "float16" ? at::kHalf : at::kFloat;
+  return kRoutineNames[products_for(scalar)];
+}
+
+// How many forward and backward calls each routine has run in this process.
+std::map<std::string, int64_t> routine_calls() {
+  std::map<std::string, int64_t> calls;
+  for (int r = 0; r < kRoutines; ++r) calls[kRoutineNames[r]] = routine_counts[r].load();
+  return calls;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -440,4 +984,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("backward", &backward, "NEZHA relative attention backward: grads of query, key, value as [B, L, H, d]",
              pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("routine_for", &routine_for, "the routine that multiplies the blocks of a call in this type here");
+  module.def("routine_calls", &routine_calls, "forward and backward calls per routine in this process");
 }
