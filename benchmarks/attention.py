@@ -9,6 +9,9 @@
     python benchmarks/attention.py --device cuda --output attention-cuda   # where a GPU exists
 
 Base width (hidden 768, 12 heads, K = 64; 12 layers unless `--layers`), float32 unless `--dtype`, batch 1.
+Every results file starts with the machine it ran on (`benchmarks/machine.py`: CPU model, its AMX and AVX512-BF16/FP16
+flags, and its matrix-multiply throughput in `--dtype`, measured in the same run); the forward table also gives each
+model's share of that throughput (model FLOPs per layer: `2 * weights * L + 4 * L^2 * hidden`).
 `--dropout P` sets attention and hidden dropout to P in both models (BERT-SDPA then leaves its
 flash kernel for the math path); NEZHA runs the implementation `--attention` (default: the
 default). Times are medians of `--repeats` runs, NEZHA and BERT alternating in one process; the
@@ -41,6 +44,7 @@ import torch
 from transformers import BertConfig, BertModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.machine import describe, summary  # noqa: E402
 from nezha_hf import NezhaConfig, NezhaModel  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -81,6 +85,14 @@ def run_once(model, input_ids, train: bool) -> float:
             model(input_ids)
     synchronize(str(input_ids.device))
     return time.perf_counter() - start
+
+
+def forward_flops(length: int, layers: int) -> float:
+    """Model FLOPs of a forward pass at base width: per layer `2 * weights * L + 4 * L^2 * hidden`, the weights being
+    the layer's matrices (the same for NEZHA and BERT)."""
+    hidden, intermediate = BASE["hidden_size"], BASE["intermediate_size"]
+    weights = 4 * hidden * hidden + 2 * hidden * intermediate
+    return layers * (2 * weights * length + 4 * length**2 * hidden)
 
 
 def time_models(kinds, length, train, repeats, args):
@@ -180,7 +192,8 @@ def main():
     args = parser.parse_args()
     if args.dropout and args.no_train:
         print("note: dropout only acts in training; with --no-train it changes nothing", flush=True)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}", flush=True)
+    machine = describe(getattr(torch, args.dtype), args.device)
+    print(summary(machine), flush=True)
 
     rows = []
     for length in args.lengths:
@@ -194,6 +207,10 @@ def main():
             row[f"ratio_{mode}"] = times["nezha"] / times["bert"]
             if "nezha-eager" in times:
                 row[f"eager_ratio_{mode}"] = times["nezha-eager"] / times["bert"]
+            if not train:
+                for kind in ("nezha", "bert"):
+                    row[f"{kind}_fwd_share"] = forward_flops(length, args.layers) / times[kind] / (
+                        machine["matmul_tflops"] * 1e12)
             print(f"{length:6d} {mode:5s} bert {times['bert']:.3f}s nezha {times['nezha']:.3f}s "
                   f"ratio {row[f'ratio_{mode}']:.2f}" + (f" eager {row.get(f'eager_ratio_{mode}'):.2f}"
                                                          if f"eager_ratio_{mode}" in row else ""), flush=True)
@@ -216,7 +233,7 @@ def main():
         memory.append(entry)
 
     errors = accuracy(args) if args.dtype != "float32" else {}
-    write_results(rows, memory, args, errors)
+    write_results(rows, memory, args, errors, machine)
 
 
 def accuracy(args) -> dict:
@@ -237,23 +254,25 @@ def accuracy(args) -> dict:
     return errors
 
 
-def write_results(rows, memory, args, errors):
+def write_results(rows, memory, args, errors, machine):
     RESULTS.mkdir(exist_ok=True)
     malloc = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     command = (f"MALLOC_MMAP_THRESHOLD_={malloc} " if malloc else "") + "python benchmarks/attention.py " + " ".join(sys.argv[1:])
     setting = (f"NEZHA attention {args.attention or 'default'}, {args.layers} layers, dropout {args.dropout}, "
                f"device {args.device}, {args.dtype}")
-    lines = [f"Command: `{command.strip()}` (torch {torch.__version__}, {torch.get_num_threads()} threads; {setting})"]
+    lines = [f"Command: `{command.strip()}` ({setting}; medians of {args.repeats}, the two models alternating)", "",
+             summary(machine)]
     if rows:
         lines += [
             "",
-            "| tokens | BERT-SDPA fwd (s) | NEZHA fwd (s) | fwd ratio | BERT-SDPA fwd+bwd (s) | NEZHA fwd+bwd (s) | fwd+bwd ratio | gather-only fwd / fwd+bwd ratio |",
-            "|---|---|---|---|---|---|---|---|",
+            "| tokens | BERT-SDPA fwd (s) | NEZHA fwd (s) | fwd ratio | fwd share of matmul throughput, NEZHA / BERT-SDPA | BERT-SDPA fwd+bwd (s) | NEZHA fwd+bwd (s) | fwd+bwd ratio | gather-only fwd / fwd+bwd ratio |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
     for r in rows:
         eager = f"{r['eager_ratio_fwd']:.2f} / {r.get('eager_ratio_train', float('nan')):.2f}" if "eager_ratio_fwd" in r else "-"
         lines.append(
             f"| {r['tokens']} | {r['bert_fwd_s']:.3f} | {r['nezha_fwd_s']:.3f} | {r['ratio_fwd']:.2f} | "
+            f"{r['nezha_fwd_share']:.2f} / {r['bert_fwd_share']:.2f} | "
             f"{r.get('bert_train_s', float('nan')):.3f} | {r.get('nezha_train_s', float('nan')):.3f} | "
             f"{r.get('ratio_train', float('nan')):.2f} | {eager} |"
         )
@@ -278,8 +297,8 @@ def write_results(rows, memory, args, errors):
     table = "\n".join(lines) + "\n"
     print(table)
     (RESULTS / f"{args.output}.md").write_text(table)
-    (RESULTS / f"{args.output}.json").write_text(json.dumps({"command": command, "time": rows, "memory": memory,
-                                                             "accuracy": errors}, indent=1))
+    (RESULTS / f"{args.output}.json").write_text(json.dumps({"command": command, "machine": machine, "time": rows,
+                                                             "memory": memory, "accuracy": errors}, indent=1))
     try:
         import matplotlib
 

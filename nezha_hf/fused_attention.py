@@ -190,6 +190,16 @@ def _load_kernel():
         return None
 
 
+def product_routine(dtype: torch.dtype) -> str | None:
+    """How the kernel multiplies the blocks of `dtype` inputs on this CPU: `"reduced-precision packed"` (bfloat16 or
+    float16 blocks through oneDNN's packed brgemm, float32 accumulation: where the CPU has AMX for that type) or
+    `"float32"` (everything else); None when the kernel is not built."""
+    kernel = fused_kernel()
+    if kernel is None:
+        return None
+    return kernel.routine_for({torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32"))
+
+
 # --- the kernel as torch.library ops ------------------------------------------------------------
 
 
@@ -254,4 +264,4 @@ fused_attention.__doc__ = """NEZHA attention by the fused kernel, `[batch, queri
     """
 
 
-__all__ = ["KERNEL_SOURCE", "forget_fused_kernel", "fused_attention", "fused_kernel", "fused_kernel_loaded"]
+__all__ = ["KERNEL_SOURCE", "forget_fused_kernel", "fused_attention", "fused_kernel", "fused_kernel_loaded", "product_routine"]

@@ -234,10 +234,13 @@ def _three_regions(module, query, key, value, mask, scaling, dropout, table):
 ENGINES = {
     Engine.FUSED: EngineSpec(
         "fused kernel",
-        "Linear memory, as fast as BERT-SDPA on CPU: a compiled C++ kernel (`csrc/fused_attention.cpp`), flash "
-        "attention with the relative terms as per-row lookups and bucket sums.",
-        _op_engine(fused_attention), _fused_unusable, Engine.CHUNKED,
+        "Linear memory, the fastest on CPU: a compiled C++ kernel (`csrc/fused_attention.cpp`), flash attention with "
+        "the relative terms as per-row lookups and bucket sums; bfloat16 / float16 blocks multiplied in their own "
+        "type where the CPU has AMX.",
+        _op_engine(fused_attention), _fused_unusable, Engine.THREE_REGIONS,
     ),
+    # Where the kernel is not built (remote code, no compiler), the fastest for long inputs on the CPU
+    # (docs/performance.md); otherwise the chunked engine.
     Engine.THREE_REGIONS: EngineSpec(
         "three regions",
         "Linear memory from PyTorch's CPU flash kernel: the band `|j - i| < K` and the two tails are plain "

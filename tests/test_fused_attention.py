@@ -259,25 +259,35 @@ def test_the_fused_engine_runs_the_kernel_at_every_length(attention_calls):
 REDUCED = [torch.bfloat16, torch.float16]
 
 
-def reduced_case(mode, dtype, length=300, seed=31):
-    """A case in `dtype` and the same inputs (rounded to it) in float64 for the reference."""
-    q, k, v, mask, allowed = make_case(2, 3, length, 64, 16, mode, [length, length - 37], torch.float32, seed=seed)
+def reduced_case(mode, dtype, length=300, seed=31, K=16, head_size=64):
+    """A case in `dtype` and the same inputs (rounded to it) in float64 for the reference, with its float64 table
+    (the model's table, rounded to `dtype` as the model rounds it)."""
+    q, k, v, mask, allowed = make_case(2, 3, length, head_size, K, mode, [length, length - 37], torch.float32, seed=seed)
     low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     exact = [t.detach().double().requires_grad_() for t in low]
-    return low, exact, mask, allowed
+    table = ra.sinusoid_relative_table(K, head_size).to(dtype).double()
+    return low, exact, mask, allowed, table
+
+
+# (length, K, head size): the kernel's default blocks crossed (512 keys, 64-key panels, a partial last panel) at the
+# base model's K; a small K; a band wider than the sequence.
+REDUCED_SHAPES = [pytest.param(600, 64, 64, id="600-K64"), pytest.param(300, 16, 64, id="300-K16"),
+                  pytest.param(150, 4, 32, id="150-K4"), pytest.param(90, 200, 16, id="90-K200")]
 
 
 @pytest.mark.parametrize("dtype", REDUCED, ids=str)
 @pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
 @pytest.mark.parametrize("blocks", [(0, 0), (16, 32)], ids=["default-blocks", "small-blocks"])
-def test_reduced_precision_runs_the_kernel_and_matches_float64(dtype, mode, blocks, monkeypatch, attention_calls):
+@pytest.mark.parametrize("length, K, head_size", REDUCED_SHAPES)
+def test_reduced_precision_runs_the_kernel_and_matches_float64(dtype, mode, blocks, length, K, head_size, monkeypatch,
+                                                               attention_calls):
     """bfloat16 / float16 inputs run the fused kernel itself (float32 accumulation); forward and gradients against
-    the float64 formula on the same (rounded) inputs."""
+    the float64 formula on the same (rounded) inputs, with padding in the batch."""
     monkeypatch.setattr(fused_attention, "KERNEL_BLOCK_SIZES", blocks)
-    low, exact, mask, allowed = reduced_case(mode, dtype)
-    got = run_attention(ra.Engine.FUSED, *low, mask, 16)
+    low, exact, mask, allowed, table = reduced_case(mode, dtype, length, K=K, head_size=head_size)
+    got = run_attention(ra.Engine.FUSED, *low, mask, K)
     assert {call.ran for call in attention_calls} == {ra.Engine.FUSED} and got.dtype == dtype
-    expected = reference.attention(*exact, 16, allowed, table=ra.sinusoid_relative_table(16, 64).double())[0]
+    expected = reference.attention(*exact, K, allowed, table=table)[0]
     tolerance = 2e-2 if dtype == torch.bfloat16 else 3e-3
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=0)
     grad = torch.randn_like(expected)
@@ -288,20 +298,40 @@ def test_reduced_precision_runs_the_kernel_and_matches_float64(dtype, mode, bloc
 
 
 @pytest.mark.parametrize("dtype", REDUCED, ids=str)
-def test_reduced_precision_dropout_and_cache_match_float64(dtype):
-    """Dropout (the same hash-drawn mask as in float32) and a KV-cache step, in bfloat16 / float16."""
+@pytest.mark.parametrize("length, K, head_size", REDUCED_SHAPES[:3])
+def test_reduced_precision_dropout_and_cache_match_float64(dtype, length, K, head_size):
+    """Dropout (the same hash-drawn mask as in float32), forward and gradients, and a KV-cache step, in bfloat16 /
+    float16."""
     p, seed = 0.3, 987654321
-    low, exact, mask, allowed = reduced_case("prefix", dtype, length=150, seed=2)
-    keep = kernel_keep_mask(seed, 2, 3, 150, 150, p)
-    got = kernel(*low, mask, 16, dropout=p, seed=seed)
-    expected = reference.attention(*exact, 16, allowed, keep=keep, dropout=p,
-                                   table=ra.sinusoid_relative_table(16, 64).double())[0]
+    low, exact, mask, allowed, table = reduced_case("prefix", dtype, length, seed=2, K=K, head_size=head_size)
+    keep = kernel_keep_mask(seed, 2, 3, length, length, p)
+    got = kernel(*low, mask, K, dropout=p, seed=seed)
+    expected = reference.attention(*exact, K, allowed, keep=keep, dropout=p, table=table)[0]
     tolerance = 3e-2 if dtype == torch.bfloat16 else 5e-3
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=0)
+    grad = torch.randn_like(expected)
+    for name, a, b in zip("qkv", torch.autograd.grad((got.double() * grad).sum(), low),
+                          torch.autograd.grad((expected * grad).sum(), exact)):
+        torch.testing.assert_close(a.double(), b, atol=5 * tolerance, rtol=0, msg=f"d{name}")
     new = 4  # the last queries against every key, as a decoding step sees them
-    step = kernel(low[0][..., -new:, :], low[1], low[2], mask, 16, offset=150 - new)
-    full = reference.attention(*exact, 16, allowed, table=ra.sinusoid_relative_table(16, 64).double())[0]
+    step = kernel(low[0][..., -new:, :], low[1], low[2], mask, K, offset=length - new)
+    full = reference.attention(*exact, K, allowed, table=table)[0]
     torch.testing.assert_close(step.double(), full[..., -new:, :], atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, cpu_has_it", [(torch.bfloat16, torch.cpu._is_amx_tile_supported),
+                                               (torch.float16, torch.cpu._is_amx_fp16_supported)], ids=str)
+def test_reduced_precision_is_multiplied_in_its_own_type_where_the_cpu_can(dtype, cpu_has_it):
+    """Where the CPU has tile instructions for the type (AMX, as PyTorch detects it), forward and backward multiply
+    the reduced-precision blocks themselves; elsewhere in float32. The kernel counts each call's routine."""
+    low, _, mask, _, _ = reduced_case("causal", dtype, length=130)
+    before = fused_attention.fused_kernel().routine_calls()
+    kernel(*low, mask, 16).sum().backward()
+    after = fused_attention.fused_kernel().routine_calls()
+    expected = "reduced-precision packed" if cpu_has_it() else "float32"
+    assert {name: after[name] - before[name] for name in after} == {
+        name: 2 if name == expected else 0 for name in after}
+    assert fused_attention.product_routine(dtype) == expected
 
 
 @pytest.mark.parametrize("how", ["to", "autocast"])

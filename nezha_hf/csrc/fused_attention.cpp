@@ -121,7 +121,7 @@ struct Packed {
 // against keys, gradients against values), `Packed{d, L}` in `panels_size(L, d)` elements. As blocks of `block` rows:
 // for each block starting at n, the B operand of `weights @ rows[n : n + block]`, `Packed{rows in it, d}` at
 // `n * round_up(d, kPanel)`, in `blocks_size(L, d)` elements (`block` even).
-inline int64_t panels_size(int64_t L, int64_t d) { return even(d) * round_up(L, kPanel); }
+inline int64_t panels_size(int64_t L, int64_t d) { return d * round_up(L, kPanel); }
 inline int64_t blocks_size(int64_t L, int64_t d) { return (L + 1) * round_up(d, kPanel); }
 
 template <typename T>
@@ -494,6 +494,7 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tens
                 "NEZHA kernel: expected CPU tensors [batch, heads, length, head_size] of one type: float32, bfloat16 "
                 "or float16");
   TORCH_CHECK(key.sizes() == value.sizes(), "NEZHA kernel: key and value must have the same shape");
+  TORCH_CHECK(query.size(3) % 2 == 0, "NEZHA kernel: the head size must be even (the table pairs sines and cosines)");
   TORCH_CHECK(key.size(0) == query.size(0) && key.size(1) == query.size(1) && key.size(3) == query.size(3),
               "NEZHA kernel: query, key and value must agree in batch, heads and head size");
   TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.size(0) == 2 * K + 1 &&
@@ -531,7 +532,7 @@ struct TableOperands {
     }
   }
 
-  // out[qb, R] = rows[qb, d] T^T (row stride `ld`); reduced-precision rows `even(d)` wide.
+  // out[qb, R] = rows[qb, d] T^T (row stride `ld`).
   void terms(int64_t qb, const T* rows, int64_t ld_rows, float* out) const {
     if constexpr (reduced) {
       row_panels(panels.data(), R, d).multiply(qb, rows, ld_rows, 0, R, out, ld, false);
@@ -582,7 +583,7 @@ struct ForwardOperands {
     }
   }
 
-  // scores[qb, :] = Q[qb, d] K[n : n + kb]^T of head `bh`; reduced precision takes Q `even(d)` wide.
+  // scores[qb, :] = Q[qb, d] K[n : n + kb]^T of head `bh`.
   void scores(int64_t bh, int64_t qb, const T* queries, int64_t ld_queries, int64_t n, int64_t kb, float* out,
               int64_t ld_out) const {
     if constexpr (std::is_same_v<T, float>) {
@@ -623,26 +624,19 @@ void forward_impl(const Problem& p, const at::Tensor& query, const at::Tensor& k
   // Row strides of the scores (and, reduced, of the probabilities and the accumulator): whole packed panels.
   const int64_t ld_scores = reduced ? round_up(p.kv_block, kPanel) : p.kv_block;
   const int64_t ld_probs = even(p.kv_block), ld_acc = reduced ? round_up(d, kPanel) : d;
-  const int64_t ld_query = even(d);
 
   // One task per (batch, head, query block); query blocks vary fastest so each thread gets whole heads.
   at::parallel_for(0, B * H * num_q_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(p.q_block * ld_scores), qt(p.q_block * table.ld), bucket(p.q_block * R);
     std::vector<float> acc(p.q_block * ld_acc), row_max(p.q_block), row_sum(p.q_block);
-    std::vector<T> probs(reduced ? p.q_block * ld_probs : 0), query_block(reduced ? p.q_block * ld_query : 0);
+    std::vector<T> probs(reduced ? p.q_block * ld_probs : 0);
     std::vector<T> rounded_bucket(reduced ? p.q_block * even(R) : 0);
     std::vector<uint32_t> row_keys(p.q_block);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (H * num_q_blocks), h = task / num_q_blocks % H, bh = b * H + h;
       const int64_t m = task % num_q_blocks * p.q_block, qb = std::min(p.q_block, Lq - m);
       const T* qm = q + b * query.stride(0) + h * query.stride(1) + m * qs;
-      if constexpr (reduced) {  // the A operand of the products: even(d) wide
-        for (int64_t r = 0; r < qb; ++r) {
-          std::copy(qm + r * qs, qm + r * qs + d, query_block.data() + r * ld_query);
-          if (d & 1) query_block[r * ld_query + d] = T(0);
-        }
-      }
-      table.terms(qb, reduced ? query_block.data() : qm, reduced ? ld_query : qs, qt.data());  // q . T[p]
+      table.terms(qb, qm, qs, qt.data());  // q . T[p]
       for (int64_t x = 0; x < qb * table.ld; ++x) qt[x] *= p.scale;  // scaled like the scores
       std::fill(bucket.begin(), bucket.end(), 0.0f);
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -654,7 +648,7 @@ void forward_impl(const Problem& p, const at::Tensor& query, const at::Tensor& k
       for (int64_t n = 0; n < keys; n += p.kv_block) {
         const int64_t kb = std::min(p.kv_block, keys - n);
         const int64_t ld = reduced ? ld_scores : kb;
-        operands.scores(bh, qb, reduced ? query_block.data() : qm, reduced ? ld_query : qs, n, kb, scores.data(), ld);
+        operands.scores(bh, qb, qm, qs, n, kb, scores.data(), ld);
         // The probabilities the value product takes (reduced: their own buffer, as wide as the packed key block).
         const int64_t value_keys = reduced ? std::min(p.kv_block, Lk - n) : kb;
         for (int64_t r = 0; r < qb; ++r) {
@@ -765,7 +759,7 @@ std::vector<at::Tensor> backward_impl(const Problem& p, const at::Tensor& grad_o
   const int64_t qs = query.stride(2), ks = key.stride(2), vs = value.stride(2), gos = grad_out.stride(2);
   const int64_t os = out.stride(2), gs = H * d;  // the query gradient is [B, L, H, d]
   const int64_t ld_scores = reduced ? round_up(p.kv_block, kPanel) : p.kv_block;
-  const int64_t ld_rows = even(d), ld_kept = even(p.kv_block), ld_kept_t = even(p.q_block);
+  const int64_t ld_kept = even(p.kv_block), ld_kept_t = even(p.q_block);
 
   // One task per (batch, head): key and value gradients of a head are summed over its query blocks.
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
@@ -774,10 +768,9 @@ std::vector<at::Tensor> backward_impl(const Problem& p, const at::Tensor& grad_o
     std::vector<float> acc(p.q_block * ld_grad), row_dot(p.q_block), row_lse_inf(p.q_block);
     // float32: the query block's rows and their output gradients, transposed for the products.
     std::vector<float> query_t(reduced ? 0 : d * p.q_block), grad_out_t(reduced ? 0 : d * p.q_block);
-    // Reduced precision: the query block and its output gradients as A operands and packed as B operands; keys and
-    // values packed; the probabilities and score gradients rounded for their products, as rows and transposed.
+    // Reduced precision: the query block and its output gradients packed as B operands; keys and values packed; the
+    // probabilities and score gradients rounded for their products, as rows and transposed.
     const int64_t reduced_size = reduced ? 1 : 0;
-    std::vector<T> query_rows(reduced_size * p.q_block * ld_rows), grad_rows(reduced_size * p.q_block * ld_rows);
     std::vector<T> query_packed(reduced_size * blocks_size(p.q_block, d));
     std::vector<T> grad_packed(reduced_size * blocks_size(p.q_block, d));
     std::vector<T> key_panels(reduced_size * panels_size(Lk, d)), value_panels(reduced_size * panels_size(Lk, d));
@@ -804,12 +797,7 @@ std::vector<at::Tensor> backward_impl(const Problem& p, const at::Tensor& grad_o
         const int64_t qb = std::min(p.q_block, Lq - m);
         const T* qm = qh + m * qs;
         const T* gom = goh + m * gos;
-        if constexpr (reduced) {  // A operands even(d) wide, and B operands packed
-          for (int64_t r = 0; r < qb; ++r) {
-            std::copy(qm + r * qs, qm + r * qs + d, query_rows.data() + r * ld_rows);
-            std::copy(gom + r * gos, gom + r * gos + d, grad_rows.data() + r * ld_rows);
-            if (d & 1) query_rows[r * ld_rows + d] = grad_rows[r * ld_rows + d] = T(0);
-          }
+        if constexpr (reduced) {
           pack_rows(qm, qs, qb, d, p.q_block, static_cast<T*>(nullptr), query_packed.data(), scratch);
           pack_rows(gom, gos, qb, d, p.q_block, static_cast<T*>(nullptr), grad_packed.data(), scratch);
         } else {
@@ -819,8 +807,8 @@ std::vector<at::Tensor> backward_impl(const Problem& p, const at::Tensor& grad_o
               grad_out_t[x * qb + r] = gom[r * gos + x];
             }
         }
-        table.terms(qb, reduced ? query_rows.data() : qm, reduced ? ld_rows : qs, qt.data());
-        table.terms(qb, reduced ? grad_rows.data() : gom, reduced ? ld_rows : gos, grad_terms.data());  // dO . T[p]
+        table.terms(qb, qm, qs, qt.data());
+        table.terms(qb, gom, gos, grad_terms.data());  // dO . T[p]
         for (int64_t x = 0; x < qb * table.ld; ++x) qt[x] *= p.scale;
         for (int64_t r = 0; r < qb; ++r) {
           row_dot[r] = 0.0f;  // D_i = dO_i . O_i (the output already holds the dropped probabilities)
@@ -837,9 +825,8 @@ std::vector<at::Tensor> backward_impl(const Problem& p, const at::Tensor& grad_o
           const int64_t kb = std::min(p.kv_block, keys - n);
           const int64_t ld = reduced ? ld_scores : kb;
           if constexpr (reduced) {
-            row_panels(key_panels.data(), Lk, d).multiply(qb, query_rows.data(), ld_rows, n, kb, probs.data(), ld, false);
-            row_panels(value_panels.data(), Lk, d)
-                .multiply(qb, grad_rows.data(), ld_rows, n, kb, grad_scores.data(), ld, false);
+            row_panels(key_panels.data(), Lk, d).multiply(qb, qm, qs, n, kb, probs.data(), ld, false);
+            row_panels(value_panels.data(), Lk, d).multiply(qb, gom, gos, n, kb, grad_scores.data(), ld, false);
           } else {
             gemm(qb, kb, d, qm, qs, key_t.data_ptr<float>() + (b * H + h) * d * Lk + n, Lk, probs.data(), kb, false);
             gemm(qb, kb, d, gom, gos, value_t.data_ptr<float>() + (b * H + h) * d * Lk + n, Lk, grad_scores.data(), kb,
