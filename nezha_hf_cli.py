@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                    _examples("nezha-hf convert bert bert-base-chinese/ nezha-from-bert/"))
     bert.add_argument("source", help="BERT folder with config.json and weights")
     _add_conversion_options(bert)
-    bert.add_argument("--max-relative-position", type=COUNT, default=64, help="K of the new model")
+    bert.add_argument("--max-relative-position", type=COUNT, help="K of the new model (default: NezhaConfig's)")
     tf = command(convert, "tf", "a TensorFlow checkpoint, Google BERT or Huawei NEZHA naming (needs nezha_hf[tf])",
                  _examples("nezha-hf convert tf chinese_L-12_H-768_A-12/bert_model.ckpt nezha-tf/ \\",
                            "    --config chinese_L-12_H-768_A-12/bert_config.json --vocab chinese_L-12_H-768_A-12/vocab.txt"))
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_conversion_options(tf)
     tf.add_argument("--config", required=True, help="bert_config.json")
     tf.add_argument("--vocab", help="vocab.txt (copied beside the model, with a tokenizer config)")
-    tf.add_argument("--max-relative-position", type=COUNT, help="K (default: the config's, else 64)")
+    tf.add_argument("--max-relative-position", type=COUNT, help="K (default: the config's, else NezhaConfig's)")
     tf.add_argument("--cased", action="store_true", help="do not lower-case (the Chinese releases lower-case)")
     legacy = command(convert, "nezha", "an older PyTorch NEZHA release (bert. prefix, persisted buffers)",
                      _examples("nezha-hf convert nezha nezha-cn-base-old/ nezha-cn-base/"))

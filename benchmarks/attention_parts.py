@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nezha_hf import fused_attention, three_regions  # noqa: E402
 from nezha_hf import relative_attention as ra  # noqa: E402
+from nezha_hf.attention_ops import AttentionProblem  # noqa: E402
 
 
 def main():
@@ -32,8 +33,8 @@ def main():
     query, key, value = (torch.randn(1, length, heads, size).transpose(1, 2) for _ in range(3))
     grad = torch.randn(1, heads, length, size)
     table = ra.sinusoid_relative_table(K, size)
-    regions = three_regions.ThreeRegions(length, K, ra.sinusoid_frequencies(size), None, False, None, query.dtype)
-    band, tails = regions.band, regions.tails
+    problem = AttentionProblem(ra.RelativeAttentionMask(), scale)
+    band, tails = three_regions._regions(query, table, problem)
     lse = torch.zeros(1, heads, length)
 
     def tails_forward():
@@ -50,21 +51,21 @@ def main():
         return [band.backward(grad, query, key, value, grad, lse, scale, part) for part in band.chunks()]
 
     def three_regions_forward():
-        return regions(query, key, value, table, scale)
+        return three_regions.three_regions_attention(query, key, value, table, problem)
 
     leaves = [t.detach().requires_grad_() for t in (query, key, value)]
 
     def three_regions_forward_backward():
-        regions(*leaves, table, scale).backward(grad)
+        three_regions.three_regions_attention(*leaves, table, problem).transpose(1, 2).backward(grad)
 
     if fused_attention.fused_kernel() is None:
         raise SystemExit("the compiled kernel is unavailable here (see the logged error)")
 
     def kernel_forward():
-        return fused_attention.fused_attention(query, key, value, table, scale, False, None, None)
+        return fused_attention.fused_attention(query, key, value, table, problem)
 
     def kernel_forward_backward():
-        fused_attention.fused_attention(*leaves, table, scale, False, None, None).backward(grad)
+        fused_attention.fused_attention(*leaves, table, problem).transpose(1, 2).backward(grad)
 
     def sdpa_forward():
         return torch.nn.functional.scaled_dot_product_attention(query, key, value)

@@ -1,28 +1,84 @@
-"""The autograd glue every custom NEZHA attention engine shares: a forward op, a backward op, and how they meet.
+"""What a NEZHA attention call is asked, the rules every engine follows, and the glue every engine shares.
 
-An engine (`fused_attention`, `chunked_attention`) writes two plain functions with the same arguments:
+For a head of size `d`, query position `i`, key position `j` and `K = max_relative_position(table)`:
 
-    forward(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed)
-        -> output [batch, queries, heads, head_size], or (output, *saved)
-    backward(grad_output, query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
-             dropout, seed, output, *saved)
-        -> (grad_query, grad_key, grad_value), each `[batch, heads, length, head_size]`
+    r(i, j) = clip(j - i, -K, K) + K                       # a row of the table, 0 .. 2K
+    s_ij    = (q_i . k_j + q_i . T[r(i, j)]) * scale       over the keys query i sees
+    out_i   = sum_j softmax_j(s_ij) (v_j + T[r(i, j)])     0 for a query that sees no key
 
-(`grad_output` and `output` reach the backward as `[batch, heads, queries, head_size]` views). `engine_op`
-registers both as `torch.library` ops `nezha_hf::<name>_forward` / `_backward`, so `torch.compile` and
-`torch.export` see one opaque node with known output shapes, connects them through autograd, refuses a
-second derivative with a message, and returns the function the attention code calls. Masks are key flags
-(`RelativeAttentionMask`'s), never an `L x L` tensor.
-
-`gather_attention` is the same attention in standard PyTorch ops (`L x L` scores per head): the gather
-engine, and the decomposition of every engine's forward op (`torch._decomp`), which exporters such as
-`torch.onnx` and transformers' `OnnxExporter` substitute on their own for an op they cannot translate.
+- `RelativeAttentionMask` says which keys each query sees (padding, causal, UniLM prefix, a KV cache's offset)
+  without an `L x L` tensor; `AttentionProblem` is one call's whole description (the mask, the score scale, attention
+  dropout and its seed), built once per call and passed by name.
+- The rules, written once here and used by every Python engine (the C++ kernel's tests check it against them):
+  `query_positions`, `relative_position_index`, `visible_keys` and `sees_nothing`.
+- `gather_attention`: the attention in standard ops with `L x L` scores per head (the gather engine, and the
+  decomposition exporters substitute for every engine's op).
+- `engine_op` registers an engine's forward and backward as `torch.library` ops, whose schema is generated from
+  `AttentionProblem`: the only place its fields stand in a row.
 """
 
+import dataclasses
+import math
+import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class RelativeAttentionMask:
+    """Which keys each query may attend to, without an `L x L` tensor (`visible_keys` is the rule).
+
+    Attributes:
+        key_is_valid: `[batch, key_length]` bool, False on padding; None when nothing is padded.
+        causal: queries see only keys at their position or before.
+        key_is_source: `[batch, key_length]` bool for the UniLM prefix mask: with `causal`, a source
+            key is visible to every query (source tokens see the whole source, target tokens see
+            the source and the targets before them). Ignored without `causal`.
+        query_offset: position of the first query (the cache length while decoding): an int, or a
+            0-dim tensor when a static cache reports it as one.
+    """
+
+    key_is_valid: torch.Tensor | None = None
+    causal: bool = False
+    key_is_source: torch.Tensor | None = None
+    query_offset: int | torch.Tensor = 0
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """One attention call, besides its query, key, value and table: which keys each query sees, the score scale, and
+    attention dropout (the rate, and the seed of its mask; a rate of 0 for none)."""
+
+    mask: RelativeAttentionMask
+    scaling: float
+    dropout: float = 0.0
+    seed: torch.Tensor | None = None
+
+    @property
+    def key_is_source(self) -> torch.Tensor | None:
+        """The source flags where they act (under a causal mask), else None."""
+        return self.mask.key_is_source if self.mask.causal else None
+
+
+def sinusoid_frequencies(head_size: int) -> torch.Tensor:
+    """The table's angular frequencies `w_m = 10000^(-2m / head_size)`, in float32 as transformers 4.x computed them."""
+    return torch.exp(torch.arange(0, head_size, 2).float() * (-math.log(10000.0) / head_size))
+
+
+def sinusoid_relative_table(max_relative_position: int, head_size: int) -> torch.Tensor:
+    """The fixed `(2K + 1) x head_size` table `T`, computed exactly as transformers 4.x did (float32): `T[p, 2m] =
+    sin(p w_m)`, `T[p, 2m + 1] = cos(p w_m)`. Row `p` encodes the shifted index `p = clip(j - i) + K`, not the signed
+    distance."""
+    num_rows = 2 * max_relative_position + 1
+    position = torch.arange(num_rows, dtype=torch.int64).float().unsqueeze(1)
+    div_term = sinusoid_frequencies(head_size)
+    table = torch.zeros(num_rows, head_size)
+    table[:, 0::2] = torch.sin(position * div_term)
+    table[:, 1::2] = torch.cos(position * div_term)
+    return table
 
 
 def max_relative_position(table: torch.Tensor) -> int:
@@ -30,111 +86,196 @@ def max_relative_position(table: torch.Tensor) -> int:
     return (table.shape[0] - 1) // 2
 
 
-def query_positions(query_length: int, query_offset: int | torch.Tensor = 0, device=None) -> torch.Tensor:
-    """Positions of the queries: `query_offset + arange(query_length)` (the offset is the KV-cache length)."""
-    return torch.arange(query_length, device=device) + query_offset
+# --- the rules ----------------------------------------------------------------------------------------------
 
 
-def relative_position_index(
-    query_length: int, key_length: int, max_relative_position: int, query_offset: int | torch.Tensor = 0, device=None
-) -> torch.Tensor:
-    """`r(i, j) = clip(j - i, -K, K) + K` for query positions `query_offset + arange(query_length)`.
-
-    `query_offset` is an int or a 0-dim tensor (a static cache's length).
-
-    Returns a `[query_length, key_length]` long tensor. With a KV cache the query positions start
-    at the cache length, so the matrix is rectangular.
-    """
-    key_position = torch.arange(key_length, device=device)
-    distance = key_position[None, :] - query_positions(query_length, query_offset, device)[:, None]
-    return distance.clamp(-max_relative_position, max_relative_position) + max_relative_position
+def query_positions(query_length: int, query_offset: int | torch.Tensor = 0, device=None, start: int = 0):
+    """Positions of the queries `start .. query_length - 1` of a call: `query_offset + arange` (the offset is the
+    KV-cache length)."""
+    return torch.arange(start, query_length, device=device) + query_offset
 
 
-def visible_keys(query_length: int, key_length: int, causal: bool, key_is_valid, key_is_source, query_offset,
-                 device) -> torch.Tensor | None:
-    """Which keys each query sees, `[batch or 1, 1, query_length, key_length]` bool, from the key flags; None when
-    every query sees every key. Under `causal` a query sees the keys at or before its position and the source
-    keys (`key_is_source`, the UniLM prefix mask); padding (`key_is_valid` False) is never seen."""
+def relative_position_index(query_position: torch.Tensor, key_position: torch.Tensor, K: int) -> torch.Tensor:
+    """`r(i, j) = clip(j - i, -K, K) + K`, `[queries, keys]`, for query positions i and key positions j."""
+    return (key_position[None, :] - query_position[:, None]).clamp(-K, K) + K
+
+
+def visible_keys(mask: RelativeAttentionMask, query_position: torch.Tensor, key_position: torch.Tensor):
+    """Which keys each query sees: `[batch or 1, *leading, queries, keys]` bool for query positions `[*leading,
+    queries]` and key positions `[*leading, keys]` (inside `[0, key_length)`), None when every query sees every key.
+    Under `causal` a query at i sees the keys at or before i and the source keys; padding is never seen."""
+    queries, keys = query_position[..., :, None], key_position[..., None, :]
     allowed = None
-    if causal:
-        query_position = query_positions(query_length, query_offset, device)
-        allowed = (torch.arange(key_length, device=device)[None, :] <= query_position[:, None])[None, None]
-        if key_is_source is not None:
-            allowed = allowed | key_is_source[:, None, None, :]
-    if key_is_valid is not None:
-        valid = key_is_valid[:, None, None, :]
+    if mask.causal:
+        allowed = (keys <= queries)[None]
+        if mask.key_is_source is not None:
+            allowed = allowed | mask.key_is_source[:, keys]
+    if mask.key_is_valid is not None:
+        valid = mask.key_is_valid[:, keys]
         allowed = valid if allowed is None else allowed & valid
     return allowed
 
 
-def gather_attention(query, key, value, table, scaling: float, allowed: torch.Tensor | None, query_offset=0,
-                     dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sees_nothing(mask: RelativeAttentionMask, query_position: torch.Tensor) -> torch.Tensor | None:
+    """Which queries see no key at all, `[batch, queries]` bool (None when every query sees one): their output is 0,
+    as transformers 5's BERT gives by default, and they pass no gradient. From the key flags alone (no `L x L`): with
+    padding, a query sees nothing when no key is valid or, under `causal`, when its first valid key lies after it and
+    no valid key is a source key."""
+    if mask.key_is_valid is None:
+        return None
+    keys = mask.key_is_valid.shape[1]
+    first_valid = torch.where(mask.key_is_valid, torch.arange(keys, device=mask.key_is_valid.device), keys).amin(1)
+    if not mask.causal:
+        return (first_valid == keys)[:, None].expand(-1, query_position.shape[0])
+    nothing = first_valid[:, None] > query_position[None, :]
+    if mask.key_is_source is not None:
+        nothing = nothing & ~(mask.key_is_valid & mask.key_is_source).any(1)[:, None]
+    return nothing
+
+
+# --- the attention in standard operations ---------------------------------------------------------------------
+
+
+def gather_attention(query, key, value, table, problem: AttentionProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NEZHA attention with `L x L` scores per head: the key term gathered from `q @ T^T`, the value term summed
-    into `2K + 1` buckets. `allowed` from `visible_keys`. Returns `(output [batch, queries, heads, head_size],
-    probabilities [batch, heads, queries, keys], lse [batch, heads, queries])`; a row that sees no key gives 0
-    (lse -inf), as transformers 5's BERT does by default (sdpa)."""
+    into `2K + 1` buckets. Returns `(output [batch, queries, heads, head_size], probabilities [batch, heads, queries,
+    keys], lse [batch, heads, queries])`; a row that sees no key gives 0 (lse -inf)."""
     query_length, key_length = query.shape[-2], key.shape[-2]
-    index = relative_position_index(query_length, key_length, (table.shape[0] - 1) // 2, query_offset, query.device)
+    mask = problem.mask
+    positions = query_positions(query_length, mask.query_offset, query.device)
+    key_position = torch.arange(key_length, device=query.device)
+    index = relative_position_index(positions, key_position, max_relative_position(table))
     index = index.expand(*query.shape[:2], query_length, key_length)
     scores = torch.matmul(query, key.transpose(-1, -2))
     scores = scores + torch.matmul(query, table.T).gather(-1, index)
-    scores = scores * scaling
+    scores = scores * problem.scaling
+    allowed = visible_keys(mask, positions, key_position)
     if allowed is not None:
+        allowed = allowed[:, None]  # every head alike
         # Masked scores become the dtype's minimum, as in transformers 4.x (whose rows that see no key then
         # average uniformly; here those rows are set to 0 below).
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     probs = nn.functional.softmax(scores, dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
-    if allowed is not None:
-        sees_something = allowed.any(-1)
-        probs = probs.masked_fill(~sees_something[..., None], 0.0)
-        lse = lse.masked_fill(~sees_something, float("-inf"))
-    probs = nn.functional.dropout(probs, p=dropout, training=dropout > 0)
+    nothing = sees_nothing(mask, positions)
+    if nothing is not None:
+        probs = probs.masked_fill(nothing[:, None, :, None], 0.0)
+        lse = lse.masked_fill(nothing[:, None], float("-inf"))
+    probs = nn.functional.dropout(probs, p=problem.dropout, training=problem.dropout > 0)
     bucket_mass = probs.new_zeros(*probs.shape[:-1], table.shape[0]).scatter_add(-1, index, probs)
     output = torch.matmul(probs, value) + torch.matmul(bucket_mass, table)
     return output.transpose(1, 2).contiguous(), probs, lse
 
 
-def _plain_forward(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout,
-                   seed):
+# --- engines as torch.library ops -----------------------------------------------------------------------------
+
+TENSOR_ARGUMENTS = ("query", "key", "value", "table")
+_SCHEMA_TYPES = {float: "float", bool: "bool", torch.Tensor: "Tensor", torch.Tensor | None: "Tensor?",
+                 int | torch.Tensor: "Tensor"}
+
+
+def _flat_fields(cls=AttentionProblem) -> list[tuple[str, str, tuple[str, ...]]]:
+    """`(name, schema type, path)` of every leaf field of `cls`, nested dataclasses flattened, in declaration order."""
+    leaves = []
+    for field in dataclasses.fields(cls):
+        kind = typing.get_type_hints(cls)[field.name]
+        if dataclasses.is_dataclass(kind):
+            leaves += [(name, schema, (field.name, *path)) for name, schema, path in _flat_fields(kind)]
+        else:
+            leaves.append((field.name, _SCHEMA_TYPES[kind], (field.name,)))
+    return leaves
+
+
+PROBLEM_FIELDS = _flat_fields()
+PROBLEM_SCHEMA = ", ".join(f"{schema} {name}" for name, schema, _ in PROBLEM_FIELDS)
+
+
+def flatten(problem: AttentionProblem) -> list:
+    """The problem as the ops' flat arguments (`PROBLEM_FIELDS`): offsets and seeds as tensors."""
+    values = []
+    for _, schema, path in PROBLEM_FIELDS:
+        value = problem
+        for name in path:
+            value = getattr(value, name)
+        if schema == "Tensor":  # an int offset, or no seed
+            value = torch.as_tensor(0 if value is None else value, dtype=torch.int64)
+        values.append(value)
+    return values
+
+
+def unflatten(values) -> AttentionProblem:
+    """`flatten`'s inverse."""
+    fields = {name: value for (name, _, _), value in zip(PROBLEM_FIELDS, values)}
+    mask_fields = {field.name for field in dataclasses.fields(RelativeAttentionMask)}
+    mask = RelativeAttentionMask(**{name: fields.pop(name) for name in mask_fields})
+    return AttentionProblem(mask, **fields)
+
+
+def _plain_forward(query, key, value, table, problem: AttentionProblem) -> tuple[torch.Tensor, torch.Tensor]:
     """An engine's forward in standard ops: `(output, lse)` (the decomposition exporters substitute)."""
-    allowed = visible_keys(query.shape[-2], key.shape[-2], causal, key_is_valid, key_is_source, query_offset,
-                           query.device)
-    output, _, lse = gather_attention(query, key, value, table.to(query.dtype), scaling, allowed, query_offset,
-                                      dropout)
+    output, _, lse = gather_attention(query, key, value, table.to(query.dtype), problem)
     return output, lse.float()
 
 
+_library = torch.library.Library("nezha_hf", "DEF")
+
+
 def engine_op(name: str, forward: Callable, forward_fake: Callable, backward: Callable, backward_fake: Callable,
-              device_types: str | None = None, saved_statistics: int = 0) -> Callable:
-    """Register `forward` / `backward` as the ops `nezha_hf::{name}_forward` / `_backward`, with autograd.
+              device_types: str | None = None) -> Callable:
+    """Register an engine as the ops `nezha_hf::{name}_forward` / `_backward`, with autograd, a fake and a
+    decomposition, and return the function the attention code calls.
 
-    `forward_fake` / `backward_fake` give the outputs' shapes and dtypes from the inputs' (for tracing).
-    `device_types` limits the ops to a device type (the compiled CPU kernel), None for any device.
-    `saved_statistics`: 1 when `forward` returns `(output, lse)`, 0 when it returns the output alone.
+    The engine writes four plain functions of the tensors and an `AttentionProblem`:
 
-    Returns `attention(query, key, value, table, scaling, causal, key_is_valid=None, key_is_source=None,
-    query_offset=0, dropout=0.0, seed=None) -> output [batch, queries, heads, head_size]`.
+        forward(query, key, value, table, problem) -> [output [batch, queries, heads, head_size], *saved]
+        backward(grad_output, query, key, value, table, problem, output, *saved) -> [grad_query, grad_key, grad_value]
+
+    (`saved`: what its backward needs besides the inputs; `grad_output` and `output` reach the backward as `[batch,
+    heads, queries, head_size]` views; the gradients are `[batch, heads, length, head_size]`), and their fakes, which
+    give the outputs' shapes and dtypes from the inputs' (for tracing). `device_types` limits the ops to a device type
+    (the compiled CPU kernel), None for any device. A second derivative is refused with a message.
+
+    Returns `attention(query, key, value, table, problem) -> output [batch, queries, heads, head_size]`.
     """
-    forward_op = torch.library.custom_op(f"nezha_hf::{name}_forward", forward, mutates_args=(),
-                                         device_types=device_types)
-    forward_op.register_fake(forward_fake)
-    backward_op = torch.library.custom_op(f"nezha_hf::{name}_backward", backward, mutates_args=(),
-                                          device_types=device_types)
-    backward_op.register_fake(backward_fake)
+    tensors = ", ".join(f"Tensor {argument}" for argument in TENSOR_ARGUMENTS)
+    _library.define(f"{name}_forward({tensors}, {PROBLEM_SCHEMA}) -> Tensor[]")
+    _library.define(f"{name}_backward(Tensor grad_output, {tensors}, {PROBLEM_SCHEMA}, Tensor[] saved) -> Tensor[]")
+    dispatch = {"cpu": "CPU", None: "CompositeExplicitAutograd"}[device_types]
+    tensors = len(TENSOR_ARGUMENTS)
 
-    def setup_context(ctx, inputs, output):
-        query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed = inputs
-        outputs = output if isinstance(output, tuple) else (output,)
-        ctx.save_for_backward(query, key, value, table, key_is_valid, key_is_source, query_offset, seed, *outputs)
-        ctx.scaling, ctx.causal, ctx.dropout = scaling, causal, dropout
+    def run_forward(query, key, value, table, *fields):
+        return list(forward(query, key, value, table, unflatten(fields)))
 
-    def backward_step(ctx, grad_output, *grads_of_saved):  # nothing flows back through the saved statistics
-        query, key, value, table, key_is_valid, key_is_source, query_offset, seed, output, *saved = ctx.saved_tensors
-        grads = backward_op(grad_output.transpose(1, 2), query, key, value, table, ctx.scaling, ctx.causal,
-                            key_is_valid, key_is_source, query_offset, ctx.dropout, seed, output.transpose(1, 2),
-                            *saved)
-        return (*grads, None, None, None, None, None, None, None, None)  # nothing for the table, mask, ...
+    def run_backward(grad_output, query, key, value, table, *fields_and_saved):
+        *fields, saved = fields_and_saved
+        return list(backward(grad_output, query, key, value, table, unflatten(fields), *saved))
+
+    _library.impl(f"{name}_forward", run_forward, dispatch)
+    _library.impl(f"{name}_backward", run_backward, dispatch)
+    torch.library.register_fake(f"nezha_hf::{name}_forward",
+                                lambda *args: list(forward_fake(*args[:tensors], unflatten(args[tensors:]))))
+    torch.library.register_fake(
+        f"nezha_hf::{name}_backward",
+        lambda grad_output, *args: list(backward_fake(grad_output, *args[:tensors], unflatten(args[tensors:-1]),
+                                                      *args[-1])))
+    forward_op = getattr(torch.ops.nezha_hf, f"{name}_forward").default
+    backward_op = getattr(torch.ops.nezha_hf, f"{name}_backward").default
+
+    def setup_context(ctx, inputs, output):  # torch names the op's arguments `inputs`
+        fields = inputs[tensors:]
+        ctx.tensor_fields = [i for i, value in enumerate(fields) if isinstance(value, torch.Tensor)]
+        ctx.fields = list(fields)  # the tensors among them are replaced by the saved ones in the backward
+        ctx.save_for_backward(*inputs[:tensors], *(fields[i] for i in ctx.tensor_fields), *output)
+
+    def backward_step(ctx, grads):  # of [output, *saved]: nothing flows back through the saved statistics
+        grad_output, saved = grads[0], ctx.saved_tensors
+        fields = list(ctx.fields)
+        for position, tensor in zip(ctx.tensor_fields, saved[tensors:]):
+            fields[position] = tensor
+        output, *statistics = saved[tensors + len(ctx.tensor_fields):]
+        grads = backward_op(grad_output.transpose(1, 2), *saved[:tensors], *fields,
+                            [output.transpose(1, 2), *statistics])
+        return (*grads, None, *([None] * len(fields)))  # nothing for the table or the problem
 
     def no_double_backward(ctx, *grads):
         raise RuntimeError(
@@ -142,26 +283,32 @@ def engine_op(name: str, forward: Callable, forward_fake: Callable, backward: Ca
             'use attn_implementation="eager" for that.'
         )
 
-    forward_op.register_autograd(backward_step, setup_context=setup_context)
-    backward_op.register_autograd(no_double_backward)
+    torch.library.register_autograd(f"nezha_hf::{name}_forward", backward_step, setup_context=setup_context)
+    torch.library.register_autograd(f"nezha_hf::{name}_backward", no_double_backward)
 
-    @torch._decomp.register_decomposition(forward_op._opoverload)
-    def decomposed(*arguments):
-        output, lse = _plain_forward(*arguments)
-        return output if saved_statistics == 0 else (output, lse)
+    @torch._decomp.register_decomposition(forward_op)
+    def decomposed(query, key, value, table, *fields):  # what an exported graph computes: the output (no backward)
+        problem = unflatten(fields)
+        output, _ = _plain_forward(query, key, value, table, problem)
+        return [output, *(saved.zero_() for saved in forward_fake(query, key, value, table, problem)[1:])]
 
-    def attention(query, key, value, table, scaling: float, causal: bool, key_is_valid=None, key_is_source=None,
-                  query_offset=0, dropout: float = 0.0, seed=None) -> torch.Tensor:
-        if not isinstance(query_offset, torch.Tensor):
-            query_offset = torch.tensor(query_offset, dtype=torch.int64)
-        if seed is None:
-            seed = torch.zeros((), dtype=torch.int64)
-        output = forward_op(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
-                            float(dropout), seed)
-        return output[0] if isinstance(output, tuple) else output
+    def attention(query, key, value, table, problem: AttentionProblem) -> torch.Tensor:
+        return forward_op(query, key, value, table, *flatten(problem))[0]
 
     attention.forward_op, attention.backward_op = forward_op, backward_op
     return attention
 
 
-__all__ = ["engine_op", "gather_attention", "max_relative_position", "relative_position_index", "visible_keys"]
+__all__ = [
+    "AttentionProblem",
+    "RelativeAttentionMask",
+    "engine_op",
+    "gather_attention",
+    "max_relative_position",
+    "query_positions",
+    "relative_position_index",
+    "sees_nothing",
+    "sinusoid_frequencies",
+    "sinusoid_relative_table",
+    "visible_keys",
+]

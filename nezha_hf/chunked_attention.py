@@ -27,7 +27,16 @@ This module is an engine: `relative_attention.py` decides when it runs.
 
 import torch
 
-from .attention_ops import engine_op
+from .attention_ops import (
+    AttentionProblem,
+    RelativeAttentionMask,
+    engine_op,
+    max_relative_position,
+    query_positions,
+    relative_position_index,
+    sees_nothing,
+    visible_keys,
+)
 
 # Scores a call holds at once, across batch and heads (float32: 64 MB): the forward in one chunk
 # buffer, the backward in two of half as many rows (off the CPU the softmax's output is one more
@@ -56,33 +65,29 @@ class _Chunk:
         self.offset, self.first = offset, offset + start  # position of the call's and the chunk's first query
         last = offset + stop - 1
         self.key_length, self.causal, self.source_end = key_length, causal, source_end
-        self.keys = self.visible_keys(last)
+        self.keys = self.key_bound(last)
         self.left_end = min(max(self.first - K + 1, 0), self.keys)  # keys in every row's left tail
         self.right_start = max(min(last + K, self.keys), self.left_end)  # keys in every row's right tail
         self.K = K
 
-    def visible_keys(self, last: int) -> int:
-        """Keys `[0, n)` that queries up to position `last` can see: under a causal mask keys after the
-        last query are invisible, except source keys (UniLM)."""
+    def key_bound(self, last: int) -> int:
+        """Keys `[0, n)` past which no query up to position `last` sees anything, to skip work (which of them it sees is
+        `visible_keys`): under a causal mask the keys after the last query, except source keys (UniLM)."""
         return min(self.key_length, max(last + 1, self.source_end)) if self.causal else self.key_length
 
-    def middle_index(self, device) -> torch.Tensor:
-        """Table rows `clip(j - i, -K, K) + K` of the middle block, `[rows, right_start - left_end]`."""
-        query = self.first + torch.arange(self.size, device=device)[:, None]
-        key = torch.arange(self.left_end, self.right_start, device=device)[None, :]
-        return (key - query).clamp(-self.K, self.K) + self.K
+    def positions(self, device) -> torch.Tensor:
+        return query_positions(self.rows.stop, self.offset, device, start=self.rows.start)
 
-    def mask(self, scores, key_is_valid, causal, key_is_source) -> None:
-        """Set the scores of invisible keys (padding; later non-source keys under a causal mask) to -inf, in place."""
-        if key_is_valid is not None:
-            scores.masked_fill_(~key_is_valid[:, None, None, : self.keys], float("-inf"))
-        start = self.first + 1  # keys after the chunk's first query
-        if causal and start < self.keys:
-            later = torch.arange(start, self.keys, device=scores.device)[None, :]
-            future = later > self.first + torch.arange(self.size, device=scores.device)[:, None]
-            if key_is_source is not None:
-                future = future & ~key_is_source[:, None, None, start : self.keys]
-            scores[..., start:].masked_fill_(future, float("-inf"))
+    def middle_index(self, device) -> torch.Tensor:
+        """Table rows `r(i, j)` of the middle block, `[rows, right_start - left_end]`."""
+        return relative_position_index(self.positions(device), torch.arange(self.left_end, self.right_start,
+                                                                             device=device), self.K)
+
+    def mask(self, scores, mask: RelativeAttentionMask) -> None:
+        """Set the scores of keys the chunk's queries do not see to -inf, in place."""
+        allowed = visible_keys(mask, self.positions(scores.device), torch.arange(self.keys, device=scores.device))
+        if allowed is not None:
+            scores.masked_fill_(~allowed[:, None], float("-inf"))
 
     def keep(self, shape, dropout: float, seed: int, device) -> torch.Tensor:
         """Dropout factors `keep / (1 - p)` of the chunk's scores `shape`. Each group of `MIN_CHUNK_ROWS` queries
@@ -94,7 +99,7 @@ class _Chunk:
         generator = torch.Generator(device=device)
         for start in range(self.rows.start, self.rows.stop, MIN_CHUNK_ROWS):
             stop = min(start + MIN_CHUNK_ROWS, self.rows.stop)
-            keys = self.visible_keys(self.offset + stop - 1)
+            keys = self.key_bound(self.offset + stop - 1)
             generator.manual_seed((seed * 1_000_003 + start) % (1 << 63))
             dropped = torch.rand(*shape[:2], stop - start, keys, generator=generator, device=device) < dropout
             rows = slice(start - self.rows.start, stop - self.rows.start)
@@ -118,13 +123,11 @@ class _Operands:
     """Per call: its chunks and masks, keys and values with extra columns, the table in the compute dtype
     (float32, or float64 for float64 inputs), and `buffers` chunk buffers."""
 
-    def __init__(self, query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
-                 buffers: int):
-        self.chunks = _chunks(query, key, table, causal, key_is_source, query_offset, buffers)
-        self.scaling, self.causal, self.key_is_valid, self.key_is_source = scaling, causal, key_is_valid, key_is_source
+    def __init__(self, query, key, value, table, problem: AttentionProblem, buffers: int):
+        self.chunks = _chunks(query, key, table, problem, buffers)
+        self.scaling, self.mask = problem.scaling, problem.mask
         self.dtype = torch.promote_types(query.dtype, torch.float32)  # scores, softmax and sums
         self.table = table.to(self.dtype)
-        self.first_valid, self.valid_source = _rows_that_see_keys(key_is_valid, causal, key_is_source)
         self.keys, self.values = _with_extra_columns(key), _with_extra_columns(value)
         self.left_end = self.right_start = 0
         batch, heads, length, _ = key.shape
@@ -182,39 +185,23 @@ class _Operands:
         """The chunk's attention probabilities, `[batch, heads, C, keys]` in chunk buffer 0 (a row that sees no
         key is all zeros; a row with a NaN score is NaN)."""
         scores = self.products(chunk, query_rows * self.scaling, self.keys, self.buffer(chunk, 0))
-        chunk.mask(scores, self.key_is_valid, self.causal, self.key_is_source)
+        chunk.mask(scores, self.mask)
         # In place on the CPU, where the tests check that the kernel's row-by-row passes make that safe;
         # on other devices, where nothing here has checked it, one more chunk-sized tensor instead.
         inplace = scores.device.type == "cpu"
         probs = torch.softmax(scores, -1, out=scores) if inplace else torch.softmax(scores, -1)
-        if self.first_valid is not None:  # softmax gives NaN for a row that sees no key: those rows are 0
-            positions = chunk.first + torch.arange(chunk.size, device=probs.device)
-            sees_nothing = self.first_valid[:, None] > positions if self.causal else self.first_valid[:, None] == chunk.key_length
-            if self.causal:
-                sees_nothing = sees_nothing & ~self.valid_source[:, None]
-            probs.masked_fill_(sees_nothing[:, None, :, None], 0.0)
+        nothing = sees_nothing(self.mask, chunk.positions(probs.device))
+        if nothing is not None:  # softmax gives NaN for a row that sees no key: those rows are 0
+            probs.masked_fill_(nothing[:, None, :, None], 0.0)
         return probs
 
 
-def _rows_that_see_keys(key_is_valid, causal, key_is_source):
-    """Per example, its first key that is not padding (the key count if none) and whether any source key is not
-    padding: a query at position i sees no key when the first is after i (under a causal mask, with no such
-    source key) or, without a causal mask, when there is none. (None, None) when nothing is padded."""
-    if key_is_valid is None:
-        return None, None
-    keys = key_is_valid.shape[1]
-    position = torch.arange(keys, device=key_is_valid.device)
-    first_valid = torch.where(key_is_valid, position, keys).amin(1)
-    if causal and key_is_source is not None:
-        return first_valid, (key_is_valid & key_is_source).any(1)
-    return first_valid, torch.zeros_like(first_valid, dtype=torch.bool)
-
-
-def _chunks(query, key, table, causal, key_is_source, query_offset, buffers: int) -> list[_Chunk]:
+def _chunks(query, key, table, problem: AttentionProblem, buffers: int) -> list[_Chunk]:
     """The chunks, in order, of one call that holds `buffers` chunk buffers."""
     batch, heads, queries, _ = query.shape
-    keys, K = key.shape[-2], (table.shape[0] - 1) // 2
-    offset = int(query_offset) if query_offset.device.type != "meta" else 0
+    keys, K = key.shape[-2], max_relative_position(table)
+    query_offset, causal, key_is_source = problem.mask.query_offset, problem.mask.causal, problem.key_is_source
+    offset = int(query_offset) if not isinstance(query_offset, torch.Tensor) or query_offset.device.type != "meta" else 0
     source_end = 0
     if causal and key_is_source is not None:
         if key_is_source.device.type == "meta":
@@ -227,18 +214,14 @@ def _chunks(query, key, table, causal, key_is_source, query_offset, buffers: int
             for start in range(0, queries, rows)]
 
 
-def forward_chunks(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: torch.Tensor, scaling: float, causal: bool,
-    key_is_valid: torch.Tensor | None, key_is_source: torch.Tensor | None, query_offset: torch.Tensor,
-    dropout: float, seed: torch.Tensor,
-) -> torch.Tensor:
-    """NEZHA attention forward: `[batch, queries, heads, head_size]`; see `attention_ops`. Any device and
-    floating dtype."""
+def forward_chunks(query, key, value, table, problem: AttentionProblem) -> list[torch.Tensor]:
+    """NEZHA attention forward: `[output [batch, queries, heads, head_size]]`; see `attention_ops.engine_op`. Any
+    device and floating dtype."""
     batch, heads, queries, size = query.shape
-    operands = _Operands(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
-                         buffers=1)
+    operands = _Operands(query, key, value, table, problem, buffers=1)
     output = query.new_empty(batch, queries, heads, size)
-    seed_value = int(seed) if dropout > 0 else 0
+    dropout = problem.dropout
+    seed_value = int(problem.seed) if dropout > 0 else 0
     for chunk in operands.chunks:
         operands.enter(chunk)
         probs = operands.probabilities(chunk, query[..., chunk.rows, :])
@@ -246,12 +229,12 @@ def forward_chunks(
             probs.mul_(chunk.keep(probs.shape, dropout, seed_value, query.device))
         out = operands.weighted_sum(chunk, probs, operands.values)
         output[:, chunk.rows] = out.transpose(1, 2).to(output.dtype)
-    return output
+    return [output]
 
 
-def _forward_fake(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed):
+def _forward_fake(query, key, value, table, problem):
     batch, heads, queries, size = query.shape
-    return query.new_empty(batch, queries, heads, size)
+    return [query.new_empty(batch, queries, heads, size)]
 
 
 def _add_product(target: torch.Tensor, chunk: _Chunk, weights: torch.Tensor, rows: torch.Tensor) -> None:
@@ -266,19 +249,16 @@ def _add_product(target: torch.Tensor, chunk: _Chunk, weights: torch.Tensor, row
                          rows.reshape(batch * heads, chunk.size, size))
 
 
-def backward_chunks(
-    grad_output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: torch.Tensor,
-    scaling: float, causal: bool, key_is_valid: torch.Tensor | None, key_is_source: torch.Tensor | None,
-    query_offset: torch.Tensor, dropout: float, seed: torch.Tensor, output: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def backward_chunks(grad_output, query, key, value, table, problem: AttentionProblem,
+                    output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of query, key and value (`[batch, heads, length, head_size]`), recomputing each chunk; see
-    `attention_ops`."""
-    operands = _Operands(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
-                         buffers=2)
+    `attention_ops.engine_op`."""
+    operands = _Operands(query, key, value, table, problem, buffers=2)
+    dropout, scaling = problem.dropout, problem.scaling
     grad_query = torch.empty(query.shape, dtype=operands.dtype, device=query.device)
     grad_key = torch.zeros(key.shape, dtype=operands.dtype, device=key.device)
     grad_value = torch.zeros(value.shape, dtype=operands.dtype, device=value.device)
-    seed_value = int(seed) if dropout > 0 else 0
+    seed_value = int(problem.seed) if dropout > 0 else 0
     for chunk in operands.chunks:
         operands.enter(chunk)
         query_rows, grad_out = query[..., chunk.rows, :], grad_output[..., chunk.rows, :]
@@ -302,8 +282,7 @@ def backward_chunks(
     return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
 
 
-def _backward_fake(grad_output, query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
-                   dropout, seed, output):
+def _backward_fake(grad_output, query, key, value, table, problem, output):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)  # contiguous
 
 

@@ -430,7 +430,7 @@ def convert_bert(
         architecture: NEZHA class to produce (default: from the config's `architectures`, else
             from the heads present).
         allow_missing: glob patterns of NEZHA weights that may stay uninitialised.
-        max_relative_position: `K` for the new model (default 64, NEZHA's).
+        max_relative_position: `K` for the new model (default: `NezhaConfig`'s).
         remote_code: also make the output loadable with `trust_remote_code=True` without nezha_hf.
         overwrite: replace an existing non-empty `output`.
 

@@ -1,9 +1,9 @@
 """The fused NEZHA attention kernel (`csrc/fused_attention.cpp`): building it, and calling it as an op.
 
 The kernel computes the whole relative attention in one flash-style pass, forward and backward,
-for float32 tensors on CPU, with any padding, causal or UniLM prefix mask, a KV cache (queries
-offset against longer keys) and attention dropout (a counter-based hash of a seed, so the backward
-regenerates the forward's mask). It is built with `torch.utils.cpp_extension` the first time it is
+for float32, bfloat16 and float16 tensors on CPU, with any padding, causal or UniLM prefix mask, a KV
+cache (queries offset against longer keys) and attention dropout (a counter-based hash of a seed, so
+the backward regenerates the forward's mask). It is built with `torch.utils.cpp_extension` the first time it is
 needed and cached on disk, and registered as the `torch.library` ops `nezha_hf::fused_forward`
 and `nezha_hf::fused_backward` (`attention_ops.engine_op`).
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
-from .attention_ops import engine_op, max_relative_position
+from .attention_ops import AttentionProblem, engine_op
 
 logger = logging.get_logger(__name__)
 
@@ -203,12 +203,8 @@ def product_routine(dtype: torch.dtype) -> str | None:
 # --- the kernel as torch.library ops ------------------------------------------------------------
 
 
-def _forward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: torch.Tensor, scaling: float, causal: bool,
-    key_is_valid: torch.Tensor | None, key_is_source: torch.Tensor | None, query_offset: torch.Tensor,
-    dropout: float, seed: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(output [batch, queries, heads, head_size], lse [batch, heads, queries])`; see `attention_ops`.
+def _forward(query, key, value, table, problem: AttentionProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(output [batch, queries, heads, head_size], lse [batch, heads, queries])`; see `attention_ops.engine_op`.
 
     bfloat16 and float16 inputs are multiplied in their own type (float32 accumulation) where oneDNN packs that type
     for the CPU's tile instructions (AMX), and computed in float32 elsewhere, where that is faster
@@ -216,49 +212,35 @@ def _forward(
     kernel = fused_kernel()
     if kernel is None:
         raise RuntimeError("NEZHA's fused attention kernel is unavailable here (see the logged warning).")
-    return kernel.forward(query, key, value, table.float(), max_relative_position(table), scaling, causal, key_is_valid,
-                          key_is_source, int(query_offset), dropout, int(seed), *KERNEL_BLOCK_SIZES)
+    return kernel.forward(query, key, value, table.float(), problem, *KERNEL_BLOCK_SIZES)
 
 
-def _forward_fake(query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset, dropout, seed):
+def _forward_fake(query, key, value, table, problem):
     batch, heads, length, size = query.shape
     return query.new_empty(batch, length, heads, size), query.new_empty(batch, heads, length, dtype=torch.float32)
 
 
-def _backward(
-    grad_output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: torch.Tensor,
-    scaling: float, causal: bool, key_is_valid: torch.Tensor | None, key_is_source: torch.Tensor | None,
-    query_offset: torch.Tensor, dropout: float, seed: torch.Tensor, output: torch.Tensor, lse: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(grad_output, query, key, value, table, problem: AttentionProblem, output, lse):
     """Gradients of query, key and value, `[batch, heads, length, head_size]` views of `[batch, length, heads, ...]`."""
-    grads = fused_kernel().backward(grad_output, query, key, value, output, lse, table.float(),
-                                    max_relative_position(table), scaling, causal, key_is_valid, key_is_source,
-                                    int(query_offset), dropout, int(seed), *KERNEL_BLOCK_SIZES)
+    grads = fused_kernel().backward(grad_output, query, key, value, output, lse, table.float(), problem,
+                                    *KERNEL_BLOCK_SIZES)
     return tuple(grad.to(query.dtype).transpose(1, 2) for grad in grads)
 
 
-def _backward_fake(grad_output, query, key, value, table, scaling, causal, key_is_valid, key_is_source, query_offset,
-                   dropout, seed, output, lse):
+def _backward_fake(grad_output, query, key, value, table, problem, output, lse):
     def like(x):
         return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
 
     return like(query), like(key), like(value)
 
 
-fused_attention = engine_op("fused", _forward, _forward_fake, _backward, _backward_fake, device_types="cpu",
-                            saved_statistics=1)
+fused_attention = engine_op("fused", _forward, _forward_fake, _backward, _backward_fake, device_types="cpu")
 fused_attention.__doc__ = """NEZHA attention by the fused kernel, `[batch, queries, heads, head_size]`.
 
     Args:
         query: `[batch, heads, queries, head_size]` on CPU; key, value: `[batch, heads, keys, head_size]`.
         table: the `(2K + 1) x head_size` table.
-        scaling: score scale.
-        causal: queries see only keys at or before their position (with `key_is_source`: the UniLM prefix mask).
-        key_is_valid: `[batch, keys]` bool, False on padding, or None.
-        key_is_source: `[batch, keys]` bool, keys every query sees under a causal mask, or None.
-        query_offset: position of the first query (the KV-cache length); an int or a 0-dim tensor.
-        dropout: attention-probability dropout rate, applied with the mask drawn from `seed`.
-        seed: 0-dim int64 tensor naming the dropout mask (ignored without dropout).
+        problem: the mask, scaling and dropout (`attention_ops.AttentionProblem`).
 
     Call only when `fused_kernel()` is not None.
     """

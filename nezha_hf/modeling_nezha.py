@@ -9,10 +9,14 @@ import functools
 import os
 import pickle
 import re
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from safetensors import SafetensorError
 from torch import nn
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
@@ -67,13 +71,34 @@ class CheckpointShapeError(ValueError, RuntimeError):
     transformers' contract for size mismatches when loading (`RuntimeError`)."""
 
 
-def _unreadable_file(error: Exception) -> bool:
-    """Whether loading failed on the bytes of a weights file (rather than, say, a missing one)."""
-    if isinstance(error, (pickle.UnpicklingError, SafetensorError, EOFError)):
-        return True
-    if isinstance(error, RuntimeError):  # torch.load on a truncated zip archive
-        return "PytorchStreamReader" in str(error)
-    return isinstance(error, OSError) and error.errno is not None  # torch's file reader on a cut-off file
+# What reading a damaged weights file raises: safetensors' own error, the zip reader's on a torch archive cut short
+# (`_check_archives` opens those first), the unpickler's on anything else.
+UNREADABLE_WEIGHTS = (SafetensorError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError)
+
+
+def _check_archives(folder) -> None:
+    """Open every `.bin` of a local model folder that is a zip archive (torch's format since 1.6) as one, so that a
+    file cut short is a `zipfile.BadZipFile` here rather than an untyped error inside torch.load. Older pickles are
+    left to torch.load (`pickle.UnpicklingError`, `EOFError`)."""
+    for path in Path(folder).glob("*.bin"):
+        with open(path, "rb") as handle:
+            if handle.read(4) == b"PK\x03\x04":
+                zipfile.ZipFile(path).close()
+
+
+def _local_folder(path) -> str | None:
+    """`path` (user folder expanded) when it can only be a local folder: a path object, or a string that is no
+    model-hub id, or an existing folder; None for a hub id (and for no path, as with `state_dict=`)."""
+    if path is None:
+        return None
+    folder = os.path.expanduser(path)
+    if isinstance(path, os.PathLike) or os.path.isdir(folder):
+        return folder
+    try:
+        validate_repo_id(str(path))
+    except HFValidationError:
+        return folder
+    return None
 
 
 def padding_flags(mask: torch.Tensor, name: str) -> torch.Tensor:
@@ -347,9 +372,13 @@ class NezhaPreTrainingHeads(nn.Module):
 class NezhaPreTrainedModel(PreTrainedModel):
     """Weight initialisation, checkpoint-loading rules and attention selection shared by every NEZHA class.
 
-    `attn_implementation` is one of `relative_attention.ATTENTION_IMPLEMENTATIONS` (default
-    `"nezha_fused"`); the README's table "Attention implementations" says what each is and where it
-    runs. `"sdpa"`, flash and flex attention cannot express NEZHA's relative value term and are refused.
+    `attn_implementation` is one of the engines of `relative_attention.Engine` (default `"nezha_fused"`); the
+    README's table "Attention implementations" says what each is and where it runs. `"sdpa"`, flash, flex and
+    every other registered attention cannot express NEZHA's relative value term and are refused.
+
+    Besides `_init_weights`, it overrides what NEZHA needs and transformers offers no hook for; each override says
+    which behaviour of transformers it changes, and tests/test_modeling_nezha.py ("transformers still ...") fails if
+    transformers changes that behaviour, so that the override can go.
     """
 
     config: NezhaConfig
@@ -388,6 +417,8 @@ class NezhaPreTrainedModel(PreTrainedModel):
             init.copy_(module.relative_table, module.build_relative_table())
 
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        # Changes: transformers drops the buffers older releases persisted (`_keys_to_ignore_on_load_unexpected`)
+        # in silence; NEZHA says it did, once (a note, never an error).
         before = set(loading_info.unexpected_keys)
         super()._adjust_missing_and_unexpected_keys(loading_info)
         dropped = sorted(before - set(loading_info.unexpected_keys))
@@ -407,6 +438,8 @@ class NezhaPreTrainedModel(PreTrainedModel):
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         """transformers' sharding for `from_pretrained(..., distributed_config=...)`, with tied weights tied first.
 
+        Changes: transformers shards before it ties the weights; NEZHA ties first (and refuses pipeline parallelism).
+
         transformers 5.24 shards the model before it ties its weights: FSDP2 then manages the MLM decoder's own copy
         beside the word embeddings, re-tying afterwards leaves that copy in FSDP's buffers, and from the second step
         on training differs from one process (its own Llama with tied embeddings does the same). Tied here, they are
@@ -423,6 +456,9 @@ class NezhaPreTrainedModel(PreTrainedModel):
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """Changes: transformers defaults to sdpa, else eager, and accepts every registered attention (paged ones
+        included, which would drop the relative terms); NEZHA defaults to its fused engine, accepts its own engines
+        only, and builds the kernel when a model that uses it is made on the CPU."""
         # While the model is being built it has no parameters yet: it is built on the default device.
         parameter = next(self.parameters(), None)
         device = parameter.device if parameter is not None else torch.get_default_device()
@@ -478,44 +514,47 @@ class NezhaPreTrainedModel(PreTrainedModel):
 
         Same arguments as `PreTrainedModel.from_pretrained`, plus `allow_new_layers=True` to accept a config
         with more layers than the checkpoint has (they are initialised randomly; without it that is a
-        `ValueError`, as is a config with fewer layers). Persisted buffers of old releases are ignored. `.bin` files are read with `torch.load(weights_only=True)`, so a pickle that tries
-        to run code is refused. Errors name the checkpoint, and for tensors whose shape does not fit
-        the config, each tensor with both shapes.
+        `ValueError`, as is a config with fewer layers). Persisted buffers of old releases are ignored. `.bin` files
+        are read with `torch.load(weights_only=True)`, so a pickle that tries to run code is refused. Errors name the
+        checkpoint, and for tensors whose shape does not fit the config, each tensor with both shapes.
+
+        Changes from transformers: a path that is no model-hub id and no folder is a `FileNotFoundError` (transformers
+        would look it up on the Hub); a damaged weights file is a `ValueError` naming the checkpoint; tensors that do
+        not fit the config are a `ValueError` naming each with both shapes (transformers raises a `RuntimeError`
+        that points to the report it logged, so NEZHA loads with `ignore_mismatched_sizes=True` and raises itself
+        unless it was asked for).
         """
-        local = isinstance(pretrained_model_name_or_path, os.PathLike) or str(pretrained_model_name_or_path).startswith(
-            ("/", ".", "~")
-        )
-        if local and not os.path.isdir(os.path.expanduser(pretrained_model_name_or_path)):
-            raise FileNotFoundError(f"No such model folder: {pretrained_model_name_or_path}")
+        path = pretrained_model_name_or_path
+        folder = _local_folder(path)
+        if folder is not None and not os.path.isdir(folder):
+            raise FileNotFoundError(f"No such model folder: {path} (model-hub ids look like 'owner/name').")
         kwargs.setdefault("key_mapping", {r"^bert\.": "nezha."})
         strict_shapes = not kwargs.get("ignore_mismatched_sizes", False)
         wants_info = kwargs.pop("output_loading_info", False)
         allow_new_layers = kwargs.pop("allow_new_layers", False)
         try:
+            if folder is not None:
+                _check_archives(folder)
             model, info = super().from_pretrained(
-                pretrained_model_name_or_path,
-                *args,
-                **{**kwargs, "ignore_mismatched_sizes": True, "output_loading_info": True},
+                path, *args, **{**kwargs, "ignore_mismatched_sizes": True, "output_loading_info": True}
             )
-        except (pickle.UnpicklingError, SafetensorError, EOFError, RuntimeError, OSError) as error:
-            if not _unreadable_file(error):  # e.g. transformers' own "no such model" errors: not ours to reword
-                raise
-            first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        except UNREADABLE_WEIGHTS as error:
+            first_line = (str(error).splitlines() or [""])[0] or type(error).__name__
             raise ValueError(
-                f"Could not read the checkpoint at {pretrained_model_name_or_path} (corrupt, truncated, empty, or a "
-                f"pickle that is not plain tensors): {first_line or type(error).__name__}"
+                f"Could not read the checkpoint at {path} (corrupt, truncated, empty, or a pickle that is not plain "
+                f"tensors): {first_line}"
             ) from error
         # Built on the meta device, the model prepared nothing: now that its weights are placed, get its attention
         # ready where it runs (a model loaded onto another device never builds the CPU kernel).
         prepare_attention(model.config._attn_implementation, model.device)
-        _check_layers(pretrained_model_name_or_path, model.config.num_hidden_layers, info, allow_new_layers)
+        _check_layers(path, model.config.num_hidden_layers, info, allow_new_layers)
         if strict_shapes and info["mismatched_keys"]:
             details = "; ".join(
                 f"{key}: checkpoint {tuple(ckpt)} vs model {tuple(model_shape)}"
                 for key, ckpt, model_shape in sorted(info["mismatched_keys"])
             )
             raise CheckpointShapeError(
-                f"The checkpoint at {pretrained_model_name_or_path} does not fit its config: {details}. "
+                f"The checkpoint at {path} does not fit its config: {details}. "
                 "Fix config.json, or pass ignore_mismatched_sizes=True to re-initialise these tensors."
             )
         return (model, info) if wants_info else model

@@ -14,12 +14,12 @@ where (README.md holds it; a test keeps the two equal). The engine that ran is l
 per situation at INFO and recorded for `recorded_attention_calls()`.
 
 The mask is a `RelativeAttentionMask` (key padding, causal or UniLM prefix) rather than a dense
-`L x L` tensor, so the linear-memory engines never build one.
+`L x L` tensor, so the linear-memory engines never build one. Each call is described once, as an
+`attention_ops.AttentionProblem`, and every engine is an op that takes it (`attention_ops.engine_op`).
 """
 
 import contextlib
 import enum
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -27,11 +27,19 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from .attention_ops import gather_attention, max_relative_position, relative_position_index, visible_keys
+from .attention_ops import (
+    AttentionProblem,
+    RelativeAttentionMask,
+    gather_attention,
+    max_relative_position,
+    relative_position_index,
+    sinusoid_frequencies,
+    sinusoid_relative_table,
+)
 from .chunked_attention import chunked_attention
 from .fused_attention import fused_attention, fused_kernel, fused_kernel_loaded
 from .three_regions import AVAILABLE as THREE_REGIONS_AVAILABLE
-from .three_regions import ThreeRegions
+from .three_regions import three_regions_attention
 
 logger = logging.get_logger(__name__)
 
@@ -47,64 +55,6 @@ def tracing() -> bool:
 def values_known(tensor: torch.Tensor) -> bool:
     """Whether code may read `tensor`'s values: not while tracing, and never on the meta device (shapes only)."""
     return not tracing() and tensor.device.type != "meta"
-
-
-def sinusoid_frequencies(head_size: int) -> torch.Tensor:
-    """The table's angular frequencies `w_m = 10000^(-2m / head_size)`, in float32 as transformers 4.x computed them."""
-    return torch.exp(torch.arange(0, head_size, 2).float() * (-math.log(10000.0) / head_size))
-
-
-def sinusoid_relative_table(max_relative_position: int, head_size: int) -> torch.Tensor:
-    """The fixed `(2K + 1) x head_size` table `T`, computed exactly as transformers 4.x did (float32).
-
-    Row `p` encodes the shifted index `p = clip(j - i) + K`, not the signed distance.
-    """
-    num_rows = 2 * max_relative_position + 1
-    position = torch.arange(num_rows, dtype=torch.int64).float().unsqueeze(1)
-    div_term = sinusoid_frequencies(head_size)
-    table = torch.zeros(num_rows, head_size)
-    table[:, 0::2] = torch.sin(position * div_term)
-    table[:, 1::2] = torch.cos(position * div_term)
-    return table
-
-
-@dataclass
-class RelativeAttentionMask:
-    """Which keys each query may attend to, without an `L x L` tensor.
-
-    Attributes:
-        key_is_valid: `[batch, key_length]` bool, False on padding; None when nothing is padded.
-        causal: queries see only keys at their position or before.
-        key_is_source: `[batch, key_length]` bool for the UniLM prefix mask: with `causal`, a source
-            key is visible to every query (source tokens see the whole source, target tokens see
-            the source and the targets before them). None for a plain causal or bidirectional mask.
-        query_offset: position of the first query (the cache length while decoding): an int, or a
-            0-dim tensor when a static cache reports it as one.
-    """
-
-    key_is_valid: torch.Tensor | None = None
-    causal: bool = False
-    key_is_source: torch.Tensor | None = None
-    query_offset: int | torch.Tensor = 0
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def cached(self, key: tuple, build):
-        """`build()`, computed once per mask (so once per model call, not once per layer) for each `key`.
-
-        While tracing (compile, export, jit) nothing is cached: the key may hold symbolic sizes.
-        """
-        if tracing():
-            return build()
-        if key not in self._cache:
-            self._cache[key] = build()
-        return self._cache[key]
-
-    def allowed(self, query_length: int, key_length: int, device) -> torch.Tensor | None:
-        """Dense `[batch or 1, 1, query_length, key_length]` bool mask, or None if everything is visible (built
-        once per mask, as every layer asks)."""
-
-        return self.cached(("allowed", query_length, key_length, str(device)), lambda: visible_keys(
-            query_length, key_length, self.causal, self.key_is_valid, self.key_is_source, self.query_offset, device))
 
 
 class Engine(enum.Enum):
@@ -150,8 +100,8 @@ class Situation:
 @dataclass(frozen=True)
 class EngineSpec:
     """One engine: its label, what it is, the function that runs it, why it cannot run a call, and what runs
-    then. `run(module, query, key, value, mask, scaling, dropout, table)` returns `(output [batch, queries,
-    heads, head_size], probabilities or None)`; `unusable(situation)` returns a reason, or None when it runs."""
+    then. `run(query, key, value, table, problem)` returns `(output [batch, queries, heads, head_size], probabilities
+    or None)`; `unusable(situation)` returns a reason, or None when it runs."""
 
     label: str
     summary: str
@@ -202,32 +152,18 @@ def _dropout_seed(dropout: float) -> torch.Tensor:
 
 
 def _op_engine(attention: Callable) -> Callable:
-    """An engine's `run` from its op (`fused_attention`, `chunked_attention`): the mask as key flags."""
+    """An engine's `run` from its op (`attention_ops.engine_op`): no probabilities."""
 
-    def run(module, query, key, value, mask, scaling, dropout, table):
-        output = attention(query, key, value, table, scaling, mask.causal, mask.key_is_valid,
-                           mask.key_is_source if mask.causal else None, mask.query_offset, dropout,
-                           _dropout_seed(dropout))
-        return output, None
+    def run(query, key, value, table, problem):
+        return attention(query, key, value, table, problem), None
 
     return run
 
 
-def _gather(module, query, key, value, mask, scaling, dropout, table):
-    """`attention_ops.gather_attention` with the mask's dense form (built once per model call)."""
-    allowed = mask.allowed(query.shape[-2], key.shape[-2], query.device)
-    output, probs, _ = gather_attention(query, key, value, table, scaling, allowed, mask.query_offset, dropout)
+def _gather(query, key, value, table, problem):
+    """`attention_ops.gather_attention`: the output and the probabilities."""
+    output, probs, _ = gather_attention(query, key, value, table, problem)
     return output, probs
-
-
-def _three_regions(module, query, key, value, mask, scaling, dropout, table):
-    length, K = query.shape[-2], max_relative_position(table)
-    regions = mask.cached(
-        ("three_regions", length, K, query.shape[-1], query.dtype, str(query.device)),
-        lambda: ThreeRegions(length, K, sinusoid_frequencies(query.shape[-1]).to(query.device), mask.key_is_valid,
-                             mask.causal, mask.key_is_source, query.dtype),
-    )
-    return regions(query, key, value, table, scaling).transpose(1, 2).contiguous(), None
 
 
 # Every engine, in the order of the docs' table. Fallbacks end at the gather engine, which runs everywhere.
@@ -245,7 +181,7 @@ ENGINES = {
         "three regions",
         "Linear memory from PyTorch's CPU flash kernel: the band `|j - i| < K` and the two tails are plain "
         "attentions merged by their log-sum-exps.",
-        _three_regions, _three_regions_unusable, Engine.CHUNKED,
+        _op_engine(three_regions_attention), _three_regions_unusable, Engine.CHUNKED,
     ),
     Engine.CHUNKED: EngineSpec(
         "chunked",
@@ -352,6 +288,7 @@ def relative_attention(
     """
     mask = attention_mask if attention_mask is not None else RelativeAttentionMask()
     dropout = dropout if module.training else 0.0
+    problem = AttentionProblem(mask, scaling, dropout, _dropout_seed(dropout))
     situation = Situation(
         device=query.device.type, dtype=query.dtype, query_length=query.shape[-2], key_length=key.shape[-2],
         K=max_relative_position(relative_table),
@@ -364,8 +301,7 @@ def relative_attention(
     if not situation.tracing:
         _record(AttentionCall(requested, engine, why, situation.device, situation.dtype, situation.dropout,
                               situation.cached))
-    table = relative_table.to(query.dtype)
-    return ENGINES[engine].run(module, query, key, value, mask, scaling, dropout, table)
+    return ENGINES[engine].run(query, key, value, relative_table.to(query.dtype), problem)
 
 
 def engine_function(engine: Engine) -> Callable:
@@ -413,6 +349,11 @@ def implementation_table() -> str:
     return "\n".join(lines)
 
 
+def engine_descriptions() -> str:
+    """The Markdown list of what each engine is, from `ENGINES` (README.md holds its output under the table)."""
+    return "\n".join(f"- **{spec.label}** (`{engine.value}`): {spec.summary}" for engine, spec in ENGINES.items())
+
+
 def prepare_attention(implementation: str | None, device: torch.device | str | None) -> str:
     """Check an `attn_implementation` name (None: the default) and get it ready for a model on `device`.
 
@@ -442,6 +383,7 @@ __all__ = [
     "RelativeAttentionMask",
     "Situation",
     "choose_engine",
+    "engine_descriptions",
     "engine_function",
     "implementation_table",
     "max_relative_position",

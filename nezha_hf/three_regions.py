@@ -7,12 +7,23 @@ the sinusoid table is rotary, so the relative terms become extra head dimensions
 plain attention over sliding key windows. All three are calls of PyTorch's fused kernel, which
 also returns the row log-sum-exp used to merge them; the backward reuses the kernel's backward.
 
-This module is an engine: it takes tensors (queries, keys, values, the table and the key flags of
-the mask) and knows nothing of models. `relative_attention.py` decides when it runs.
+It is the op `nezha_hf::three_regions_forward` / `_backward` (`attention_ops.engine_op`), built per call from
+the call's `AttentionProblem`; which keys a query sees is `attention_ops.visible_keys`. This module is an engine:
+it takes tensors and knows nothing of models; `relative_attention.py` decides when it runs (where the fused kernel
+is not built, for long inputs on the CPU: the fastest engine there, docs/performance.md).
 """
 
 import torch
 from torch import nn
+
+from .attention_ops import (
+    AttentionProblem,
+    RelativeAttentionMask,
+    engine_op,
+    max_relative_position,
+    sinusoid_frequencies,
+    visible_keys,
+)
 
 # Queries per block of the band; each block sees a window of keys a whole number of blocks wide.
 BAND_BLOCK_SIZE = 64
@@ -58,15 +69,13 @@ class Band:
     serves the whole batch; the windows that straddle two sequences are fully masked.
     """
 
-    def __init__(self, length: int, K: int, frequency: torch.Tensor, key_is_valid, causal: bool, key_is_source):
-        self.length, self.K = length, K
-        self.key_is_valid, self.causal, self.key_is_source = key_is_valid, causal, key_is_source
+    def __init__(self, length: int, K: int, frequency: torch.Tensor, mask: RelativeAttentionMask):
+        self.length, self.K, self.mask = length, K, mask
         self.block = min(BAND_BLOCK_SIZE, length)
         self.reach = -(-(K - 1) // self.block)  # blocks on each side that hold band keys
         self.window = (2 * self.reach + 1) * self.block
         self.num_blocks = -(-length // self.block)
         self.frequency = frequency.double()
-        self._plans = {}  # per chunk, batch size and dtype: shared by every layer and by the backward
 
     def chunks(self):
         """Block ranges of at most `BAND_BLOCKS_PER_CHUNK` blocks covering the band: bounds its memory."""
@@ -85,14 +94,9 @@ class Band:
         query = (torch.arange(part.start, part.stop, device=device)[:, None] * S + torch.arange(S, device=device))[..., None]
         key = query - query % S - self.reach * S + torch.arange(self.window, device=device)
         inside = (key >= 0) & (key < self.length) & (query < self.length)
-        allowed = inside & ((key - query).abs() < self.K)
-        key_flag = lambda flags: flags[:, key.clamp(0, self.length - 1)]  # noqa: E731  [batch] + key.shape
-        if self.causal:
-            visible = key <= query
-            allowed = allowed & (visible if self.key_is_source is None else visible | key_flag(self.key_is_source))
-        if self.key_is_valid is not None:
-            allowed = allowed & key_flag(self.key_is_valid)
-        return allowed if allowed.dim() == 4 else allowed[None]
+        allowed = (inside & ((key - query).abs() < self.K))[None]  # in the sequence and in the band
+        visible = visible_keys(self.mask, query[..., 0], key[:, 0].clamp(0, self.length - 1))
+        return allowed if visible is None else allowed & visible
 
     def _buffer(self, x, first: int, per_sequence: int, rows: slice, extra) -> torch.Tensor:
         """`[B, H, L, d]` -> zero buffer `[B * P * S, H, 2d]` in which row `r` of a sequence is position `first + r`.
@@ -151,29 +155,26 @@ class Band:
         return additive.flatten(0, 1)[:windows, None]
 
     def _plan(self, part: range, batch: int, dtype) -> dict:
-        """Masks and rotations of the chunk `part` (computed once, then reused by every layer)."""
-        key = (part.start, batch, dtype)
-        if key not in self._plans:
-            rows, first_key = self.rows(part), (part.start - self.reach) * self.block
-            keys = slice(max(first_key, 0), min((part.stop + self.reach) * self.block, self.length))
-            per_sequence = len(part) + 2 * self.reach  # blocks per sequence in the end-to-end buffer (P)
-            windows = batch * per_sequence - 2 * self.reach  # N
-            allowed = self._allowed(part, self.frequency.device)
-            sin, cos = self.angles(torch.arange(keys.start, keys.stop, device=self.frequency.device))
-            self._plans[key] = dict(
-                batch=batch,
-                per_sequence=per_sequence,
-                windows=windows,
-                rows=rows,
-                count=rows.stop - rows.start,
-                first_key=first_key,
-                keys=keys,  # key positions the windows cover
-                mask=self._mask(allowed, batch, per_sequence, windows, dtype),
-                has_keys=allowed.any(-1).flatten(1)[:, None, : rows.stop - rows.start],
-                rotation=self.query_rotation(rows, dtype),
-                key_rotary=torch.stack((cos, sin), -1).flatten(-2).to(dtype),
-            )
-        return self._plans[key]
+        """Masks and rotations of the chunk `part`."""
+        rows, first_key = self.rows(part), (part.start - self.reach) * self.block
+        keys = slice(max(first_key, 0), min((part.stop + self.reach) * self.block, self.length))
+        per_sequence = len(part) + 2 * self.reach  # blocks per sequence in the end-to-end buffer (P)
+        windows = batch * per_sequence - 2 * self.reach  # N
+        allowed = self._allowed(part, self.frequency.device)
+        sin, cos = self.angles(torch.arange(keys.start, keys.stop, device=self.frequency.device))
+        return dict(
+            batch=batch,
+            per_sequence=per_sequence,
+            windows=windows,
+            rows=rows,
+            count=rows.stop - rows.start,
+            first_key=first_key,
+            keys=keys,  # key positions the windows cover
+            mask=self._mask(allowed, batch, per_sequence, windows, dtype),
+            has_keys=allowed.any(-1).flatten(1)[:, None, : rows.stop - rows.start],
+            rotation=self.query_rotation(rows, dtype),
+            key_rotary=torch.stack((cos, sin), -1).flatten(-2).to(dtype),
+        )
 
     def forward(self, query, key, value, scaling, part: range):
         """Band output (value term included) and log-sum-exp of the query rows of `part`.
@@ -249,19 +250,16 @@ class Tail:
     is a per-query constant `c_i = q_i . T[row] * scale` and the value term is `T[row]`.
     """
 
-    def __init__(self, side: str, length: int, K: int, key_is_valid, causal: bool, key_is_source, dtype):
+    def __init__(self, side: str, length: int, K: int, mask: RelativeAttentionMask, dtype, device):
         self.side, self.length, self.K = side, length, K
         self.row = 0 if side == "left" else 2 * K
-        keys = None
+        # Which of the tail's keys its queries see: every left-tail key lies before its queries, every right-tail key
+        # after them (the causal order inside the tail is the kernel's own causal mask).
         if side == "left":
-            if key_is_valid is not None:
-                keys = key_is_valid[:, : length - K]
+            seen = visible_keys(mask, torch.tensor([length], device=device), torch.arange(length - K, device=device))
         else:
-            # Right-tail keys lie after the query: visible only without a causal mask, or as source keys.
-            keys = key_is_source if causal else None
-            if key_is_valid is not None:
-                keys = key_is_valid if keys is None else keys & key_is_valid
-            keys = None if keys is None else keys[:, K:].flip(-1)
+            seen = visible_keys(mask, torch.tensor([-1], device=device), torch.arange(K, length, device=device))
+        keys = None if seen is None else seen[:, 0] if side == "left" else seen[:, 0].flip(-1)
         if keys is not None and bool(keys.all()):
             keys = None  # e.g. a UniLM prompt that is all source: no mask lets the kernel run unmasked
         self.key_mask = _key_padding(keys, dtype)
@@ -322,99 +320,94 @@ class Tail:
         )
 
 
-class ThreeRegionFunction(torch.autograd.Function):
-    """Exact three-region attention: the band and both tails are fused-kernel calls, merged by log-sum-exp.
-
-    Backward reuses the fused kernel's backward for all three, with the whole row's log-sum-exp.
-    """
-
-    @staticmethod
-    def forward(ctx, query, key, value, table, regions, scaling):
-        band, tails, length = regions.band, regions.tails, regions.length
-        keep = any(ctx.needs_input_grad[:3])  # the tail constants' gradients need each tail's share
-
-        tail_parts = [(tail, *tail.forward(query, key, value, scaling)) for tail in tails]
-        # The output is laid out as [batch, L, heads, d], what the caller reshapes it to, so that costs no copy.
-        output = query.new_empty(query.shape[0], length, query.shape[1], query.shape[-1]).transpose(1, 2)
-        lse = query.new_empty(query.shape[:-1], dtype=torch.promote_types(query.dtype, torch.float32))
-        tail_shares = [(query.new_empty(*query.shape[:-1], 1), torch.empty_like(query)) for _ in tails] if keep else []
-        for part in band.chunks():  # bounds the memory of the band's buffers, whatever the length
-            rows = band.rows(part)
-            band_out, band_lse = band.forward(query, key, value, scaling, part)
-            # Log-sum-exps stay in float32 even for bfloat16 inputs.
-            region_lse = [band_lse.to(lse.dtype)] + [
-                tail.take(tail_lse.unsqueeze(-1), rows.start, rows.stop, float("-inf")).squeeze(-1)
-                + tail.constant(query[..., rows, :], table, scaling)
-                for tail, _, tail_lse in tail_parts
-            ]
-            row_lse = torch.logsumexp(torch.stack(region_lse), 0)
-            safe_lse = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)  # masked rows -> 0
-            chunk = torch.exp(region_lse[0] - safe_lse).unsqueeze(-1).to(query.dtype) * band_out
-            for index, ((tail, tail_out, _), tail_lse) in enumerate(zip(tail_parts, region_lse[1:])):
-                mass = torch.exp(tail_lse - safe_lse).unsqueeze(-1).to(query.dtype)
-                share = mass * (tail.take(tail_out, rows.start, rows.stop, 0.0) + table[tail.row])
-                chunk = chunk + share
-                if keep:
-                    tail_shares[index][0][..., rows, :], tail_shares[index][1][..., rows, :] = mass, share
-            output[..., rows, :] = chunk
-            lse[..., rows] = row_lse
-
-        ctx.save_for_backward(query, key, value, table, output, lse, *[t for pair in tail_shares for t in pair])
-        ctx.band, ctx.tails, ctx.scaling = band, tails, scaling
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        query, key, value, table, output, lse, *shares = ctx.saved_tensors
-        band, tails, scaling = ctx.band, ctx.tails, ctx.scaling
-        grad_output = grad_output.contiguous()
-        # Rows with no visible key: lse = +inf makes every recomputed probability zero.
-        lse = lse.masked_fill(torch.isinf(lse), float("inf"))
-        row_dot = (grad_output * output).sum(-1, keepdim=True)  # D_i = dO_i . O_i
-
-        grad_query, grad_key, grad_value = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
-        for part in band.chunks():
-            dq, dk, dv, keys = band.backward(grad_output, query, key, value, output, lse, scaling, part)
-            grad_query[..., band.rows(part), :] += dq
-            grad_key[..., keys, :] += dk
-            grad_value[..., keys, :] += dv
-
-        # Tails: the fused backward with out' = O - T[row] and lse' = LSE - c is exact (it reads `out`
-        # only through rowsum(dO * out)). The constant c_i = scale * q_i . T[row] also depends on q_i:
-        # its gradient is the row's sum of the tail's score gradients, mass * (dO . (out + T[row]) - D).
-        for tail, (mass, share) in zip(tails, zip(shares[0::2], shares[1::2])):
-            shifted_lse = lse - tail.constant(query, table, scaling)
-            dq, dk, dv = tail.backward(grad_output, query, key, value, output - table[tail.row], shifted_lse, scaling)
-            score_sum = (grad_output * share).sum(-1, keepdim=True) - mass * row_dot
-            grad_query += tail.take(dq, 0, tail.length, 0.0) + scaling * score_sum * table[tail.row]
-            grad_key += tail.place_keys(dk)
-            grad_value += tail.place_keys(dv)
-        return grad_query, grad_key, grad_value, None, None, None
+def _regions(query, table, problem: AttentionProblem) -> tuple[Band, list[Tail]]:
+    """The band and the tails of one call (the right tail only where keys after a query can be seen)."""
+    length, K, mask = query.shape[-2], max_relative_position(table), problem.mask
+    frequency = sinusoid_frequencies(query.shape[-1]).to(query.device)
+    band = Band(length, K, frequency, mask)
+    tails = [Tail("left", length, K, mask, query.dtype, query.device)]
+    if not mask.causal or mask.key_is_source is not None:
+        tails.append(Tail("right", length, K, mask, query.dtype, query.device))
+    return band, tails
 
 
-class ThreeRegions:
-    """The band and tails of one mask at one length, with the masks they need.
+def _forward(query, key, value, table, problem: AttentionProblem) -> list[torch.Tensor]:
+    """`[output [batch, length, heads, head_size], lse, (mass, share) per tail]`: the band and both tails are fused-kernel
+    calls, merged by log-sum-exp; each tail's probability mass and its share of the output are what its backward
+    needs."""
+    band, tails = _regions(query, table, problem)
+    scaling, length = problem.scaling, query.shape[-2]
+    tail_parts = [(tail, *tail.forward(query, key, value, scaling)) for tail in tails]
+    # The output is laid out as [batch, L, heads, d], what the caller reshapes it to, so that costs no copy.
+    output = query.new_empty(query.shape[0], length, query.shape[1], query.shape[-1]).transpose(1, 2)
+    lse = query.new_empty(query.shape[:-1], dtype=torch.promote_types(query.dtype, torch.float32))
+    tail_shares = [(query.new_empty(*query.shape[:-1], 1), torch.empty_like(query)) for _ in tails]
+    for part in band.chunks():  # bounds the memory of the band's buffers, whatever the length
+        rows = band.rows(part)
+        band_out, band_lse = band.forward(query, key, value, scaling, part)
+        # Log-sum-exps stay in float32 even for bfloat16 inputs.
+        region_lse = [band_lse.to(lse.dtype)] + [
+            tail.take(tail_lse.unsqueeze(-1), rows.start, rows.stop, float("-inf")).squeeze(-1)
+            + tail.constant(query[..., rows, :], table, scaling)
+            for tail, _, tail_lse in tail_parts
+        ]
+        row_lse = torch.logsumexp(torch.stack(region_lse), 0)
+        safe_lse = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)  # masked rows -> 0
+        chunk = torch.exp(region_lse[0] - safe_lse).unsqueeze(-1).to(query.dtype) * band_out
+        for index, ((tail, tail_out, _), tail_lse) in enumerate(zip(tail_parts, region_lse[1:])):
+            mass = torch.exp(tail_lse - safe_lse).unsqueeze(-1).to(query.dtype)
+            share = mass * (tail.take(tail_out, rows.start, rows.stop, 0.0) + table[tail.row])
+            chunk = chunk + share
+            tail_shares[index][0][..., rows, :], tail_shares[index][1][..., rows, :] = mass, share
+        output[..., rows, :] = chunk
+        lse[..., rows] = row_lse
+    return [output.transpose(1, 2), lse, *(t for pair in tail_shares for t in pair)]
 
-    Built once per model call (see `relative_attention.RelativeAttentionMask.cached`) and shared by
-    every layer; calling it runs the attention.
 
-    Args:
-        length: the number of queries and keys (no KV cache).
-        K: `max_relative_position`.
-        frequency: the sinusoid table's frequencies (`relative_attention.sinusoid_frequencies`).
-        key_is_valid: `[batch, length]` bool, False on padding, or None.
-        causal: queries see only keys at or before their position (with `key_is_source`: the UniLM prefix mask).
-        key_is_source: `[batch, length]` bool, keys every query may see under a causal mask, or None.
-        dtype: the dtype of the queries (for the additive masks).
-    """
+def _forward_fake(query, key, value, table, problem: AttentionProblem) -> list[torch.Tensor]:
+    batch, heads, length, size = query.shape
+    tails = 1 if problem.mask.causal and problem.mask.key_is_source is None else 2
+    shares = [query.new_empty(batch, heads, length, 1), query.new_empty(query.shape)] * tails
+    return [query.new_empty(batch, length, heads, size),
+            query.new_empty(batch, heads, length, dtype=torch.promote_types(query.dtype, torch.float32)), *shares]
 
-    def __init__(self, length: int, K: int, frequency: torch.Tensor, key_is_valid, causal: bool, key_is_source, dtype):
-        self.length = length
-        self.band = Band(length, K, frequency, key_is_valid, causal, key_is_source)
-        self.tails = [Tail("left", length, K, key_is_valid, causal, key_is_source, dtype)]
-        if not causal or key_is_source is not None:
-            self.tails.append(Tail("right", length, K, key_is_valid, causal, key_is_source, dtype))
 
-    def __call__(self, query, key, value, table, scaling) -> torch.Tensor:
-        """Attention output `[batch, heads, length, head_size]` (a view of `[batch, length, heads, head_size]`)."""
-        return ThreeRegionFunction.apply(query, key, value, table, self, scaling)
+def _backward(grad_output, query, key, value, table, problem: AttentionProblem, output, lse, *shares):
+    """Gradients of query, key and value, `[batch, heads, length, head_size]`: the fused kernel's backward for the
+    band and both tails, with the whole row's log-sum-exp."""
+    band, tails = _regions(query, table, problem)
+    scaling = problem.scaling
+    grad_output = grad_output.contiguous()
+    # Rows with no visible key: lse = +inf makes every recomputed probability zero.
+    lse = lse.masked_fill(torch.isinf(lse), float("inf"))
+    row_dot = (grad_output * output).sum(-1, keepdim=True)  # D_i = dO_i . O_i
+
+    grad_query, grad_key, grad_value = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+    for part in band.chunks():
+        dq, dk, dv, keys = band.backward(grad_output, query, key, value, output, lse, scaling, part)
+        grad_query[..., band.rows(part), :] += dq
+        grad_key[..., keys, :] += dk
+        grad_value[..., keys, :] += dv
+
+    # Tails: the fused backward with out' = O - T[row] and lse' = LSE - c is exact (it reads `out`
+    # only through rowsum(dO * out)). The constant c_i = scale * q_i . T[row] also depends on q_i:
+    # its gradient is the row's sum of the tail's score gradients, mass * (dO . (out + T[row]) - D).
+    for tail, (mass, share) in zip(tails, zip(shares[0::2], shares[1::2])):
+        shifted_lse = lse - tail.constant(query, table, scaling)
+        dq, dk, dv = tail.backward(grad_output, query, key, value, output - table[tail.row], shifted_lse, scaling)
+        score_sum = (grad_output * share).sum(-1, keepdim=True) - mass * row_dot
+        grad_query += tail.take(dq, 0, tail.length, 0.0) + scaling * score_sum * table[tail.row]
+        grad_key += tail.place_keys(dk)
+        grad_value += tail.place_keys(dv)
+    return [grad_query, grad_key, grad_value]
+
+
+def _backward_fake(grad_output, query, key, value, table, problem, output, lse, *shares):
+    return [query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)]
+
+
+three_regions_attention = engine_op("three_regions", _forward, _forward_fake, _backward, _backward_fake,
+                                    device_types="cpu")
+three_regions_attention.__doc__ = """NEZHA attention in three regions, `[batch, queries, heads, head_size]`: queries and
+    keys of one length on the CPU (no KV cache, no dropout; `relative_attention` decides when it runs). Arguments as
+    `fused_attention.fused_attention`."""

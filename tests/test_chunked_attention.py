@@ -1,5 +1,6 @@
 """The chunked path: against the reference in any chunking, with caches, dropout and bfloat16, and in linear memory."""
 
+import dataclasses
 
 import pytest
 import reference
@@ -11,16 +12,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nezha_hf import NezhaConfig, NezhaModel, chunked_attention
 from nezha_hf import relative_attention as ra
+from nezha_hf.attention_ops import AttentionProblem
 
 
 def run(q, k, v, mask, K, offset=0, dropout=0.0, seed=0):
     table = ra.sinusoid_relative_table(K, q.shape[-1]).to(q.device, q.dtype)
-    key_is_valid, key_is_source = (None if t is None else t.to(q.device)
-                                   for t in (mask.key_is_valid, mask.key_is_source if mask.causal else None))
-    return chunked_attention.chunked_attention(
-        q, k, v, table, q.shape[-1] ** -0.5, mask.causal, key_is_valid, key_is_source,
-        offset, dropout, torch.tensor(seed),
-    ).transpose(1, 2)
+    key_is_valid, key_is_source = (None if t is None else t.to(q.device) for t in (mask.key_is_valid, mask.key_is_source))
+    mask = dataclasses.replace(mask, key_is_valid=key_is_valid, key_is_source=key_is_source, query_offset=offset)
+    problem = AttentionProblem(mask, q.shape[-1] ** -0.5, dropout, torch.tensor(seed))
+    return chunked_attention.chunked_attention(q, k, v, table, problem).transpose(1, 2)
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -55,7 +55,7 @@ def chunk_keep_mask(q, k, mask, K, p, seed):
     seeds."""
     table = ra.sinusoid_relative_table(K, q.shape[-1])
     keep = torch.ones(*q.shape[:-1], k.shape[-2])  # keys a chunk never sees are masked anyway
-    for chunk in chunked_attention._chunks(q, k, table, mask.causal, mask.key_is_source, torch.tensor(0), buffers=1):
+    for chunk in chunked_attention._chunks(q, k, table, AttentionProblem(mask, 1.0), buffers=1):
         shape = (*q.shape[:2], chunk.size, chunk.keys)
         keep[..., chunk.rows, : chunk.keys] = chunk.keep(shape, p, seed, q.device) * (1 - p)
     return keep
@@ -187,11 +187,10 @@ def test_the_chunked_engine_itself_stays_linear_on_meta():
     q, k, v, grad = (torch.empty(1, heads, LONG, size, device="meta") for _ in range(4))
     table = torch.empty(129, size, device="meta")
     flags = dict(key_is_valid=torch.empty(1, LONG, dtype=torch.bool, device="meta"))
+    problem = AttentionProblem(ra.RelativeAttentionMask(**flags), 0.125, 0.1, torch.tensor(3))
     with LargestAllocation() as mode:
-        out = chunked_attention.forward_chunks(q, k, v, table, 0.125, False, flags["key_is_valid"], None,
-                                               torch.tensor(0), 0.1, torch.tensor(3))
-        chunked_attention.backward_chunks(grad, q, k, v, table, 0.125, False, flags["key_is_valid"], None,
-                                          torch.tensor(0), 0.1, torch.tensor(3), out.transpose(1, 2))
+        [out] = chunked_attention.forward_chunks(q, k, v, table, problem)
+        chunked_attention.backward_chunks(grad, q, k, v, table, problem, out.transpose(1, 2))
     # The largest tensors are a chunk buffer and the keys or values with their two tail columns (heads x L x (d + 3)).
     assert mode.largest <= max(chunked_attention.CHUNK_SCORES, heads * LONG * (size + 3)), (mode.op, mode.largest)
 

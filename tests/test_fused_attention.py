@@ -3,6 +3,7 @@ dropout (against a mask re-derived here from the seed), in bfloat16 and float16,
 strides; it refuses a second derivative; its build cache survives stale locks, bad settings, unusable folders,
 other checkouts and other environments."""
 
+import dataclasses
 import math
 import os
 import threading
@@ -16,15 +17,15 @@ import torch
 from helpers import make_case, run_attention
 
 from nezha_hf import NezhaConfig, NezhaModel, fused_attention
+from nezha_hf.attention_ops import AttentionProblem
 from nezha_hf import relative_attention as ra
 
 
 def kernel(q, k, v, mask, K, offset=0, dropout=0.0, seed=0):
     table = ra.sinusoid_relative_table(K, q.shape[-1])
-    return fused_attention.fused_attention(
-        q, k, v, table, q.shape[-1] ** -0.5, mask.causal, mask.key_is_valid, mask.key_is_source if mask.causal else None,
-        offset, dropout, torch.tensor(seed),
-    ).transpose(1, 2)
+    problem = AttentionProblem(dataclasses.replace(mask, query_offset=offset), q.shape[-1] ** -0.5, dropout,
+                               torch.tensor(seed))
+    return fused_attention.fused_attention(q, k, v, table, problem).transpose(1, 2)
 
 
 def assert_matches(got, expected, leaves, expected_leaves, atol=1e-5):
@@ -140,7 +141,8 @@ def test_dropout_rate_and_mean_are_preserved():
     valid = torch.zeros(8, rows, dtype=torch.bool)
     valid[:, 0] = True  # every query sees only key 0, at distance clip(0 - i) -> row 0 for i >= K
     v[:, :, 0] = 1 - table[0]
-    out = fused_attention.fused_attention(q, k, v, table, 0.5, False, valid, None, 0, p, torch.tensor(99))
+    out = fused_attention.fused_attention(q, k, v, table, AttentionProblem(ra.RelativeAttentionMask(valid), 0.5, p,
+                                                                           torch.tensor(99)))
     out = out[:, K:, :, 0]  # queries from K on see key 0 at table row 0
     kept = out * (1 - p)
     assert set(kept.unique().round(decimals=4).tolist()) <= {0.0, 1.0}

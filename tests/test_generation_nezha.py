@@ -289,7 +289,7 @@ def test_copy_head_learns_tags_jointly_and_constrained_decoding_copies():
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
-    for _ in range(500):
+    for _ in range(700):  # every seed tried (0 to 5) then copies at least 3 of 4 held-out spans
         loss = model(**collate(examples(32))).loss
         optimizer.zero_grad()
         loss.backward()

@@ -483,3 +483,53 @@ def test_a_forward_on_the_meta_device_gives_shapes():
     ids = torch.zeros(2, 700, dtype=torch.long, device="meta")
     logits = model(ids, attention_mask=torch.ones(2, 700, device="meta")).logits
     assert logits.shape == (2, 700, 99) and logits.device.type == "meta"
+
+
+# --- what NEZHA's overrides change in transformers: each test fails once transformers changes that behaviour ---------
+# (see NezhaPreTrainedModel's docstring: then the override can go)
+
+
+def test_transformers_still_shards_before_it_ties_the_weights(tmp_path, monkeypatch):
+    """`maybe_distribute_model` ties the MLM decoder to the word embeddings before sharding, because transformers
+    still calls it before it ties them."""
+    from transformers import PreTrainedModel
+    from transformers.distributed import DistributedConfig
+
+    NezhaForMaskedLM(tiny_config()).save_pretrained(tmp_path)
+    tied_when_distributing = []
+
+    def spy(cls, model, distributed_config, mesh_manager):
+        tied_when_distributing.append(model.cls.predictions.decoder.weight is model.get_input_embeddings().weight)
+        return model
+
+    monkeypatch.setattr(NezhaForMaskedLM, "maybe_distribute_model", classmethod(spy))
+    model = NezhaForMaskedLM.from_pretrained(tmp_path, distributed_config=DistributedConfig())
+    assert tied_when_distributing == [False]
+    assert model.cls.predictions.decoder.weight is model.get_input_embeddings().weight
+    assert PreTrainedModel.maybe_distribute_model  # the hook NEZHA overrides still exists
+
+
+def test_transformers_still_defaults_to_another_attention_and_accepts_paged_ones():
+    """`get_correct_attn_implementation` picks NEZHA's fused engine by default and refuses every other registered
+    attention, because transformers' own picks eager (no sdpa here) and accepts paged eager, which would drop the
+    relative terms."""
+    from transformers import PreTrainedModel
+
+    model = NezhaModel(tiny_config())
+    assert PreTrainedModel.get_correct_attn_implementation(model, None) == "eager"
+    assert PreTrainedModel.get_correct_attn_implementation(model, "paged|eager") == "paged|eager"
+    assert model.get_correct_attn_implementation(None) == "nezha_fused"
+    with pytest.raises(ValueError, match="relative value term"):
+        model.get_correct_attn_implementation("paged|eager")
+
+
+def test_transformers_still_reports_mismatched_tensors_only_in_its_log(tmp_path):
+    """`from_pretrained` names each tensor that does not fit the config in its error, because transformers' error
+    still only points to the report it logged."""
+    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=37)
+    transformers.BertModel(config).save_pretrained(tmp_path)
+    config.vocab_size = 60
+    with pytest.raises(RuntimeError) as raised:
+        transformers.BertModel.from_pretrained(tmp_path, config=config)
+    assert "word_embeddings" not in str(raised.value)

@@ -1,5 +1,6 @@
 """Every attention path against the independent O(L^2 d) reference (`tests/reference.py`), and which path runs where."""
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nezha_hf import chunked_attention, fused_attention, three_regions
+from nezha_hf import attention_ops as ops
 from nezha_hf import relative_attention as ra
 from nezha_hf.relative_attention import Engine
 
@@ -32,7 +34,7 @@ def small_blocks(monkeypatch):
 def check_against_reference(q, k, v, mask, allowed, K, atol, paths=PATHS):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     expected, _ = reference.attention(q, k, v, K, allowed)
-    grad_out = torch.randn_like(expected)
+    grad_out = torch.randn(expected.shape, generator=torch.Generator().manual_seed(0), dtype=expected.dtype)
     expected_grads = torch.autograd.grad((expected * grad_out).sum(), (q, k, v))
     for path in paths:
         got = run_attention(path, q, k, v, mask, K)
@@ -163,7 +165,7 @@ def test_non_finite_inputs_propagate_as_in_eager(path, poison, small_blocks):
 def run_in(engine, module_training, dtype, length, dropout=0.0, query_offset=0):
     """Ask for `engine` once like a model would, and return the `AttentionCall` recorded."""
     q, k, v, mask, _ = make_case(1, 2, length, 8, 4, "causal", None, dtype, seed=0)
-    mask.query_offset = query_offset
+    mask = dataclasses.replace(mask, query_offset=query_offset)
     table = ra.sinusoid_relative_table(4, 8).to(dtype)
     module = torch.nn.Module().train(module_training)
     with ra.recorded_attention_calls() as calls:
@@ -224,19 +226,57 @@ def test_the_engine_that_ran_is_logged_once_at_info(caplog, monkeypatch):
                      "no KV cache): the fused kernel computes in float32 (it takes float32, bfloat16 and float16)."]
 
 
-def test_the_readme_table_is_the_engine_table():
-    """The README shows which engine runs where; it must be what `ENGINES` declares."""
+@pytest.mark.parametrize("render", [ra.implementation_table, ra.engine_descriptions], ids=lambda f: f.__name__)
+def test_the_readme_shows_the_engine_table(render):
+    """The README shows which engine runs where and what each is; both must be what `ENGINES` declares."""
     readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
-    assert ra.implementation_table() in readme, (
-        "README.md's attention table is out of date: paste the output of "
-        "`python -c 'from nezha_hf.relative_attention import implementation_table; print(implementation_table())'`"
+    assert render() in readme, (
+        f"README.md's attention section is out of date: paste the output of "
+        f"`python -c 'from nezha_hf.relative_attention import {render.__name__}; print({render.__name__}())'`"
     )
 
 
-def test_no_path_builds_a_dense_mask_or_caches_while_tracing(monkeypatch):
-    mask = ra.RelativeAttentionMask(key_is_valid=torch.ones(1, 5, dtype=torch.bool))
-    monkeypatch.setattr(ra, "tracing", lambda: True)
-    built = []
-    mask.cached(("key", 5), lambda: built.append(1))
-    mask.cached(("key", 5), lambda: built.append(1))
-    assert built == [1, 1]  # a trace must not hold on to tensors keyed by (possibly symbolic) sizes
+# --- the rules (attention_ops), and every engine against them ----------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(batch=st.integers(1, 3), length=st.integers(1, 30), offset=st.integers(0, 5),
+       mode=st.sampled_from(["bidirectional", "causal", "prefix"]), padded=st.booleans(), seed=st.integers(0, 999))
+def test_the_rules_are_the_reference_mask(batch, length, offset, mode, padded, seed):
+    """`visible_keys` and `sees_nothing` against the reference's mask, written out independently in
+    tests/reference.py, with queries offset as after a cache."""
+    g = torch.Generator().manual_seed(seed)
+    keys = length + offset
+    valid = torch.rand(batch, keys, generator=g) < 0.7 if padded else None
+    source = torch.rand(batch, keys, generator=g) < 0.4 if mode == "prefix" else None
+    mask = ra.RelativeAttentionMask(valid, mode != "bidirectional", source, offset)
+    positions = ops.query_positions(length, offset)
+    expected = reference.allowed_mask(length, valid, mask.causal, source, offset, keys)[:, 0]
+    got = ops.visible_keys(mask, positions, torch.arange(keys))
+    assert torch.equal(torch.ones_like(expected) if got is None else got.expand_as(expected), expected)
+    nothing = ops.sees_nothing(mask, positions)
+    assert torch.equal(torch.zeros_like(expected[..., 0]) if nothing is None else nothing.expand(expected.shape[:-1]),
+                       ~expected.any(-1))
+
+
+@pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
+@pytest.mark.parametrize("path", PATHS, ids=lambda path: path.name)
+def test_every_engine_follows_the_rules(path, mode, small_blocks):
+    """With zero queries every key a query sees weighs the same, so with one-hot values output row i holds 1/n on the
+    keys query i sees (plus the table's value term): every engine, the C++ kernel included, against the reference
+    given the rules' mask; rows that see nothing are 0. Left padding, an all-padding example, a partly padded one."""
+    length, K = 24, 3
+    valid = torch.ones(3, length, dtype=torch.bool)
+    valid[0, :5], valid[1], valid[2, 17:] = False, False, False
+    g = torch.Generator().manual_seed(4)
+    source = torch.arange(length)[None, :] < torch.tensor([[9], [3], [12]]) if mode == "prefix" else None
+    mask = ra.RelativeAttentionMask(valid, mode != "bidirectional", source)
+    q = torch.zeros(3, 2, length, length)
+    k = torch.randn(3, 2, length, length, generator=g)
+    v = torch.eye(length).expand(3, 2, length, length).contiguous()
+    positions = ops.query_positions(length)
+    allowed = ops.visible_keys(mask, positions, torch.arange(length))[:, None]
+    nothing = ops.sees_nothing(mask, positions)
+    got = run_attention(path, q, k, v, mask, K)
+    expected = reference.attention(q, k, v, K, allowed | nothing[:, None, :, None])[0] * ~nothing[:, None, :, None]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from helpers import FakeModule, make_case
+from helpers import make_case
 from test_relative_attention import check_against_reference
 
 from nezha_hf import relative_attention as ra
 from nezha_hf import three_regions
+from nezha_hf.attention_ops import AttentionProblem
 
 
 @pytest.fixture
@@ -22,7 +23,7 @@ def test_three_regions_gradcheck_float64(mode, three_regions_always, monkeypatch
     table = ra.sinusoid_relative_table(3, 4).double()
 
     def fn(q, k, v):
-        return ra.ENGINES[ra.Engine.THREE_REGIONS].run(FakeModule().eval(), q, k, v, mask, 0.5, 0.0, table)[0]
+        return ra.ENGINES[ra.Engine.THREE_REGIONS].run(q, k, v, table, AttentionProblem(mask, 0.5))[0]
 
     assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in (q, k, v)))
 
@@ -43,7 +44,7 @@ def test_band_rotary_identity_far_from_the_start():
     # where float32 angles would be off by 1e-3 (the angles are computed in float64).
     K, size = 64, 64
     table = ra.sinusoid_relative_table(K, size).double()
-    band = three_regions.Band(20000, K, ra.sinusoid_frequencies(size), None, False, None)
+    band = three_regions.Band(20000, K, ra.sinusoid_frequencies(size), ra.RelativeAttentionMask())
     q = torch.randn(1, size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     for i in (0, 5000, 19990):
         rotated = three_regions.reflect(q, [r[0] for r in band.query_rotation(slice(i, i + 1), torch.float64)])

@@ -179,9 +179,9 @@ inline void convert(const float* in, T* out, int64_t count);
 
 // --- the arithmetic of one row ----------------------------------------------------------------------------------
 
-// exp(r) on [-ln 2 / 2, ln 2 / 2]: a degree-5 polynomial fitted for relative error (2.1e-7 evaluated in float32).
-constexpr float kExpPolynomial[6] = {1.0000001192f, 0.9999997020f, 0.4999889433f, 0.1666757464f, 0.0419153832f,
-                                     0.0082976539f};
+// exp(r) on [-ln 2 / 2, ln 2 / 2]: a degree-5 polynomial fitted for relative error (1.7e-7 evaluated in float32), its
+// constant term 1 so that exp(0) is 1 exactly (a row with one visible key gives that key's value exactly).
+constexpr float kExpPolynomial[6] = {1.0f, 0.9999997020f, 0.4999915063f, 0.1666763574f, 0.0418979302f, 0.0082903150f};
 
 // expf to about 2 ulp for x <= 0 (a score minus its row's maximum or log-sum-exp), written so the compiler vectorises
 // the loops that call it: 0 below -87 (and for -inf), NaN stays NaN. exp(x) = 2^n exp(r), x = n ln 2 + r.
@@ -440,16 +440,44 @@ struct Problem {
   }
 };
 
-Problem make_problem(const at::Tensor& q, const at::Tensor& k, int64_t K, double scale, bool causal,
-                     const at::Tensor& key_valid, const at::Tensor& key_source, int64_t offset, double dropout_p,
-                     int64_t seed, int64_t q_block, int64_t kv_block, Routine routine) {
+// One call's `attention_ops.AttentionProblem`, as the entry points read it by name (with the GIL held).
+struct Asked {
+  double scale = 1.0, dropout = 0.0;
+  bool causal = false;
+  at::Tensor key_valid, key_source;  // bool [B, Lk], contiguous, or undefined
+  int64_t offset = 0, seed = 0;
+};
+
+int64_t as_int(const pybind11::handle& value) {  // an int, or a 0-dim tensor
+  return pybind11::isinstance<pybind11::int_>(value) ? value.cast<int64_t>() : value.cast<at::Tensor>().item<int64_t>();
+}
+
+at::Tensor as_flags(const pybind11::handle& value) {
+  return value.is_none() ? at::Tensor() : value.cast<at::Tensor>().to(at::kBool).contiguous();
+}
+
+Asked read_problem(const pybind11::handle& problem) {
+  const pybind11::object mask = problem.attr("mask"), seed = problem.attr("seed");
+  Asked asked;
+  asked.scale = problem.attr("scaling").cast<double>();
+  asked.dropout = problem.attr("dropout").cast<double>();
+  asked.seed = seed.is_none() ? 0 : as_int(seed);
+  asked.causal = mask.attr("causal").cast<bool>();
+  asked.key_valid = as_flags(mask.attr("key_is_valid"));
+  asked.key_source = as_flags(problem.attr("key_is_source"));  // only under a causal mask
+  asked.offset = as_int(mask.attr("query_offset"));
+  return asked;
+}
+
+Problem make_problem(const at::Tensor& q, const at::Tensor& k, int64_t K, const Asked& asked, int64_t q_block,
+                     int64_t kv_block, Routine routine) {
   Problem p;
   p.B = q.size(0), p.H = q.size(1), p.Lq = q.size(2), p.Lk = k.size(2), p.d = q.size(3);
-  p.K = K, p.R = 2 * K + 1, p.offset = offset;
-  p.scale = static_cast<float>(scale);
-  p.causal = causal;
-  p.key_valid = key_valid.defined() ? key_valid.data_ptr<bool>() : nullptr;
-  p.key_source = key_source.defined() ? key_source.data_ptr<bool>() : nullptr;
+  p.K = K, p.R = 2 * K + 1, p.offset = asked.offset;
+  p.scale = static_cast<float>(asked.scale);
+  p.causal = asked.causal;
+  p.key_valid = asked.key_valid.defined() ? asked.key_valid.data_ptr<bool>() : nullptr;
+  p.key_source = asked.key_source.defined() ? asked.key_source.data_ptr<bool>() : nullptr;
   p.key_end.assign(p.B, 0);
   p.first_valid.assign(p.B, p.key_valid ? p.Lk : 0);
   p.valid_source.assign(p.B, false);
@@ -457,7 +485,7 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, int64_t K, double
     for (int64_t j = p.Lk - 1; j >= 0; --j) {
       const bool valid = !p.key_valid || p.key_valid[b * p.Lk + j];
       if (valid) p.first_valid[b] = j;
-      if (causal && p.key_source && p.key_source[b * p.Lk + j]) {
+      if (p.causal && p.key_source && p.key_source[b * p.Lk + j]) {
         p.key_end[b] = std::max(p.key_end[b], j + 1);
         if (valid) p.valid_source[b] = true;
       }
@@ -467,16 +495,12 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, int64_t K, double
   p.q_block = q_block > 0 ? q_block : p.Lq >= 768 ? 256 : p.Lq >= 192 ? 64 : 32;
   p.kv_block = kv_block > 0 ? kv_block : 512;
   if (routine == kReducedPacked) p.kv_block = round_up(p.kv_block, kPanel);
-  p.dropout = dropout_p > 0.0;
-  p.threshold = static_cast<uint32_t>(std::min(std::ldexp(dropout_p, 32), 4294967295.0));
-  p.keep_scale = p.dropout ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.0f;
-  p.seed_lo = static_cast<uint32_t>(static_cast<uint64_t>(seed) & 0xffffffffU);
-  p.seed_hi = static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32);
+  p.dropout = asked.dropout > 0.0;
+  p.threshold = static_cast<uint32_t>(std::min(std::ldexp(asked.dropout, 32), 4294967295.0));
+  p.keep_scale = p.dropout ? static_cast<float>(1.0 / (1.0 - asked.dropout)) : 1.0f;
+  p.seed_lo = static_cast<uint32_t>(static_cast<uint64_t>(asked.seed) & 0xffffffffU);
+  p.seed_hi = static_cast<uint32_t>(static_cast<uint64_t>(asked.seed) >> 32);
   return p;
-}
-
-at::Tensor optional_flags(const c10::optional<at::Tensor>& flags) {
-  return flags.has_value() ? flags->to(at::kBool).contiguous() : at::Tensor();
 }
 
 // Rows of a [B, H, L, d] tensor must be distinct, unit-stride vectors for the BLAS calls (an expanded
@@ -486,7 +510,7 @@ at::Tensor rows_usable(const at::Tensor& t) {
 }
 
 void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& table,
-                  int64_t K, const at::Tensor& key_valid, const at::Tensor& key_source, double dropout_p) {
+                  const Asked& asked) {
   const auto type = query.scalar_type();
   for (const at::Tensor* t : {&query, &key, &value})
     TORCH_CHECK(t->scalar_type() == type && (type == at::kFloat || is_reduced(type)) && t->device().is_cpu() &&
@@ -497,13 +521,13 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tens
   TORCH_CHECK(query.size(3) % 2 == 0, "NEZHA kernel: the head size must be even (the table pairs sines and cosines)");
   TORCH_CHECK(key.size(0) == query.size(0) && key.size(1) == query.size(1) && key.size(3) == query.size(3),
               "NEZHA kernel: query, key and value must agree in batch, heads and head size");
-  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.size(0) == 2 * K + 1 &&
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.size(0) % 2 == 1 &&
                   table.size(1) == query.size(3),
               "NEZHA kernel: the table must be float32 [2K + 1, head_size]");
-  for (const at::Tensor* flags : {&key_valid, &key_source})
+  for (const at::Tensor* flags : {&asked.key_valid, &asked.key_source})
     TORCH_CHECK(!flags->defined() || (flags->dim() == 2 && flags->size(0) == query.size(0) && flags->size(1) == key.size(2)),
                 "NEZHA kernel: key flags must be [batch, key_length]");
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "NEZHA kernel: dropout must be in [0, 1)");
+  TORCH_CHECK(asked.dropout >= 0.0 && asked.dropout < 1.0, "NEZHA kernel: dropout must be in [0, 1)");
 }
 
 // --- forward ----------------------------------------------------------------------------------------------------
@@ -909,19 +933,19 @@ at::Tensor as_computed(const at::Tensor& t, Routine routine) {
 
 }  // namespace
 
+// K of a [2K + 1, head_size] table.
+int64_t max_relative_position(const at::Tensor& table) { return (table.size(0) - 1) / 2; }
+
 // Returns (out [B, Lq, H, d] contiguous in the query's type, lse [B, H, Lq] float32); a row that sees no key gets
 // out 0, lse -inf.
 std::vector<at::Tensor> forward(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
-                                const at::Tensor& table, int64_t K, double scale, bool causal,
-                                const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source,
-                                int64_t offset, double dropout_p, int64_t seed, int64_t q_block, int64_t kv_block) {
-  const at::Tensor valid = optional_flags(key_valid), source = optional_flags(key_source), T = table.contiguous();
-  check_inputs(query_in, key_in, value_in, T, K, valid, source, dropout_p);
+                                const at::Tensor& table, const Asked& asked, int64_t q_block, int64_t kv_block) {
+  const at::Tensor T = table.contiguous();
+  check_inputs(query_in, key_in, value_in, T, asked);
   const Routine routine = products_for(query_in.scalar_type());
   const at::Tensor query = as_computed(query_in, routine), key = as_computed(key_in, routine);
   const at::Tensor value = as_computed(value_in, routine);
-  const Problem p = make_problem(query, key, K, scale, causal, valid, source, offset, dropout_p, seed, q_block, kv_block,
-                                 routine);
+  const Problem p = make_problem(query, key, max_relative_position(T), asked, q_block, kv_block, routine);
   auto out = at::empty({p.B, p.Lq, p.H, p.d}, query.options());
   auto lse = at::empty({p.B, p.H, p.Lq}, query.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "nezha_forward", [&] {
@@ -935,19 +959,16 @@ std::vector<at::Tensor> forward(const at::Tensor& query_in, const at::Tensor& ke
 // lse.
 std::vector<at::Tensor> backward(const at::Tensor& grad_out_in, const at::Tensor& query_in, const at::Tensor& key_in,
                                  const at::Tensor& value_in, const at::Tensor& out_in, const at::Tensor& lse,
-                                 const at::Tensor& table, int64_t K, double scale, bool causal,
-                                 const c10::optional<at::Tensor>& key_valid, const c10::optional<at::Tensor>& key_source,
-                                 int64_t offset, double dropout_p, int64_t seed, int64_t q_block, int64_t kv_block) {
-  const at::Tensor valid = optional_flags(key_valid), source = optional_flags(key_source), T = table.contiguous();
-  check_inputs(query_in, key_in, value_in, T, K, valid, source, dropout_p);
+                                 const at::Tensor& table, const Asked& asked, int64_t q_block, int64_t kv_block) {
+  const at::Tensor T = table.contiguous();
+  check_inputs(query_in, key_in, value_in, T, asked);
   TORCH_CHECK(grad_out_in.sizes() == query_in.sizes() && out_in.sizes() == query_in.sizes(),
               "NEZHA kernel: the output and its gradient must be shaped like the query");
   const Routine routine = products_for(query_in.scalar_type());
   const at::Tensor query = as_computed(query_in, routine), key = as_computed(key_in, routine);
   const at::Tensor value = as_computed(value_in, routine), grad_out = as_computed(grad_out_in, routine);
   const at::Tensor out = as_computed(out_in.to(query_in.scalar_type()), routine);
-  const Problem p = make_problem(query, key, K, scale, causal, valid, source, offset, dropout_p, seed, q_block, kv_block,
-                                 routine);
+  const Problem p = make_problem(query, key, max_relative_position(T), asked, q_block, kv_block, routine);
   std::vector<at::Tensor> grads;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "nezha_backward", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>)
@@ -971,11 +992,27 @@ std::map<std::string, int64_t> routine_calls() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  // The GIL is released while the kernel runs: other Python threads go on meanwhile.
-  module.def("forward", &forward, "NEZHA relative attention forward: (out [B, Lq, H, d], lse [B, H, Lq])",
-             pybind11::call_guard<pybind11::gil_scoped_release>());
-  module.def("backward", &backward, "NEZHA relative attention backward: grads of query, key, value as [B, L, H, d]",
-             pybind11::call_guard<pybind11::gil_scoped_release>());
+  // The problem is read with the GIL held; it is released while the kernel runs, so other Python threads go on.
+  module.def(
+      "forward",
+      [](const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& table,
+         const pybind11::object& problem, int64_t q_block, int64_t kv_block) {
+        const Asked asked = read_problem(problem);
+        pybind11::gil_scoped_release release;
+        return forward(query, key, value, table, asked, q_block, kv_block);
+      },
+      "NEZHA relative attention forward (query, key, value, table, AttentionProblem, query block, key block): "
+      "(out [B, Lq, H, d], lse [B, H, Lq])");
+  module.def(
+      "backward",
+      [](const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+         const at::Tensor& out, const at::Tensor& lse, const at::Tensor& table, const pybind11::object& problem,
+         int64_t q_block, int64_t kv_block) {
+        const Asked asked = read_problem(problem);
+        pybind11::gil_scoped_release release;
+        return backward(grad_out, query, key, value, out, lse, table, asked, q_block, kv_block);
+      },
+      "NEZHA relative attention backward: grads of query, key, value as [B, L, H, d]");
   module.def("routine_for", &routine_for, "the routine that multiplies the blocks of a call in this type here");
   module.def("routine_calls", &routine_calls, "forward and backward calls per routine in this process");
 }
