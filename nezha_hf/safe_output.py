@@ -5,16 +5,18 @@ Every command and function here that writes a model folder or a result file does
 1. `check_destination` before any work: the destination is not a source (nor inside one, nor holding
    one), its parent folder exists, and an existing non-empty destination is only replaced when asked
    (`overwrite=True`, `--overwrite`).
-2. `claimed`: a lock beside the destination (`.<name>.lock`, released by the system if the process dies)
-   for the whole run. A second writer is refused with `OutputBusyError`. Whoever claims a destination first
-   cleans what killed runs left there: staging folders (`.<name>.partial-*`), and a replaced output a kill
-   left aside (`.<name>.replaced-*`), which is put back if the destination is missing.
+2. `claimed`: a lock beside the destination (`.<name>.lock`, through `filelock`, released by the system if the
+   process dies, on Linux, macOS and Windows) for the whole run. A second writer is refused with `OutputBusyError`.
+   Whoever claims a destination first cleans what killed runs left there: staging folders (`.<name>.partial-*`),
+   and a replaced output a kill left aside (`.<name>.replaced-*`), which is put back if the destination is missing.
 3. `staged_folder` / `staged_file`: the output is written into a temporary sibling of the destination and
    put in place only after the caller's work, verification included, succeeded. At that moment the
    destination is checked again: one that appeared meanwhile is not replaced without `overwrite`. A folder
-   is swapped with the old one in a single rename (Linux `renameat2(RENAME_EXCHANGE)`), so a kill at any
-   instant leaves the old output or the new one, never neither and never a mix. A failure (or Ctrl-C)
-   removes the sibling and leaves the destination as it was.
+   is swapped with the old one in a single rename where the system can (Linux `renameat2(RENAME_EXCHANGE)`), so a
+   kill at any instant leaves the old output or the new one, never neither and never a mix; elsewhere (macOS,
+   Windows, file systems without it) in two renames, and a kill between them is recovered by the next claim (2.).
+   A failure (or Ctrl-C) removes the sibling and leaves the destination as it was. Outputs get the permissions an
+   ordinary write gives them (the umask's; a replaced file keeps its own).
 4. `staged_files_into`, for `save_pretrained` into a folder that holds other things: the new folder is the
    new files plus hard links to everything else the old one held, and is swapped in the same way. Only the
    weight files an earlier save wrote (`model.safetensors`, `model-00001-of-00002.safetensors`, their
@@ -26,13 +28,17 @@ Nothing here writes through a symbolic link: links are replaced by renames, neve
 import contextlib
 import ctypes
 import errno
-import fcntl
 import os
 import re
 import shutil
-import tempfile
+import stat
+import sys
+import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+
+from filelock import FileLock, Timeout, UnixFileLock
 
 
 class OutputBusyError(FileExistsError):
@@ -89,55 +95,42 @@ def _occupied(path: Path) -> bool:
 
 # --- claims -------------------------------------------------------------------------------------------------
 
-_held: dict[Path, int] = {}  # destination -> how many nested claims this process holds on it
+_held: dict[tuple[int, Path], int] = {}  # (thread, destination) -> how many nested claims it holds
 
 
 @contextlib.contextmanager
 def claimed(destination) -> Iterator[Path]:
-    """Hold `destination` for this run: a second writer (another process, or a thread here) is refused with one
-    line. Leftovers of killed runs on it are cleaned first. Claims by the same process nest."""
+    """Hold `destination` for this run: a second writer (another process, or another thread here) is refused with one
+    line. Leftovers of killed runs on it are cleaned first. Claims by the same thread nest."""
     destination = Path(destination).absolute()
-    if _held.get(destination):
-        _held[destination] += 1
+    key = (threading.get_ident(), destination)
+    if _held.get(key):
+        _held[key] += 1
         try:
             yield destination
         finally:
-            _held[destination] -= 1
+            _held[key] -= 1
         return
     destination.parent.mkdir(parents=True, exist_ok=True)
     lock_path = destination.with_name(f".{destination.name}.lock")
-    handle = _lock(lock_path, destination)
-    _held[destination] = 1
+    lock = FileLock(lock_path, timeout=0, thread_local=False)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise OutputBusyError(
+            f"another run is writing {destination}; wait for it to end, or write elsewhere"
+        ) from None
+    _held[key] = 1
     try:
         _clean_leftovers(destination)
         yield destination
     finally:
-        del _held[destination]
-        lock_path.unlink(missing_ok=True)  # still held: nobody else can be holding this file now
-        handle.close()
-
-
-def _lock(lock_path: Path, destination: Path):
-    """An exclusive lock on `lock_path`, or `OutputBusyError` naming the process that holds it."""
-    while True:
-        handle = open(lock_path, "a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            handle.close()
-            raise OutputBusyError(
-                f"another run (process {holder}) is writing {destination}; wait for it to end, or write elsewhere"
-            ) from None
-        # The holder before us may have removed the file after we opened it: lock the file that is there now.
-        if lock_path.exists() and os.stat(lock_path).st_ino == os.fstat(handle.fileno()).st_ino:
-            handle.seek(0)
-            handle.truncate()
-            handle.write(str(os.getpid()))
-            handle.flush()
-            return handle
-        handle.close()
+        del _held[key]
+        # The lock file goes with the run: on Linux and macOS removed while still held (a later claim then makes a
+        # new one, and filelock never locks a removed file), elsewhere by filelock when it is released.
+        if isinstance(lock, UnixFileLock):
+            lock_path.unlink(missing_ok=True)
+        lock.release()
 
 
 def _clean_leftovers(destination: Path) -> None:
@@ -169,6 +162,8 @@ _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 def _exchange(first: Path, second: Path) -> bool:
     """Swap two paths in one rename (Linux `renameat2`); False where the system or file system cannot."""
+    if sys.platform != "linux":
+        return False
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (AttributeError, OSError):
@@ -192,25 +187,57 @@ def _put_in_place(staging: Path, destination: Path, overwrite: bool) -> None:
     if not (destination.exists() or destination.is_symlink()):
         os.replace(staging, destination)
         return
+    if not destination.is_symlink() and destination.is_dir() == staging.is_dir():  # as an ordinary rewrite: its mode
+        os.chmod(staging, stat.S_IMODE(destination.stat().st_mode))
     if staging.is_dir() and destination.is_dir() and not destination.is_symlink() and _exchange(staging, destination):
         _remove(staging)  # now the old output
         return
     # Two renames: a kill between them leaves the old output aside, where the next claim puts it back.
-    retired = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.replaced-"))
+    retired = _new_sibling(destination, "replaced", folder=True)
     os.replace(destination, retired / destination.name)
     os.replace(staging, destination)
     _remove(retired)
 
 
+def _new_sibling(destination: Path, kind: str, folder: bool) -> Path:
+    """A new hidden sibling `.<name>.<kind>-<random>` of `destination`: an empty folder, or an empty file, made with
+    the permissions an ordinary write gives (the umask's), unlike `tempfile`'s private ones."""
+    while True:
+        path = destination.with_name(f".{destination.name}.{kind}-{uuid.uuid4().hex[:12]}")
+        try:
+            if folder:
+                path.mkdir()
+            else:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            return path
+        except FileExistsError:
+            continue
+
+
+def _give_ordinary_modes(paths, allowed: int) -> None:
+    """Give `paths` the permissions an ordinary write gives, `allowed` being 0o777 less the umask (as a folder
+    `_new_sibling` made shows it): libraries write some files private (safetensors' `save_file` gives 0600 whatever
+    the umask), and a colleague could not load the model. Executable files stay executable."""
+    for path in paths:
+        if path.is_symlink():
+            continue
+        mode = stat.S_IMODE(path.stat().st_mode)
+        wanted = allowed if path.is_dir() or mode & 0o111 else allowed & 0o666
+        if mode != wanted:
+            os.chmod(path, wanted)
+
+
 @contextlib.contextmanager
 def staged_folder(destination, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty temporary sibling folder; on success it takes the place of `destination` whole (created if
-    absent; an existing or meanwhile-appeared one is replaced only with `overwrite`)."""
+    absent; an existing or meanwhile-appeared one is replaced only with `overwrite`). What was written there gets
+    the permissions of an ordinary write (the umask's)."""
     destination = Path(destination)
     with claimed(destination):
-        staging = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.partial-"))
+        staging = _new_sibling(destination, "partial", folder=True)
         try:
             yield staging
+            _give_ordinary_modes(staging.rglob("*"), stat.S_IMODE(staging.stat().st_mode))
             _put_in_place(staging, destination, overwrite)
         finally:
             _remove(staging)  # nothing left after a success (moved), a failure or an interrupt
@@ -222,11 +249,11 @@ def staged_file(destination, overwrite: bool = False) -> Iterator[Path]:
     meanwhile-appeared file only with `overwrite`)."""
     destination = Path(destination)
     with claimed(destination):
-        handle, name = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.partial-")
-        os.close(handle)
-        staging = Path(name)
+        staging = _new_sibling(destination, "partial", folder=False)
+        ordinary = stat.S_IMODE(staging.stat().st_mode)  # 0o666 less the umask
         try:
             yield staging
+            _give_ordinary_modes([staging], ordinary | (ordinary & 0o444) >> 2)
             _put_in_place(staging, destination, overwrite)
         finally:
             staging.unlink(missing_ok=True)
@@ -243,9 +270,11 @@ def staged_files_into(destination) -> Iterator[Path]:
     earlier save that the new one does not have are dropped, nothing else."""
     destination = Path(destination)
     with claimed(destination):
-        staging = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.partial-"))
+        staging = _new_sibling(destination, "partial", folder=True)
         try:
             yield staging
+            # Before the old files are linked in: theirs stay as they are.
+            _give_ordinary_modes(staging.rglob("*"), stat.S_IMODE(staging.stat().st_mode))
             written = {path.name for path in staging.iterdir()}
             drops_weights = any(SAVED_WEIGHTS.fullmatch(name) for name in written)
             if destination.is_dir():

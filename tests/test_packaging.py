@@ -98,3 +98,19 @@ def test_installed_package_runs_the_demo_from_any_folder(tmp_path):
     assert "every weight loaded, none left over" in done.stdout and "| predictions | char |" in done.stdout
     assert str(venv) in subprocess.run([str(venv / "bin" / "python"), "-c", "import nezha_hf; print(nezha_hf.__file__)"],
                                        cwd=elsewhere, capture_output=True, text=True, env=environment).stdout
+
+
+def test_the_pythons_claimed_are_those_ci_tests_and_the_dependencies_allow():
+    """requires-python: no older than what transformers itself requires (3.10 was claimed while transformers 5.21+
+    needs 3.11), and its oldest version and the newest one are tested by `make test` (3.11 in .venv, PYTHONS)."""
+    from importlib import metadata
+
+    def version(text):
+        return tuple(int(part) for part in text.split(".")[:2])
+
+    claimed = version(re.search(r'requires-python = ">=([\d.]+)"', (REPO / "pyproject.toml").read_text()).group(1))
+    needed = version(re.search(r">=\s*([\d.]+)", metadata.metadata("transformers")["Requires-Python"]).group(1))
+    assert claimed >= needed
+    tested = {(3, 11), *map(version, re.search(r"^PYTHONS := (.*)$", (REPO / "Makefile").read_text(), re.M)
+                                      .group(1).split())}
+    assert claimed in tested and max(tested) >= (3, 13)
