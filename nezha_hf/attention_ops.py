@@ -197,8 +197,10 @@ def flatten(problem: AttentionProblem) -> list:
         value = problem
         for name in path:
             value = getattr(value, name)
-        if schema == "Tensor":  # an int offset, or no seed
-            value = torch.as_tensor(0 if value is None else value, dtype=torch.int64)
+        if schema == "Tensor" and not isinstance(value, torch.Tensor):  # an int offset, or no seed
+            # `torch.tensor`, not `as_tensor`: under torch.export an offset is a symbolic size (the cache length),
+            # which `as_tensor` would freeze into a constant of the traced length.
+            value = torch.tensor(0 if value is None else value, dtype=torch.int64)
         values.append(value)
     return values
 
@@ -290,7 +292,8 @@ def engine_op(name: str, forward: Callable, forward_fake: Callable, backward: Ca
     def decomposed(query, key, value, table, *fields):  # what an exported graph computes: the output (no backward)
         problem = unflatten(fields)
         output, _ = _plain_forward(query, key, value, table, problem)
-        return [output, *(saved.zero_() for saved in forward_fake(query, key, value, table, problem)[1:])]
+        # Zeros made functionally: exporters refuse a graph that writes into a tensor it made (`zero_`).
+        return [output, *(torch.zeros_like(saved) for saved in forward_fake(query, key, value, table, problem)[1:])]
 
     def attention(query, key, value, table, problem: AttentionProblem) -> torch.Tensor:
         return forward_op(query, key, value, table, *flatten(problem))[0]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .documents import expand_paths, iter_jsonl, jieba_words, read_documents, report_problem
+from .documents import iter_jsonl, jieba_words, named_files, read_documents, record_id, report_problem
 
 # A sentence ends after one of these, together with any closing quotes or brackets that follow.
 _SENTENCE_END = re.compile(r"([。！？；!?;]+[”’」』）)]*|\n+)")
@@ -58,7 +58,7 @@ def _judgment_from_record(record: dict, path, number: int, problems) -> Judgment
     if summary is not None and not isinstance(summary, str):
         report_problem(problems, path, number, '"summary" is not a string')
         return None
-    identifier = str(record.get("id", f"{path}:{number}"))
+    identifier = record_id(record, path, number)
     if isinstance(text, str) and text.strip():
         return Judgment(identifier, split_sentences(text), None, summary, f"{path}:{number}")
     if isinstance(text, list) and text:
@@ -79,10 +79,20 @@ def _judgment_from_record(record: dict, path, number: int, problems) -> Judgment
     return None
 
 
-def read_judgments(paths, problems: list | None = None) -> list[Judgment]:
-    """Judgments from CAIL2020 JSONL, JSONL with a `text` string, `.txt` files (one judgment each) and folders."""
+# Real judgments are 866 to 13,064 characters (CAIL2020); far longer inputs are refused before any work.
+MAX_CHARACTERS = 100_000
+
+
+def read_judgments(paths, problems: list | None = None, max_characters: int | None = MAX_CHARACTERS) -> list[Judgment]:
+    """Judgments from CAIL2020 JSONL, JSONL with a `text` string, `.txt` files (one judgment each) and folders.
+
+    A `.txt` judgment's id is its path below the folder named (`2019/001` for `judgments/2019/001.txt`), or its
+    name when the file is named itself; a JSONL record's is its `id` (else `file:line`). Two judgments with one id
+    are a `ValueError` naming both, as is a judgment longer than `max_characters` (None: no limit): the time of
+    attention grows with the square of the length, and real judgments are far shorter.
+    """
     judgments = []
-    for path in expand_paths(paths):
+    for path, name in named_files(paths):
         if path.suffix in (".jsonl", ".json"):
             for number, record in iter_jsonl(path, problems):
                 judgment = _judgment_from_record(record, path, number, problems)
@@ -90,7 +100,17 @@ def read_judgments(paths, problems: list | None = None) -> list[Judgment]:
                     judgments.append(judgment)
         else:
             for document in read_documents([path], txt_split="file", problems=problems):
-                judgments.append(Judgment(path.stem, split_sentences(document.text), source=str(path)))
+                judgments.append(Judgment(name, split_sentences(document.text), source=str(path)))
+    sources = {}
+    for judgment in judgments:
+        if judgment.id in sources:
+            raise ValueError(f"Two judgments have the id {judgment.id!r}: {sources[judgment.id]} and {judgment.source}. "
+                             "Give them distinct ids (or file names).")
+        sources[judgment.id] = judgment.source
+        if max_characters is not None and len(judgment.text) > max_characters:
+            raise ValueError(f"{judgment.source} ({judgment.id}) has {len(judgment.text):,} characters, more than the "
+                             f"{max_characters:,} accepted (real judgments have up to about 13,000): "
+                             "pass --max-characters to raise the limit.")
     return judgments
 
 

@@ -23,27 +23,63 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+from safetensors import SafetensorError, safe_open
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
-from .distributed import all_true, local_tensor, processes
+from .distributed import OPTIMIZER_DCP, SCHEDULER_FILE, all_true, local_tensor, processes
 
 logger = logging.get_logger(__name__)
 TRAINER_STATE = "trainer_state.json"
 
 
-def model_folder(path, needs: str = "config.json") -> Path:
-    """`path` as a `Path` if it is a local folder holding `needs`; otherwise a `FileNotFoundError` naming it."""
+def model_folder(path, needs: str | None = "config.json") -> Path:
+    """`path` as a `Path` if it is a local folder (holding the file `needs`, unless None); otherwise a
+    `FileNotFoundError` naming it, which says that model-hub ids are not fetched when `path` looks like one."""
     path = Path(path)
-    if not (path / needs).is_file():
+    if not path.is_dir():
+        hint = ""
+        try:
+            validate_repo_id(str(path))
+            hint = (f" (nezha-hf reads local folders and fetches nothing from the model hub: download it first, e.g. "
+                    f"`hf download {path} --local-dir {path}`)")
+        except HFValidationError:
+            pass
+        raise FileNotFoundError(f"No such folder: {path}{hint}.")
+    if needs is not None and not (path / needs).is_file():
         raise FileNotFoundError(f"{path} is not a model folder: it has no {needs}.")
     return path
 
 
+# Models pad their vocabulary to a round number (a multiple of 128 at most) for speed; a tokenizer short of its
+# model's vocabulary by more is some other model's tokenizer.
+VOCABULARY_PADDING = 128
+
+
+def check_tokenizer(tokenizer, config, where, needs=("cls_token", "sep_token", "pad_token")) -> None:
+    """A `ValueError` unless `tokenizer` is `config`'s model's own: as many tokens as its vocabulary (up to its
+    padding), the special tokens `needs` present, and the padding id the model's. `where` names the folder."""
+    size, vocabulary = len(tokenizer), config.vocab_size
+    if size > vocabulary or vocabulary - size >= VOCABULARY_PADDING:
+        raise ValueError(f"The tokenizer of {where} has {size:,} tokens but its model a vocabulary of {vocabulary:,}: "
+                         "it is not the model's own tokenizer. Save the model's tokenizer beside it.")
+    missing = [name for name in needs if getattr(tokenizer, f"{name}_id", None) is None]
+    if missing:
+        raise ValueError(f"The tokenizer of {where} has no {', '.join(missing)}, which NEZHA's inputs need.")
+    pad = getattr(config, "pad_token_id", None)
+    if pad is not None and tokenizer.pad_token_id != pad:
+        raise ValueError(f"The tokenizer of {where} pads with id {tokenizer.pad_token_id}, its model with {pad}: it is "
+                         "not the model's own tokenizer.")
+
+
 def checkpoint_problem(folder: Path) -> str | None:
-    """Why `folder` (a `checkpoint-N`) cannot be resumed from, or None if it is complete."""
+    """Why `folder` (a `checkpoint-N`) cannot be resumed from, or None if it is complete: its trainer state, its
+    weights, its optimizer state (a distributed checkpoint `optimizer/` whose every piece is whole, or Trainer's
+    `optimizer.pt`) and its scheduler, as a resume needs them all. Without the optimizer or the scheduler, a resume
+    would start them afresh without a word."""
     state_file = folder / TRAINER_STATE
     if not state_file.is_file():
         return f"no {TRAINER_STATE} (the run stopped while saving it)"
@@ -60,8 +96,32 @@ def checkpoint_problem(folder: Path) -> str | None:
         try:
             with safe_open(str(path), framework="pt"):
                 pass
-        except Exception as error:  # safetensors raises its own error type for truncated files
-            return f"{path.name} is unreadable ({type(error).__name__}: {error})"
+        except SafetensorError as error:
+            return f"{path.name} is unreadable ({error})"
+    if (folder / OPTIMIZER_DCP).is_dir():
+        problem = _distributed_checkpoint_problem(folder / OPTIMIZER_DCP)
+        if problem:
+            return problem
+    elif not (folder / "optimizer.pt").is_file():
+        return f"no optimizer state ({OPTIMIZER_DCP}/ or optimizer.pt)"
+    if not (folder / SCHEDULER_FILE).is_file() or (folder / SCHEDULER_FILE).stat().st_size == 0:
+        return f"no {SCHEDULER_FILE}"
+    return None
+
+
+def _distributed_checkpoint_problem(folder: Path) -> str | None:
+    """Why the PyTorch distributed checkpoint `folder` is not whole (its metadata unreadable, a piece it lists missing
+    or shorter than the metadata says), or None."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+    except Exception as error:  # a missing or cut metadata file: pickle and file errors alike
+        return f"{folder.name}/.metadata is missing or unreadable ({type(error).__name__})"
+    for info in (metadata.storage_data or {}).values():
+        piece = folder / info.relative_path
+        if not piece.is_file() or piece.stat().st_size < info.offset + info.length:
+            return f"{folder.name}/{info.relative_path} is missing or cut short"
     return None
 
 
@@ -84,14 +144,21 @@ def last_complete_checkpoint(output_dir) -> Path | None:
 
 
 def fingerprint(paths) -> str:
-    """A digest of the contents of `paths` (files, and the files in folders), in a stable order."""
+    """A digest of `paths` in the order given: each file's name and contents; for a folder, every file below it
+    (sorted; hidden ones, such as locks, left out) with its path below the folder. Reordering the paths changes it."""
     digest = hashlib.sha256()
-    for path in sorted({p for path in map(Path, paths) for p in ([path] if path.is_file() else path.rglob("*"))
-                        if p.is_file()}):
-        digest.update(path.name.encode())
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
+    for path in map(Path, paths):
+        if path.is_file():
+            files = [(path.name, path)]
+        else:
+            files = sorted((p.relative_to(path).as_posix(), p) for p in path.rglob("*")
+                           if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        digest.update(f"{len(files)} files\0".encode())
+        for name, file in files:
+            digest.update(name.encode() + b"\0")
+            with open(file, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
     return digest.hexdigest()[:16]
 
 
@@ -110,10 +177,10 @@ class RunRecord:
 
     @classmethod
     def create(cls, command: str, base, data, settings: dict) -> "RunRecord":
-        """The record of a run of `command` from the model folder `base` on the files `data`."""
+        """The record of a run of `command` from the model folder `base` (every file in it: weights, config, tokenizer,
+        generation settings) on the files `data`, in their order (which decides the order of the examples)."""
         base = Path(base)
-        weights = [p for p in base.rglob("*") if p.suffix in (".safetensors", ".bin") or p.name == "config.json"]
-        return cls(command, str(base.resolve()), fingerprint(weights), sorted(str(Path(d).resolve()) for d in data),
+        return cls(command, str(base.resolve()), fingerprint([base]), [str(Path(d).resolve()) for d in data],
                    fingerprint(data), json.loads(json.dumps(settings)))
 
     def difference(self, other: "RunRecord") -> str | None:
@@ -123,7 +190,8 @@ class RunRecord:
         if self.base_content != other.base_content:
             return f"the base model differs (those started from {other.base}, this run from {self.base})"
         if self.data_content != other.data_content:
-            return "the training data differs"
+            return ("the input files are the same but in another order" if sorted(self.data) == sorted(other.data)
+                    and self.data != other.data else "the input files or their contents differ")
         changed = sorted(k for k in {*self.settings, *other.settings} if self.settings.get(k) != other.settings.get(k))
         if changed:
             return "the settings differ: " + ", ".join(
@@ -186,5 +254,5 @@ class StopWhenNotFinite(TrainerCallback):
                                  f"(learning rate {args.learning_rate:g}); nothing was written")
 
 
-__all__ = ["NotFiniteError", "RunRecord", "StopWhenNotFinite", "checkpoint_problem", "finished", "fingerprint",
+__all__ = ["NotFiniteError", "RunRecord", "StopWhenNotFinite", "check_tokenizer", "checkpoint_problem", "finished", "fingerprint",
            "last_complete_checkpoint", "model_folder", "prepare_checkpoints"]

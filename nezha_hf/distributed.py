@@ -18,6 +18,7 @@ into sharded parameters. The optimizer goes into a PyTorch distributed checkpoin
 import contextlib
 import json
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -150,26 +151,46 @@ def run_batches(state, count: int, batch_size: int, work, journal=None, record: 
     return [done[i] for i in range(count)]
 
 
+JOURNAL_FILES = re.compile(r"record\.json|done-\d+\.jsonl")
+
+
 def _open_journal(journal: Path, record: dict | None) -> None:
-    """Keep a journal of the same record, with any line a kill cut short removed; start one otherwise."""
-    saved = journal / "record.json"
-    if journal.is_dir() and (not saved.is_file() or json.loads(saved.read_text(encoding="utf-8")) != record):
-        logger.warning(f"Discarding {journal}: its results are of an earlier run with other inputs or settings.")
-        shutil.rmtree(journal)
+    """Keep a journal of the same record, with any line a kill cut short removed; start one otherwise (one line says
+    why). What this tool did not write (a link, a file, a folder with other files) is refused, never removed."""
+    if journal.is_symlink() or (journal.exists() and not journal.is_dir()):
+        raise FileExistsError(f"{journal} is not a progress journal of nezha-hf (it is a link or a file): move it away.")
+    if journal.is_dir():
+        foreign = sorted(p.name for p in journal.iterdir() if not JOURNAL_FILES.fullmatch(p.name) or p.is_symlink())
+        if foreign:
+            raise FileExistsError(f"{journal} holds files nezha-hf did not write ({', '.join(foreign[:3])}): move them "
+                                  "away, or the folder.")
+        saved = journal / "record.json"
+        try:
+            same = json.loads(saved.read_text(encoding="utf-8")) == record
+        except (OSError, ValueError):  # none, cut short, not text: not a journal to go on from
+            same = False
+        if not same:
+            logger.warning(f"Discarding {journal}: its results are of an earlier run with other inputs or settings.")
+            shutil.rmtree(journal)
     journal.mkdir(exist_ok=True)
     for part in journal.glob("done-*.jsonl"):
         text = part.read_bytes()
         if text and not text.endswith(b"\n"):
             part.write_bytes(text[: text.rfind(b"\n") + 1])
-    saved.write_text(json.dumps(record), encoding="utf-8")
+    (journal / "record.json").write_text(json.dumps(record), encoding="utf-8")
 
 
 def _read_journal(journal: Path) -> dict:
+    """The results a journal holds by item, or a `ValueError` naming the damaged file and line and what to do."""
     done = {}
     for part in sorted(journal.glob("done-*.jsonl")):
-        for line in part.read_text(encoding="utf-8").splitlines():
-            entry = json.loads(line)
-            done.setdefault(entry["index"], entry["result"])
+        for number, line in enumerate(part.read_bytes().splitlines(), start=1):
+            try:
+                entry = json.loads(line.decode("utf-8"))
+                done.setdefault(int(entry["index"]), entry["result"])
+            except (UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+                raise ValueError(f"The progress journal {part} is damaged at line {number} ({type(error).__name__}): "
+                                 f"delete {journal} to start over.") from None
     return done
 
 
@@ -192,7 +213,20 @@ class DistributedCheckpointTrainer(Trainer):
         if args is not None:
             # Trainer then writes the model and its state only; the rest is written by `_save_checkpoint` below.
             args.save_only_model = True
+        # Trainer sets `config.use_cache` to `args.use_cache` (False) for training; saved so, a model would decode
+        # without a cache (summaries at half speed) and export without one. Saves keep the model's own.
+        self.model_use_cache = getattr(getattr(model, "config", None), "use_cache", None)
         super().__init__(model=model, args=args, **kwargs)
+
+    def _save(self, output_dir=None, state_dict=None):
+        config = self.model.config
+        training_value = config.use_cache
+        if self.model_use_cache is not None:
+            config.use_cache = self.model_use_cache
+        try:
+            super()._save(output_dir, state_dict)
+        finally:
+            config.use_cache = training_value
 
     def _save_checkpoint(self, model, trial):
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"

@@ -1,8 +1,8 @@
 """Read plain-text corpora: `.txt` files, folders of them, and JSONL files with a `text` field.
 
-Files are decoded a line at a time. Lines that are not UTF-8, and malformed JSONL lines, are reported
-with file and line number (a logged warning, and in the `problems` list the caller passes) and
-skipped; reading goes on.
+Files are decoded a line at a time (a byte-order mark at the start is dropped). Lines that are not UTF-8, and
+malformed JSONL lines, are reported once with file and line number (in the `problems` list the caller passes, which
+the caller reports; else a logged warning) and skipped; reading goes on.
 """
 
 import functools
@@ -57,24 +57,33 @@ class Problem:
 
 
 def expand_paths(paths) -> list[Path]:
-    """Files named directly, plus the `.txt` / `.jsonl` / `.json` files inside named folders (sorted)."""
+    """Files named directly, plus the `.txt` / `.jsonl` / `.json` files inside named folders (sorted), in the order
+    given."""
+    return [path for path, _ in named_files(paths)]
+
+
+def named_files(paths) -> list[tuple[Path, str]]:
+    """`expand_paths` with each file's name as an input: its path below the folder it was found in, without the
+    suffix (`2019/001` for `judgments/2019/001.txt` found in `judgments/`), or its stem when named directly."""
     files = []
     for path in map(Path, paths):
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
+            files += [(p, p.relative_to(path).with_suffix("").as_posix()) for p in found]
         elif path.exists():
-            files.append(path)
+            files.append((path, path.stem))
         else:
             raise FileNotFoundError(f"No such file or folder: {path}")
     return files
 
 
 def report_problem(problems: list | None, path, line: int, message: str) -> None:
-    """Log a skipped input line and add it to `problems` (if given)."""
+    """A skipped input line: added to `problems` when the caller collects them (and reports them), else logged."""
     problem = Problem(str(path), line, message)
-    logger.warning(f"skipped {problem}")
     if problems is not None:
         problems.append(problem)
+    else:
+        logger.warning(f"skipped {problem}")
 
 
 def iter_lines(path: Path, problems: list | None = None) -> Iterator[tuple[int, str]]:
@@ -83,7 +92,7 @@ def iter_lines(path: Path, problems: list | None = None) -> Iterator[tuple[int, 
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
             try:
-                yield number, raw.decode("utf-8")
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as error:
                 report_problem(problems, path, number, f"not UTF-8 text ({error.reason} at byte {error.start})")
 
@@ -104,6 +113,12 @@ def iter_jsonl(path: Path, problems: list | None = None) -> Iterator[tuple[int, 
         yield number, record
 
 
+def record_id(record: dict, path, number: int) -> str:
+    """A JSONL record's `id` as a string; `file:line` when it has none (or `null`)."""
+    identifier = record.get("id")
+    return f"{path}:{number}" if identifier is None else str(identifier)
+
+
 def read_documents(paths, txt_split: str = "file", problems: list | None = None) -> Iterator[Document]:
     """Documents from `.txt` files (whole file, or split on blank lines or on lines) and JSONL `text` fields.
 
@@ -121,7 +136,7 @@ def read_documents(paths, txt_split: str = "file", problems: list | None = None)
                 if not isinstance(text, str) or not text.strip():
                     report_problem(problems, path, number, 'no non-empty "text" string')
                     continue
-                yield Document(str(record.get("id", f"{path}:{number}")), text)
+                yield Document(record_id(record, path, number), text)
             continue
         content = "".join(line for _, line in iter_lines(path, problems))
         if txt_split == "file":

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .checkpoints import model_folder
+from .extras import require_extra
 from .modeling_nezha import (
     NezhaForMultipleChoice,
     NezhaForSentenceExtraction,
@@ -29,7 +30,7 @@ from .modeling_nezha import (
     sentence_means,
 )
 from .safe_output import check_destination, staged_file, staged_folder
-from .summarization import Summarizer
+from .summarization import EXTRACTOR_DIR, GENERATOR_DIR, Summarizer, is_exported, summarizer_settings
 
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
 # Heads whose inputs are not the three above, or that generate: not exported.
@@ -113,10 +114,9 @@ def export_onnx(model_or_path, output: str | os.PathLike, atol: float = 1e-4, ov
         raise ValueError(f"The ONNX file's name should end in .onnx, got {output}.")
     sources = [] if isinstance(model_or_path, NezhaPreTrainedModel) else [model_or_path]
     check_destination(output, sources, overwrite=overwrite, kind="file")
-    try:
-        import onnxruntime
-    except ImportError as error:
-        raise ImportError('ONNX export needs onnx, onnxscript and onnxruntime: pip install "nezha_hf[onnx]".') from error
+    require_extra("onnx", "ONNX export")
+    import onnxruntime
+
     model = _load(model_or_path)
     if isinstance(model, NOT_EXPORTED):
         raise ValueError(f"{type(model).__name__} is not exported to ONNX (it generates, or takes other inputs); "
@@ -145,9 +145,6 @@ def export_onnx(model_or_path, output: str | os.PathLike, atol: float = 1e-4, ov
     return OnnxExport(str(output), type(model).__name__, INPUT_NAMES, names, largest, VERIFY_LENGTHS)
 
 
-__all__ = ["OnnxExport", "export_onnx"]
-
-
 # --- summarisers: the extractor and the generator through transformers' exporters -------------------------
 
 
@@ -169,6 +166,9 @@ def generate_exported(generator, input_ids: torch.Tensor, attention_mask: torch.
 
     processors = LogitsProcessorList(logits_processor or [])
     traced = generator.components["decode"].metadata.kwargs
+    if "cache" not in traced:
+        raise ValueError("This generator was exported without a KV cache (its config says use_cache=False): export it "
+                         "again from a model whose config has use_cache=True.")
     size = None
     if traced["cache"].get("container") == "StaticCache":
         size = traced["attention_mask"]["shape"][1]  # a static cache's masks span the whole cache
@@ -223,7 +223,7 @@ class ExportedExtractor:
     device = torch.device("cpu")
 
     def __init__(self, exported):
-        self.exported = exported
+        self.exported, self.config = exported, exported.config
 
     def eval(self):
         return self
@@ -263,19 +263,49 @@ class ExportedGenerator:
         return generate_exported(self.exported, input_ids, attention_mask, max_new_tokens, eos, pad, processors)
 
 
-EXTRACTOR_FILE, GENERATOR_FILE = "extractor", "generator"
+def check_export(folder: Path) -> None:
+    """An error naming what a folder `ExportedModel.save_pretrained` wrote lacks (its manifest, a program file it
+    names, its config), before transformers would look the folder up on the model hub."""
+    from transformers.exporters.auto import get_exporter_class
+
+    manifest_path = folder / "export.json"
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = [name for entry in manifest["components"].values()
+                 for name in get_exporter_class(manifest["export_format"]).program_files(entry["file"])]
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{manifest_path} is missing: export the summariser again.") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{manifest_path} is damaged ({type(error).__name__}): export the summariser again.") from None
+    for name in [*files, "config.json"]:
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{folder / name} is missing: export the summariser again.")
 
 
-def load_exported_summarizer(directory) -> "Summarizer":
-    """The summariser `export_summarizer` wrote, running on onnxruntime: `.summarize(judgments)` as usual (greedy)."""
+def load_exported_summarizer(directory, **settings) -> "Summarizer":
+    """The summariser `export_summarizer` wrote, running on onnxruntime: `.summarize(judgments)` as usual (greedy).
+    `settings` override those of its `summarizer.json`. A missing or damaged part is an error naming it."""
+    require_extra("onnx", "Running an exported summariser")
     from transformers import AutoTokenizer
     from transformers.exporters import ExportedModel
 
     directory = Path(directory)
-    settings = json.loads((directory / "summarizer.json").read_text())
-    return Summarizer(ExportedExtractor(ExportedModel.from_pretrained(directory / EXTRACTOR_FILE)),
-                      ExportedGenerator(ExportedModel.from_pretrained(directory / GENERATOR_FILE)),
-                      AutoTokenizer.from_pretrained(directory), **settings)
+    saved = {**summarizer_settings(directory), **settings}
+    for part in (EXTRACTOR_DIR, GENERATOR_DIR):
+        check_export(directory / part)
+    summarizer = Summarizer(ExportedExtractor(ExportedModel.from_pretrained(directory / EXTRACTOR_DIR)),
+                            ExportedGenerator(ExportedModel.from_pretrained(directory / GENERATOR_DIR)),
+                            AutoTokenizer.from_pretrained(directory), **saved)
+    summarizer.check(directory)
+    return summarizer
+
+
+def load_summarizer(directory, **settings) -> "Summarizer":
+    """A summariser folder of either kind: `train-summarizer`'s (`Summarizer.from_pretrained`) or
+    `nezha-hf export onnx`'s (`load_exported_summarizer`). `settings` override those of its `summarizer.json`."""
+    if is_exported(directory):
+        return load_exported_summarizer(directory, **settings)
+    return Summarizer.from_pretrained(directory, **settings)
 
 
 # Judgments the export is verified on (real CAIL2020 judgments shipped with the package), and how far.
@@ -314,7 +344,9 @@ def export_summarizer(directory, output, atol: float = 1e-4, overwrite: bool = F
 
     directory = model_folder(directory, "summarizer.json")
     output = check_destination(output, [directory], overwrite)
+    require_extra("onnx", "ONNX export")
     summarizer = Summarizer.from_pretrained(directory)
+    summarizer.generator.config.use_cache = True  # decoding steps take a cache, whatever the saved config says
     judgments = read_judgments([EXAMPLES])
     tokenizer, exporter, config = summarizer.tokenizer, OnnxExporter(), OnnxConfig(dynamic=True)
     # Two examples of different lengths, so that the batch and length axes stay dynamic (a size of 1 would be fixed).
@@ -322,10 +354,12 @@ def export_summarizer(directory, output, atol: float = 1e-4, overwrite: bool = F
     prompt = encode_sources(tokenizer, ["".join(j.sentences[:3]) for j in judgments[:2]])
     with staged_folder(output, overwrite) as staging:
         scorer_inputs = {key: sample[key] for key in ("input_ids", "attention_mask")}
-        exporter.export(TokenScores(summarizer.extractor), scorer_inputs, config).save_pretrained(staging / EXTRACTOR_FILE)
+        scorer = exporter.export(TokenScores(summarizer.extractor), scorer_inputs, config)
+        scorer.config = summarizer.extractor.config  # saved beside it, as the generator's is: loading checks both
+        scorer.save_pretrained(staging / EXTRACTOR_DIR)
         exporter.export_for_generation(summarizer.generator, prompt, config,
                                        generation_config=summarizer.generator.generation_config,
-                                       ).save_pretrained(staging / GENERATOR_FILE)
+                                       ).save_pretrained(staging / GENERATOR_DIR)
         tokenizer.save_pretrained(staging)
         (staging / "summarizer.json").write_text(json.dumps({**summarizer.settings(), "num_beams": 1}))
         exported = load_exported_summarizer(staging)
@@ -339,3 +373,7 @@ def export_summarizer(directory, output, atol: float = 1e-4, overwrite: bool = F
         if expected != got:
             raise ValueError("The exported summariser writes other summaries than PyTorch generate(); nothing written.")
     return SummarizerExport(str(output), len(judgments), difference, VERIFY_NEW_TOKENS)
+
+
+__all__ = ["OnnxExport", "SummarizerExport", "export_onnx", "export_summarizer", "generate_exported",
+           "load_exported_summarizer", "load_summarizer"]

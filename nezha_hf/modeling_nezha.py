@@ -455,6 +455,19 @@ class NezhaPreTrainedModel(PreTrainedModel):
                 model.tie_weights(recompute_mapping=False)
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
+    def _move_missing_keys_from_meta_to_device(self, missing_keys, *args, **kwargs) -> None:
+        """Changes: transformers materialises the missing weights but the targets of tied ones; NEZHA also
+        materialises the source of a missing tied pair.
+
+        Tied before sharding (`maybe_distribute_model`), the MLM bias and the decoder's bias are one parameter, which
+        transformers lists as missing under the decoder's name only, a tied target it skips: a checkpoint without an
+        MLM head (a converted BertModel) left `cls.predictions.bias` on the meta device, and FSDP2 training failed.
+        """
+        tied = self.all_tied_weights_keys
+        sources = {tied[key] for key in missing_keys if key in tied}
+        on_meta = {key for key in sources if self.get_parameter_or_buffer(key).device.type == "meta"}
+        super()._move_missing_keys_from_meta_to_device(set(missing_keys) | on_meta, *args, **kwargs)
+
     def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
         """Changes: transformers defaults to sdpa, else eager, and accepts every registered attention (paged ones
         included, which would drop the relative terms); NEZHA defaults to its fused engine, accepts its own engines
@@ -591,6 +604,15 @@ class NezhaForPreTrainingOutput(ModelOutput):
     attentions: tuple[torch.Tensor] | None = None
 
 
+# Inputs of transformers' BERT (or of NEZHA in transformers 4) that this model does not take: passed, they are an
+# error, as ignoring them would return outputs that do not do what the caller asked.
+REFUSED_INPUTS = {
+    "position_ids": "NEZHA has no absolute positions (its positions are relative, inside attention)",
+    "head_mask": "transformers 5 removed head masks, and NEZHA's attention engines do not take one; to silence a head, "
+                 "zero its columns of the attention output projection (`attention.output.dense.weight`)",
+}
+
+
 class NezhaModel(NezhaPreTrainedModel):
     """The bare NEZHA encoder (or, with `config.is_decoder`, a causal decoder with a KV cache).
 
@@ -715,8 +737,9 @@ class NezhaModel(NezhaPreTrainedModel):
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        if kwargs.get("position_ids") is not None:
-            raise ValueError("NEZHA has no absolute positions: position_ids is not used and must not be passed.")
+        for name, reason in REFUSED_INPUTS.items():
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{name} must not be passed: {reason}.")
         shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
         if len(shape) != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {tuple(shape)}.")

@@ -30,7 +30,8 @@ from transformers import AutoTokenizer, TrainerCallback, TrainingArguments
 from transformers.distributed import DistributedConfig
 from transformers.utils import logging
 
-from .checkpoints import RunRecord, StopWhenNotFinite, finished, prepare_checkpoints
+from .checkpoints import RunRecord, StopWhenNotFinite, check_tokenizer, finished, prepare_checkpoints
+from .configuration_nezha import NezhaConfig
 from .distributed import (
     DistributedCheckpointTrainer,
     claimed_by_main,
@@ -208,6 +209,8 @@ def continue_pretraining(
     show_progress = show_progress and state.is_main_process
     with claimed_by_main(state, output_dir, checkpoints):
         tokenizer = AutoTokenizer.from_pretrained(model_path)
+        check_tokenizer(tokenizer, NezhaConfig.from_pretrained(model_path), model_path,
+                        needs=("cls_token", "sep_token", "pad_token", "mask_token"))
         sharding = {}
         if fsdp and state.num_processes > 1:
             sharding["distributed_config"] = DistributedConfig(fsdp_size=state.num_processes)
@@ -218,13 +221,14 @@ def continue_pretraining(
             raise ValueError(f"No text found in {list(map(str, files))}.")
         dataset = pack_documents(tokenizer, texts, max_length, show_progress)
         if state.is_main_process:
+            for problem in problems:  # once, by the main process
+                logger.warning(f"skipped {problem}")
             logger.warning(f"Packed {len(texts)} documents into {len(dataset)} sequences of up to {max_length} "
                            f"tokens ({len(problems)} input lines skipped).")
         arguments = TrainingArguments(output_dir=str(checkpoints), remove_unused_columns=False, **settings)
-        shaping = {key: settings[key] for key in RESUMED_SETTINGS if key in settings}
         record = RunRecord.create("pretrain", model_path, files, {
             "max_length": max_length, "mlm_probability": mlm_probability, "txt_split": txt_split,
-            "seed": arguments.seed, **shaping})
+            "seed": arguments.seed, **resumed_settings(settings, state.num_processes)})
         last = on_main(state, lambda: prepare_checkpoints(checkpoints, record, resume))
         with shared_staged_folder(state, output_dir, overwrite) as staging:  # model and tokenizer appear together
             if finished(last, arguments.max_steps):
@@ -246,6 +250,12 @@ def continue_pretraining(
     return metrics
 
 
-# Training arguments a resumed run must share with the run it resumes: they decide which examples form a step and
-# how it is computed. Others (max_steps, the learning rate) may change between a run and its continuation.
-RESUMED_SETTINGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16")
+def resumed_settings(training_arguments: dict, processes: int) -> dict:
+    """What a resumed run must share with the run it resumes, as its `RunRecord` keeps them: the examples of a step
+    (the global batch: per process, times the processes, times the accumulation steps; a run may resume on another
+    number of processes with a batch per process that keeps it) and how a step is computed (bf16). Others
+    (max_steps, the learning rate) may change between a run and its continuation."""
+    global_batch = (training_arguments.get("per_device_train_batch_size", 8) * processes
+                    * training_arguments.get("gradient_accumulation_steps", 1))
+    return {"global_batch": global_batch,
+            "bf16": bool(training_arguments.get("bf16", False))}

@@ -12,6 +12,7 @@ from `oracle_labels` when a record has none); `evaluate_summaries` scores agains
 """
 
 import json
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -20,18 +21,21 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, TrainingArguments
-from transformers.trainer_callback import PrinterCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.utils import logging
 
 from .cail import Judgment, lead, oracle_labels, rouge_scores
 from .checkpoints import (
     RunRecord,
+    check_tokenizer,
     StopWhenNotFinite,
     last_complete_checkpoint,
     prepare_checkpoints,
 )
+from .configuration_nezha import NezhaConfig
 from .modeling_nezha import NezhaForSentenceExtraction, NezhaForUniLM
 from .padding import attention_mask_for, pad_rows
+from .pretraining import resumed_settings
 from .distributed import (
     DistributedCheckpointTrainer,
     claimed_by_main,
@@ -152,18 +156,35 @@ class Summarizer:
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, **settings) -> "Summarizer":
-        """Load `directory/extractor`, `directory/generator` and the tokenizer (in `directory`)."""
+        """Load the summariser folder `train-summarizer` wrote: the models `extractor/` and `generator/`, their
+        tokenizer and `summarizer.json`, whose settings `settings` override. A part that is missing or damaged, or a
+        tokenizer that is not the models' own, is an error naming it. (`nezha_hf.export.load_summarizer` loads this
+        kind and the exported kind alike.)"""
         directory = Path(directory)
-        if not all((directory / part / "config.json").is_file() for part in (EXTRACTOR_DIR, GENERATOR_DIR)):
-            raise FileNotFoundError(f"{directory} is not a summariser folder (from train-summarizer): it needs "
-                                    f"{EXTRACTOR_DIR}/ and {GENERATOR_DIR}/ model folders.")
-        saved = json.loads((directory / "summarizer.json").read_text()) if (directory / "summarizer.json").exists() else {}
-        return cls(
-            NezhaForSentenceExtraction.from_pretrained(directory / EXTRACTOR_DIR).eval(),
-            NezhaForUniLM.from_pretrained(directory / GENERATOR_DIR).eval(),
-            AutoTokenizer.from_pretrained(directory),
-            **{**saved, **settings},
-        )
+        saved = {**summarizer_settings(directory), **settings}
+        if is_exported(directory):
+            raise ValueError(f"{directory} is an exported summariser (nezha-hf export onnx): load it with "
+                             "nezha_hf.export.load_summarizer.")
+        missing = [f"{part}/config.json" for part in (EXTRACTOR_DIR, GENERATOR_DIR)
+                   if not (directory / part / "config.json").is_file()]
+        if missing:
+            raise FileNotFoundError(f"{directory} is not a whole summariser folder: {', '.join(missing)} is missing "
+                                    "(train-summarizer writes it).")
+        summarizer = cls(NezhaForSentenceExtraction.from_pretrained(directory / EXTRACTOR_DIR).eval(),
+                         NezhaForUniLM.from_pretrained(directory / GENERATOR_DIR).eval(),
+                         AutoTokenizer.from_pretrained(directory), **saved)
+        summarizer.check(directory)
+        return summarizer
+
+    def check(self, directory) -> None:
+        """A `ValueError` unless the tokenizer is both models' own and the generator ends a summary at its [SEP]."""
+        for part, model in ((EXTRACTOR_DIR, self.extractor), (GENERATOR_DIR, self.generator)):
+            check_tokenizer(self.tokenizer, model.config, Path(directory) / part)
+        end = self.generator.generation_config.eos_token_id
+        if end != self.tokenizer.sep_token_id:
+            raise ValueError(f"The generator of {directory} ends a summary at token {end}, not at its tokenizer's [SEP] "
+                             f"({self.tokenizer.sep_token_id}): it is not the generator train-summarizer wrote with "
+                             "this tokenizer.")
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the two models, the tokenizer and the settings into `directory`."""
@@ -206,6 +227,28 @@ class Summarizer:
                 for j, chosen, summary in zip(judgments, selections, summaries)]
 
 
+def is_exported(directory: Path) -> bool:
+    """Whether a summariser folder is `nezha-hf export onnx`'s (its parts ONNX programs) rather than
+    `train-summarizer`'s."""
+    return (Path(directory) / EXTRACTOR_DIR / "export.json").is_file()
+
+
+def summarizer_settings(directory: Path) -> dict:
+    """What `summarizer.json` in a summariser folder holds (`Summarizer.settings`); an error naming the file if it is
+    missing or damaged."""
+    path = directory / "summarizer.json"
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{directory} is not a summariser folder: it has no summarizer.json (train-summarizer "
+                                "and export onnx write one).") from None
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path} is damaged ({type(error).__name__}): write the summariser again.") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path} is damaged (not a JSON object): write the summariser again.")
+    return settings
+
+
 def extractor_from(base_model) -> NezhaForSentenceExtraction:
     """A `NezhaForSentenceExtraction` to train, with `base_model`'s encoder. A masked-LM checkpoint has a head the
     extractor does not use (`cls.*`) and no sentence scorer (`classifier.*`, which starts untrained): said in one
@@ -231,8 +274,9 @@ def train_summarizer(
     base_model: str | Path,
     output_dir: str | Path,
     validation_fraction: float = 0.1,
-    extractor_steps: int = 1000,
-    generator_steps: int = 2000,
+    epochs: float = 3.0,
+    extractor_steps: int | None = None,
+    generator_steps: int | None = None,
     max_length: int = 1024,
     copy_mechanism: bool = False,
     seed: int = 42,
@@ -246,7 +290,11 @@ def train_summarizer(
     `base_model` is a NEZHA checkpoint with its tokenizer (masked-LM or converted BERT). The
     extractor learns the file's labels (or oracle labels); the generator learns to write the
     summary from the labelled sentences, as in SPACES (at most `max_length` tokens of source plus
-    summary). A `validation_fraction` of the judgments is held out and evaluated after each stage.
+    summary). Each stage trains `epochs` passes over the training judgments (one per step and process), unless
+    `extractor_steps` / `generator_steps` say how many steps; a line says how many before each stage, and its
+    progress bar is named after it. A `validation_fraction` of the judgments (rounded; none when that is under one
+    judgment, which a line says) is held out and evaluated after each stage; a fraction that leaves nothing to train
+    on is an error.
     Trainer checkpoints go to the sibling folder `<output_dir>.checkpoints/` (`extractor/`,
     `generator/`); a rerun resumes each stage from its last complete checkpoint, if the checkpoints are of
     the same run (base model, data, settings: `checkpoints.prepare_checkpoints`; `resume=False` starts over).
@@ -258,28 +306,55 @@ def train_summarizer(
     Returns the validation metrics.
     """
     state = processes()
-    data_files = {re.sub(r":\d+$", "", j.source) for j in judgments if j.source}  # "file:line" -> file
+    data_files = list(dict.fromkeys(re.sub(r":\d+$", "", j.source) for j in judgments if j.source))  # in order
     output_dir = check_destination(output_dir, [base_model, *data_files], overwrite)
     checkpoints = output_dir.with_name(output_dir.name + ".checkpoints")
     check_destination(checkpoints, [base_model], overwrite=True)
     with claimed_by_main(state, output_dir, checkpoints):
         return _train_summarizer(state, judgments, base_model, output_dir, checkpoints, data_files,
-                                 validation_fraction, extractor_steps, generator_steps, max_length, copy_mechanism, seed,
-                                 show_progress, overwrite, resume, training_arguments)
+                                 validation_fraction, epochs, {"extractor": extractor_steps, "generator": generator_steps},
+                                 max_length, copy_mechanism, seed, show_progress, overwrite, resume, training_arguments)
+
+
+def validation_split(count: int, fraction: float) -> int:
+    """How many of `count` judgments `fraction` holds out for validation: rounded, so none when that is under one
+    (said in a line); a `ValueError` when it would leave none to train on."""
+    held = round(count * fraction)
+    if fraction > 0 and held == 0:
+        logger.warning(f"No validation: {fraction:g} of {count} judgments is less than one; all {count} train "
+                       "(--validation-fraction 0 says so).")
+    if held >= count:
+        raise ValueError(f"A validation fraction of {fraction:g} holds out {held} of the {count} judgments and leaves "
+                         "none to train on: pass a smaller --validation-fraction.")
+    return held
+
+
+class StageProgress(ProgressCallback):
+    """Trainer's progress bar, named after the stage it counts (`extractor`, `generator`)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if self.training_bar is not None:
+            self.training_bar.set_description(self.name)
 
 
 def _train_summarizer(state, judgments, base_model, output_dir, checkpoints, data_files, validation_fraction,
-                      extractor_steps, generator_steps, max_length, copy_mechanism, seed, show_progress, overwrite,
+                      epochs, stage_steps, max_length, copy_mechanism, seed, show_progress, overwrite,
                       resume, training_arguments) -> dict:
     usable = [j for j in judgments if j.summary]
     if len(usable) < 2:
         raise ValueError("train_summarizer needs at least two judgments with a reference summary.")
+    held = validation_split(len(usable), validation_fraction)
     # Labels once per judgment: both stages use them, and oracle labels are costly.
     labelled = [(j, extraction_labels(j)) for j in usable]
     random.Random(seed).shuffle(labelled)
-    held = max(1, round(len(labelled) * validation_fraction)) if validation_fraction > 0 else 0
-    validation, train = labelled[:held], labelled[held:] or labelled[:held]
+    validation, train = labelled[:held], labelled[held:]
     tokenizer = AutoTokenizer.from_pretrained(base_model)
+    check_tokenizer(tokenizer, NezhaConfig.from_pretrained(base_model), base_model)
 
     def examples_for_extraction(items):
         return [{**encode_document(tokenizer, j.sentences), "labels": labels} for j, labels in items]
@@ -292,19 +367,31 @@ def _train_summarizer(state, judgments, base_model, output_dir, checkpoints, dat
                     save_total_limit=1, report_to=[], seed=seed, disable_tqdm=not show_progress,
                     remove_unused_columns=False, use_cpu=cpu_only())
     settings = {**defaults, **training_arguments}
-    record = RunRecord.create("train-summarizer", base_model, sorted(data_files), {
+    record = RunRecord.create("train-summarizer", base_model, data_files, {
         "validation_fraction": validation_fraction, "max_length": max_length, "copy_mechanism": copy_mechanism,
-        "seed": seed, "per_device_train_batch_size": settings["per_device_train_batch_size"]})
+        "seed": seed, **resumed_settings(settings, state.num_processes)})
     on_main(state, lambda: prepare_checkpoints(checkpoints, record, resume))
     metrics = {}
 
+    global_batch = resumed_settings(settings, state.num_processes)["global_batch"]
+
     def train_stage(name, model, collator, make_examples, steps, label_names):
+        if steps is None:
+            steps = max(1, math.ceil(epochs * len(train) / global_batch))
+            plan = f"{epochs:g} epochs of {len(train)} judgments"
+        else:
+            plan = f"{steps * global_batch / len(train):.3g} epochs of {len(train)} judgments"
+        if state.is_main_process:
+            logger.warning(f"Training the {name}: {steps} steps ({plan}).")
         trainer = DistributedCheckpointTrainer(
             model=model, data_collator=collator, train_dataset=make_examples(train),
             eval_dataset=make_examples(validation) if validation else None,
             args=TrainingArguments(str(checkpoints / name), max_steps=steps, label_names=label_names, **settings),
             callbacks=[StopWhenNotFinite()])
-        if not show_progress:  # with its progress bar off, Trainer would print every log line instead
+        if show_progress:
+            trainer.remove_callback(ProgressCallback)
+            trainer.add_callback(StageProgress(name))
+        else:  # with its progress bar off, Trainer would print every log line instead
             trainer.remove_callback(PrinterCallback)
         last = on_main(state, lambda: last_complete_checkpoint(checkpoints / name))
         trainer.train(resume_from_checkpoint=str(last) if last else None)
@@ -313,16 +400,19 @@ def _train_summarizer(state, judgments, base_model, output_dir, checkpoints, dat
         return model
 
     extractor = train_stage("extractor", extractor_from(base_model),
-                            ExtractionCollator(tokenizer), examples_for_extraction, extractor_steps, ["labels"])
+                            ExtractionCollator(tokenizer), examples_for_extraction, stage_steps["extractor"], ["labels"])
     # Trainer would look for every label the head takes (copy_labels too) and, not finding them, compute no loss.
-    generator = train_stage("generator", NezhaForUniLM.from_pretrained(base_model, unilm_copy_tags=copy_mechanism),
+    # A cache whatever the base says (a model trained by Trainer may say use_cache=False): the generator decodes.
+    generator = train_stage("generator", NezhaForUniLM.from_pretrained(base_model, unilm_copy_tags=copy_mechanism,
+                                                                       use_cache=True),
                             UniLMDataCollator(tokenizer, max_length=max_length, truncation="middle",
                                               copy_labels=copy_mechanism),
-                            examples_for_generation, generator_steps,
+                            examples_for_generation, stage_steps["generator"],
                             ["labels", "copy_labels"] if copy_mechanism else ["labels"])
     generator.generation_config.eos_token_id = tokenizer.sep_token_id
     generator.generation_config.pad_token_id = tokenizer.pad_token_id
     generator.generation_config.bos_token_id = tokenizer.cls_token_id  # never a copy candidate
+    generator.generation_config.use_cache = True
     with shared_staged_folder(state, output_dir, overwrite) as staging:
         if state.is_main_process:
             Summarizer(extractor.eval(), generator.eval(), tokenizer,
@@ -363,11 +453,28 @@ def evaluate_summaries(judgments: list[Judgment], predictions: dict[str, str] | 
     return results
 
 
+# What each system of `evaluate_summaries` is, for the legend under its table.
+SYSTEM_MEANINGS = {
+    "lead": "the judgment's first sentences (a floor)",
+    "oracle": "the judgment's sentences that best match the reference (a ceiling for any extraction)",
+    "labelled": "the sentences the data file labels as summary sentences",
+    "predictions": "the summaries given with --predictions",
+}
+UNIT_MEANINGS = {"char": "ROUGE over characters", "word": "ROUGE over jieba words"}
+
+
 def format_scores(results: dict) -> str:
-    """A Markdown table of `evaluate_summaries` results."""
-    lines = [f"{results['documents']} documents; F scores (`rouge` package); CAIL = 0.2 R1 + 0.4 R2 + 0.4 RL", "",
+    """A Markdown table of `evaluate_summaries` results, with a legend of its systems and units."""
+    count = results["documents"]
+    lines = [f"{count} document{'s' if count != 1 else ''}; F scores (`rouge` package); "
+             "CAIL = 0.2 R1 + 0.4 R2 + 0.4 RL", "",
              "| system | unit | ROUGE-1 | ROUGE-2 | ROUGE-L | CAIL |", "|---|---|---|---|---|---|"]
     for name, by_unit in results["systems"].items():
         for unit, s in by_unit.items():
             lines.append(f"| {name} | {unit} | {s['rouge-1']:.4f} | {s['rouge-2']:.4f} | {s['rouge-l']:.4f} | {s['cail']:.4f} |")
+    lines.append("")
+    for name in results["systems"]:
+        lines.append(f"{name}: {SYSTEM_MEANINGS[name.split('-')[0]]}")
+    units = {unit for by_unit in results["systems"].values() for unit in by_unit}
+    lines.append("; ".join(f"{unit}: {UNIT_MEANINGS[unit]}" for unit in sorted(units)))
     return "\n".join(lines)

@@ -111,6 +111,15 @@ def main():
         push_to_a_folder(model, out / f"pushed-by-{rank}")
         model.save_pretrained(out / "dcp", distributed_checkpoint=True)
         save_optimizer_distributed(model, optimizer, str(out / "optimizer"))
+    elif scenario == "fsdp-headless":  # from a checkpoint without an MLM head: a converted BertModel's layout
+        on_meta = [name for name, parameter in model.named_parameters() if parameter.device.type == "meta"]
+        bias = model.cls.predictions.bias
+        report = {"on_meta": on_meta, "bias_is_zero": not on_meta and bool((full_state(model)["cls.predictions.bias"]
+                                                                             == 0).all()),
+                  "bias_tied": model.cls.predictions.decoder.bias is bias}
+        train(model, mine, 1)
+        if rank == 0:
+            (out / "headless.json").write_text(json.dumps(report))
     elif scenario == "fsdp-resume":
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
         load_optimizer_distributed(model, optimizer, str(out / "optimizer"))

@@ -20,7 +20,7 @@ from helpers import VOCAB, synthetic_judgment, tiny_config, write_jsonl
 from safetensors.torch import load_file
 from test_pretraining import pretraining_start
 
-from nezha_hf import NezhaForMaskedLM, NezhaForSentenceExtraction, NezhaForUniLM
+from nezha_hf import NezhaForMaskedLM, NezhaForSentenceExtraction, NezhaForUniLM, NezhaModel
 from nezha_hf.summarization import Summarizer
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ WORKER = Path(__file__).with_name("distributed_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 ACCELERATE = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
-              str(ROOT / "docs" / "accelerate" / "one-machine.yaml"), "--num_processes", "2"]
+              str(ROOT / "nezha_hf" / "launch_configs" / "one-machine.yaml"), "--num_processes", "2"]
 ENGINES = ["eager", "nezha_fused", "nezha_chunked", "nezha_three_regions"]
 
 
@@ -117,6 +117,16 @@ def test_a_checkpoint_of_one_process_resumes_on_two(tmp_path):
     launch([*TORCHRUN, str(WORKER), "fsdp-resume", str(tmp_path / "three"), str(tmp_path)])
     expected, _ = one_process(start, STEPS + 1)
     assert_same_weights(NezhaForMaskedLM.from_pretrained(tmp_path / "resumed").state_dict(), expected.state_dict())
+
+
+def test_fsdp_loads_a_checkpoint_without_an_mlm_head(tmp_path):
+    """`pretrain --fsdp` from a converted BertModel (no `cls.*`): the MLM bias stayed on the meta device ("FSDP
+    parameters should be materialized from meta device before training")."""
+    torch.manual_seed(0)
+    NezhaModel(tiny_config(num_hidden_layers=3)).save_pretrained(tmp_path / "headless")
+    launch([*TORCHRUN, str(WORKER), "fsdp-headless", str(tmp_path / "headless"), str(tmp_path)])
+    assert json.loads((tmp_path / "headless.json").read_text()) == {"on_meta": [], "bias_is_zero": True,
+                                                                     "bias_tied": True}
 
 
 @pytest.mark.parametrize("attention", ENGINES)

@@ -2,6 +2,8 @@
 exporters; generation through `export_for_generation` (torch.export and ONNX, dynamic and static caches), its exported
 decoding loop giving `generate()`'s tokens; a summariser exported whole."""
 
+import json
+import shutil
 import subprocess
 import sys
 
@@ -69,14 +71,17 @@ def test_export_refuses_what_it_cannot_do_and_writes_nothing(tmp_path):
     NezhaModel(tiny_config()).save_pretrained(tmp_path / "model")
     with pytest.raises(FileExistsError, match="overwrite"):
         export_onnx(tmp_path / "model", tmp_path / "old.onnx")
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match="No such folder"):
         export_onnx(tmp_path / "nowhere", tmp_path / "x.onnx")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        export_onnx(tmp_path / "empty", tmp_path / "x.onnx")
     saved = sorted(p.name for p in (tmp_path / "model").iterdir())
     with pytest.raises(ValueError, match="source"):  # never written into its source
         export_onnx(tmp_path / "model", tmp_path / "model" / "model.onnx")
     assert sorted(p.name for p in (tmp_path / "model").iterdir()) == saved
     assert (tmp_path / "old.onnx").read_bytes() == b"keep me"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "old.onnx", "unilm"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "model", "old.onnx", "unilm"]
 
 
 def test_cli_exports_and_says_it_verified(tmp_path):
@@ -187,3 +192,28 @@ def test_a_summariser_exports_whole_and_runs_on_onnxruntime(tmp_path, run_cli):
     expected = Summarizer.from_pretrained(tmp_path / "toy-summarizer").summarize(judgments, num_beams=1, max_new_tokens=30)
     assert exported.summarize(judgments, max_new_tokens=30) == expected
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    # `summarize` takes the exported folder as it takes a trained one (it said it "needs extractor/ and generator/
+    # model folders", which it has)
+    done = run_cli("summarize", tmp_path / "onnx", EXAMPLES, "--max-new-tokens", "30", "--num-beams", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [json.loads(line)["summary"] for line in done.stdout.splitlines()] == [r["summary"] for r in expected]
+    assert_damage_is_named(tmp_path / "onnx", run_cli)
+
+
+def assert_damage_is_named(exported, run_cli):
+    """A missing `.onnx.data` or `export.json` said "Checkout 'https://huggingface.co//<the folder>/...'"; without
+    `generator/config.json` summarising failed with `AttributeError`. Each is one line naming the file."""
+    from nezha_hf.demo import EXAMPLES
+
+    pieces = ["generator/export.json", "extractor/config.json", "generator/config.json", "summarizer.json",
+              *[str(p.relative_to(exported)) for p in exported.rglob("*.onnx*")]]
+    for piece in pieces:
+        damaged = exported.with_name("damaged")
+        shutil.copytree(exported, damaged)
+        (damaged / piece).unlink()
+        done = run_cli("summarize", damaged, EXAMPLES, "--max-new-tokens", "4")
+        assert done.returncode == 2 and "Traceback" not in done.stderr, (piece, done.stderr[-2000:])
+        line = done.stderr.strip().splitlines()[-1]
+        assert line.startswith("nezha-hf summarize: error:") and piece.split("/")[-1] in line, (piece, line)
+        assert "huggingface.co" not in line, line
+        shutil.rmtree(damaged)

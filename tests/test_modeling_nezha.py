@@ -157,6 +157,8 @@ def test_legacy_bin_with_bert_prefix_and_buffers_loads():
         (dict(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[0.0, 0.0, -10000.0]])), "additive"),
         (dict(input_ids=torch.tensor([1, 2, 3])), "input_ids must be"),
         (dict(input_ids=torch.tensor([[1, 2, 3]]), position_ids=torch.tensor([[0, 1, 2]])), "position_ids"),
+        # transformers 4's NEZHA honoured head_mask; accepted and ignored, it gave the unmasked heads' outputs
+        (dict(input_ids=torch.tensor([[1, 2, 3]]), head_mask=torch.ones(2, 4)), "head_mask"),
         (dict(), "exactly one"),
     ],
 )
@@ -164,6 +166,13 @@ def test_bad_input_raises_value_error(kwargs, message):
     model = NezhaModel(tiny_config()).eval()
     with pytest.raises(ValueError, match=message):
         model(**kwargs)
+
+
+def test_heads_refuse_a_head_mask_too():
+    """A head passes what it does not take on to the encoder, which refuses it."""
+    model = NezhaForMaskedLM(tiny_config()).eval()
+    with pytest.raises(ValueError, match="head_mask"):
+        model(torch.tensor([[1, 2, 3]]), head_mask=torch.ones(2, 4))
 
 
 @pytest.mark.parametrize("mask", [torch.tensor([[1, 1, 0]]), torch.tensor([[True, True, False]]),

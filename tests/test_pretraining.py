@@ -66,6 +66,8 @@ def test_pretrain_lowers_the_loss_and_resumes(tmp_path, tokenizer):
     assert loss_of(tmp_path / "out") < 0.9 * loss_of(start)
     assert (tmp_path / "out.checkpoints" / "checkpoint-60").is_dir()
     assert len(AutoTokenizer.from_pretrained(tmp_path / "out")) == len(tokenizer)
+    # Training turns the cache off; the saved model keeps its own setting, so a generator built on it decodes with one.
+    assert json.loads((tmp_path / "out" / "config.json").read_text()).get("use_cache", True) is True
     # Rerun with more steps (replacing the finished model): continues from checkpoint-60 instead of starting over.
     checkpoint = tmp_path / "out.checkpoints" / "checkpoint-60"
     saved = snapshot(checkpoint)

@@ -280,3 +280,16 @@ def test_every_engine_follows_the_rules(path, mode, small_blocks):
     got = run_attention(path, q, k, v, mask, K)
     expected = reference.attention(q, k, v, K, allowed | nothing[:, None, :, None])[0] * ~nothing[:, None, :, None]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_an_offset_stays_symbolic_under_torch_export():
+    """Every engine is called with the problem's fields flattened; an int offset (the cache length, a symbolic size
+    under torch.export) became a constant of the traced length, and an exported decoding step failed at any other
+    cache length (onnxruntime: "Attempting to broadcast an axis by a dimension other than 1. 50 by 69")."""
+    class Offset(torch.nn.Module):
+        def forward(self, past):
+            problem = ops.AttentionProblem(ops.RelativeAttentionMask(query_offset=past.shape[1]), 1.0)
+            return ops.flatten(problem)[[name for name, _, _ in ops.PROBLEM_FIELDS].index("query_offset")] + 0
+
+    exported = torch.export.export(Offset(), (torch.zeros(1, 5),), dynamic_shapes=({1: torch.export.Dim.AUTO},))
+    assert int(exported.module()(torch.zeros(1, 9))) == 9

@@ -2,6 +2,7 @@
 
 import random
 
+import pytest
 import torch
 from helpers import VOCAB, synthetic_judgment, tiny_config, write_jsonl
 
@@ -83,3 +84,15 @@ def test_the_extractor_starts_from_an_encoder_without_a_load_table(tmp_path, cap
     finally:
         hf_logging.disable_propagation()
     assert "missing (random) ['nezha.embeddings.token_type_embeddings.weight']" in caplog.text
+
+
+def test_validation_split_never_silently_holds_out_what_it_cannot(caplog):
+    from nezha_hf.summarization import validation_split
+
+    assert validation_split(100, 0.1) == 10
+    assert validation_split(20, 0.0) == 0
+    with caplog.at_level("WARNING"):
+        assert validation_split(4, 0.1) == 0
+    assert "No validation" in caplog.text
+    with pytest.raises(ValueError, match="leaves none to train on"):
+        validation_split(2, 0.9)

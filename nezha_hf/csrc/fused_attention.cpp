@@ -382,8 +382,26 @@ inline void add_to_bucket(float* bucket, const float* values, int64_t start, int
   }
 }
 
+// Ctrl-C or SIGTERM while the kernel runs. Python runs a signal's handler only between bytecodes, and the calling thread
+// is inside the kernel, so the kernel runs pending handlers itself (`PyErr_CheckSignals`, with the GIL) between its
+// tasks on that thread. Once a handler has raised, every thread skips its remaining tasks and the entry point
+// re-raises the handler's exception: a call of any length ends within a task's time of the signal.
+struct Interruption {
+  std::atomic<bool> raised{false};
+
+  // Whether to stop; on the calling thread (thread 0 of the parallel region), pending signal handlers run first.
+  bool check() {
+    if (!raised.load(std::memory_order_relaxed) && at::get_thread_num() == 0) {
+      pybind11::gil_scoped_acquire gil;
+      if (PyErr_CheckSignals() != 0) raised.store(true);
+    }
+    return raised.load(std::memory_order_relaxed);
+  }
+};
+
 struct Problem {
   int64_t B, H, Lq, Lk, d, K, R, offset;
+  Interruption* interruption;
   float scale;
   bool causal;
   const bool* key_valid;         // [B, Lk] or null
@@ -470,8 +488,9 @@ Asked read_problem(const pybind11::handle& problem) {
 }
 
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, int64_t K, const Asked& asked, int64_t q_block,
-                     int64_t kv_block, Routine routine) {
+                     int64_t kv_block, Routine routine, Interruption& interruption) {
   Problem p;
+  p.interruption = &interruption;
   p.B = q.size(0), p.H = q.size(1), p.Lq = q.size(2), p.Lk = k.size(2), p.d = q.size(3);
   p.K = K, p.R = 2 * K + 1, p.offset = asked.offset;
   p.scale = static_cast<float>(asked.scale);
@@ -657,6 +676,7 @@ void forward_impl(const Problem& p, const at::Tensor& query, const at::Tensor& k
     std::vector<T> rounded_bucket(reduced ? p.q_block * even(R) : 0);
     std::vector<uint32_t> row_keys(p.q_block);
     for (int64_t task = begin; task < end; ++task) {
+      if (p.interruption->check()) break;
       const int64_t b = task / (H * num_q_blocks), h = task / num_q_blocks % H, bh = b * H + h;
       const int64_t m = task % num_q_blocks * p.q_block, qb = std::min(p.q_block, Lq - m);
       const T* qm = q + b * query.stride(0) + h * query.stride(1) + m * qs;
@@ -818,6 +838,7 @@ std::vector<at::Tensor> backward_impl(const Problem& p, const at::Tensor& grad_o
         pack_rows(vh, vs, Lk, d, p.kv_block, value_panels.data(), static_cast<T*>(nullptr), scratch);
       }
       for (int64_t m = 0; m < Lq; m += p.q_block) {
+        if (p.interruption->check()) break;
         const int64_t qb = std::min(p.q_block, Lq - m);
         const T* qm = qh + m * qs;
         const T* gom = goh + m * gos;
@@ -939,13 +960,14 @@ int64_t max_relative_position(const at::Tensor& table) { return (table.size(0) -
 // Returns (out [B, Lq, H, d] contiguous in the query's type, lse [B, H, Lq] float32); a row that sees no key gets
 // out 0, lse -inf.
 std::vector<at::Tensor> forward(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
-                                const at::Tensor& table, const Asked& asked, int64_t q_block, int64_t kv_block) {
+                                const at::Tensor& table, const Asked& asked, int64_t q_block, int64_t kv_block,
+                                Interruption& interruption) {
   const at::Tensor T = table.contiguous();
   check_inputs(query_in, key_in, value_in, T, asked);
   const Routine routine = products_for(query_in.scalar_type());
   const at::Tensor query = as_computed(query_in, routine), key = as_computed(key_in, routine);
   const at::Tensor value = as_computed(value_in, routine);
-  const Problem p = make_problem(query, key, max_relative_position(T), asked, q_block, kv_block, routine);
+  const Problem p = make_problem(query, key, max_relative_position(T), asked, q_block, kv_block, routine, interruption);
   auto out = at::empty({p.B, p.Lq, p.H, p.d}, query.options());
   auto lse = at::empty({p.B, p.H, p.Lq}, query.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "nezha_forward", [&] {
@@ -959,7 +981,8 @@ std::vector<at::Tensor> forward(const at::Tensor& query_in, const at::Tensor& ke
 // lse.
 std::vector<at::Tensor> backward(const at::Tensor& grad_out_in, const at::Tensor& query_in, const at::Tensor& key_in,
                                  const at::Tensor& value_in, const at::Tensor& out_in, const at::Tensor& lse,
-                                 const at::Tensor& table, const Asked& asked, int64_t q_block, int64_t kv_block) {
+                                 const at::Tensor& table, const Asked& asked, int64_t q_block, int64_t kv_block,
+                                 Interruption& interruption) {
   const at::Tensor T = table.contiguous();
   check_inputs(query_in, key_in, value_in, T, asked);
   TORCH_CHECK(grad_out_in.sizes() == query_in.sizes() && out_in.sizes() == query_in.sizes(),
@@ -968,7 +991,7 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out_in, const at::Tensor
   const at::Tensor query = as_computed(query_in, routine), key = as_computed(key_in, routine);
   const at::Tensor value = as_computed(value_in, routine), grad_out = as_computed(grad_out_in, routine);
   const at::Tensor out = as_computed(out_in.to(query_in.scalar_type()), routine);
-  const Problem p = make_problem(query, key, max_relative_position(T), asked, q_block, kv_block, routine);
+  const Problem p = make_problem(query, key, max_relative_position(T), asked, q_block, kv_block, routine, interruption);
   std::vector<at::Tensor> grads;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "nezha_backward", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>)
@@ -992,14 +1015,21 @@ std::map<std::string, int64_t> routine_calls() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  // The problem is read with the GIL held; it is released while the kernel runs, so other Python threads go on.
+  // The problem is read with the GIL held; it is released while the kernel runs, so other Python threads go on (and
+  // taken back between tasks only to run pending signal handlers).
   module.def(
       "forward",
       [](const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& table,
          const pybind11::object& problem, int64_t q_block, int64_t kv_block) {
         const Asked asked = read_problem(problem);
-        pybind11::gil_scoped_release release;
-        return forward(query, key, value, table, asked, q_block, kv_block);
+        Interruption interruption;
+        std::vector<at::Tensor> result;
+        {
+          pybind11::gil_scoped_release release;
+          result = forward(query, key, value, table, asked, q_block, kv_block, interruption);
+        }
+        if (interruption.raised) throw pybind11::error_already_set();  // the signal handler's exception
+        return result;
       },
       "NEZHA relative attention forward (query, key, value, table, AttentionProblem, query block, key block): "
       "(out [B, Lq, H, d], lse [B, H, Lq])");
@@ -1009,8 +1039,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
          const at::Tensor& out, const at::Tensor& lse, const at::Tensor& table, const pybind11::object& problem,
          int64_t q_block, int64_t kv_block) {
         const Asked asked = read_problem(problem);
-        pybind11::gil_scoped_release release;
-        return backward(grad_out, query, key, value, out, lse, table, asked, q_block, kv_block);
+        Interruption interruption;
+        std::vector<at::Tensor> result;
+        {
+          pybind11::gil_scoped_release release;
+          result = backward(grad_out, query, key, value, out, lse, table, asked, q_block, kv_block, interruption);
+        }
+        if (interruption.raised) throw pybind11::error_already_set();
+        return result;
       },
       "NEZHA relative attention backward: grads of query, key, value as [B, L, H, d]");
   module.def("routine_for", &routine_for, "the routine that multiplies the blocks of a call in this type here");

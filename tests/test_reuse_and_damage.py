@@ -1,0 +1,415 @@
+"""Nothing lost, round three: what is reused (a journal, a checkpoint) is the same work; outputs others can read;
+damage is met with one line that names the file and a way out; inputs far beyond any judgment are refused.
+
+Each test names the finding it reproduces. The replays kill real processes (SIGKILL mid-run) and rerun them."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import VOCAB, make_tokenizer, snapshot, synthetic_judgment, tiny_config, write_jsonl
+from safetensors.torch import load_file
+from test_nothing_lost import CLI, PRETRAIN, base_model, corpus, one_line_failure, pretrain
+
+from nezha_hf import NezhaForSentenceExtraction, NezhaForUniLM
+from nezha_hf.checkpoints import RunRecord, checkpoint_problem, fingerprint, last_complete_checkpoint
+from nezha_hf.pretraining import resumed_settings
+from nezha_hf.summarization import Summarizer
+
+SUMMARIZE = ["--batch-size", "2", "--max-new-tokens", "40"]
+
+
+def summarizer_folder(directory, tokenizer):
+    torch.manual_seed(0)
+    config = tiny_config(vocab_size=VOCAB)
+    Summarizer(NezhaForSentenceExtraction(config), NezhaForUniLM(config), tokenizer).save_pretrained(directory)
+    return directory
+
+
+def judgments_file(path, prefix, count, seed=0):
+    rng = random.Random(seed)
+    return write_jsonl(path, [{**synthetic_judgment(rng, i), "id": f"{prefix}{i}"} for i in range(count)])
+
+
+def summarize(model, inputs, output, *extra, timeout=600):
+    done = subprocess.run([*CLI, "summarize", str(model), *map(str, inputs), "--output", str(output), *SUMMARIZE,
+                           *extra], capture_output=True, text=True, timeout=timeout)
+    return done
+
+
+def killed_summarize(model, inputs, output, batches=1):
+    """Start `summarize`, SIGKILL it once `batches` batches are in its journal; the journal is left as a kill
+    leaves it."""
+    journal = output.with_name(f".{output.name}.progress")
+    process = subprocess.Popen([*CLI, "summarize", str(model), *map(str, inputs), "--output", str(output), *SUMMARIZE],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while sum(len(p.read_bytes().splitlines()) for p in journal.glob("done-*.jsonl")) < 2 * batches:
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.01)
+    process.kill()
+    process.wait()
+    assert not output.exists() and journal.is_dir()
+    return journal
+
+
+def ids(path):
+    return [json.loads(line)["id"] for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+# --- a journal is reused only for the same work -------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_rerun_with_the_inputs_in_another_order_does_not_mix_their_results(tmp_path, tokenizer):
+    """Killed `summarize a b`, rerun as `summarize b a`: the journal was reused by position, the output held a's
+    judgments twice and b's not at all, and it said "wrote 8 summaries"."""
+    model = summarizer_folder(tmp_path / "s", tokenizer)
+    a, b = judgments_file(tmp_path / "a.jsonl", "a", 40), judgments_file(tmp_path / "b.jsonl", "b", 40, seed=1)
+    output = tmp_path / "o.jsonl"
+    killed_summarize(model, [a, b], output)
+    done = summarize(model, [b, a], output)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Discarding" in done.stderr and "already done" not in done.stderr
+    reference = summarize(model, [b, a], tmp_path / "reference.jsonl")
+    assert ids(output) == [f"b{i}" for i in range(40)] + [f"a{i}" for i in range(40)]
+    assert output.read_bytes() == (tmp_path / "reference.jsonl").read_bytes()
+    assert reference.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_changed_generation_config_is_not_the_same_work(tmp_path, tokenizer):
+    """The run record fingerprinted the weights and config.json only: after `generator/generation_config.json`
+    changed, the journal's summaries (of the old settings) came back in the output."""
+    model = summarizer_folder(tmp_path / "s", tokenizer)
+    data = judgments_file(tmp_path / "d.jsonl", "d", 80)
+    output = tmp_path / "o.jsonl"
+    killed_summarize(model, [data], output)
+    settings_file = model / "generator" / "generation_config.json"
+    settings = json.loads(settings_file.read_text())
+    settings_file.write_text(json.dumps({**settings, "repetition_penalty": 5.0}))
+    done = summarize(model, [data], output)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Discarding" in done.stderr and "already done" not in done.stderr
+    summarize(model, [data], tmp_path / "reference.jsonl")
+    assert output.read_bytes() == (tmp_path / "reference.jsonl").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_damaged_journal_line_is_named_with_the_way_out(tmp_path, tokenizer):
+    """A damaged journal was reported as "Unterminated string ...", "'index'" or a codec error."""
+    model = summarizer_folder(tmp_path / "s", tokenizer)
+    data = judgments_file(tmp_path / "d.jsonl", "d", 80)
+    output = tmp_path / "o.jsonl"
+    journal = killed_summarize(model, [data], output, batches=2)
+    part = journal / "done-0.jsonl"
+    lines = part.read_bytes().splitlines(keepends=True)
+    part.write_bytes(lines[0] + b'{"index": 1, "resu\n' + b"".join(lines[2:]))
+    (tmp_path / ".o.jsonl.lock").unlink(missing_ok=True)  # the killed run's; the next run removes it
+    before = snapshot(tmp_path)
+    line = one_line_failure(summarize(model, [data], output), f"{part}", "line 2", f"delete {journal}")
+    assert snapshot(tmp_path) == before, line
+    shutil.rmtree(journal)
+    assert summarize(model, [data], output).returncode == 0
+
+
+def test_a_journal_that_is_a_link_or_holds_other_files_is_refused_untouched(tmp_path, tokenizer, run_cli):
+    """A symlinked journal failed with "Cannot call rmtree on a symbolic link" after the output was written; a
+    `.NAME.progress/` folder holding files the tool did not write was deleted."""
+    model = summarizer_folder(tmp_path / "s", tokenizer)
+    data = judgments_file(tmp_path / "d.jsonl", "d", 2)
+    output = tmp_path / "o.jsonl"
+    journal = tmp_path / ".o.jsonl.progress"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "record.json").write_text("{}")
+    journal.symlink_to(elsewhere)
+    before = snapshot(tmp_path)
+    one_line_failure(run_cli("summarize", model, data, "--output", output, *SUMMARIZE), str(journal), "link")
+    assert snapshot(tmp_path) == before and not output.exists()
+    journal.unlink()
+    journal.mkdir()
+    (journal / "notes.txt").write_text("mine")
+    one_line_failure(run_cli("summarize", model, data, "--output", output, *SUMMARIZE), str(journal), "notes.txt")
+    assert (journal / "notes.txt").read_text() == "mine" and not output.exists()
+
+
+def test_a_journal_cut_in_its_record_starts_over_with_one_line(tmp_path, tokenizer, run_cli, caplog):
+    model = summarizer_folder(tmp_path / "s", tokenizer)
+    data = judgments_file(tmp_path / "d.jsonl", "d", 2)
+    output = tmp_path / "o.jsonl"
+    journal = tmp_path / ".o.jsonl.progress"
+    journal.mkdir()
+    (journal / "record.json").write_bytes(b'{"command": "summ')
+    (journal / "done-0.jsonl").write_bytes(b"\xff\xfe not the results of this run\n")
+    done = run_cli("summarize", model, data, "--output", output, *SUMMARIZE)
+    assert done.returncode == 0, done.stderr
+    assert "Discarding" in caplog.text
+    assert ids(output) == ["d0", "d1"] and not journal.exists()
+
+
+# --- checkpoints: every input that decides the result, in order, and whole -------------------------------------
+
+
+def test_the_fingerprint_covers_every_file_of_a_model_folder_and_the_order_of_inputs(tmp_path):
+    """Only `*.safetensors`, `*.bin` and `config.json` counted, and paths were sorted."""
+    model = tmp_path / "model"
+    (model / "generator").mkdir(parents=True)
+    for name in ("model.safetensors", "tokenizer.json", "generator/generation_config.json"):
+        (model / name).write_text(name)
+    first = fingerprint([model])
+    for name in ("tokenizer.json", "generator/generation_config.json"):
+        changed = (model / name).read_text()
+        (model / name).write_text(changed + " changed")
+        assert fingerprint([model]) != first, name
+        (model / name).write_text(changed)
+    (model / ".lock").write_text("held")  # a lock beside the files is not part of the model
+    assert fingerprint([model]) == first
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("one")
+    b.write_text("two")
+    assert fingerprint([a, b]) != fingerprint([b, a])
+    one, other = (RunRecord.create("pretrain", model, files, {}) for files in ([a, b], [b, a]))
+    assert "another order" in one.difference(other)
+
+
+def test_pretrain_does_not_resume_with_its_corpus_in_another_order(tmp_path, tokenizer):
+    """Resumed with its corpus files in another order, pretrain went on (weights 1.2e-4 off both uninterrupted
+    runs)."""
+    base = base_model(tmp_path / "base", tokenizer)
+    first, second = corpus(tmp_path / "one"), corpus(tmp_path / "two")
+    (second / next(second.iterdir()).name).write_text("另一个法院的判决。" * 40, encoding="utf-8")
+    output = tmp_path / "out"
+    done = pretrain(base, first, second, "--output", output, "--max-steps", "4", *PRETRAIN)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shutil.rmtree(output)  # as if killed before writing the result
+    before = snapshot(tmp_path)
+    one_line_failure(pretrain(base, second, first, "--output", output, "--max-steps", "8", *PRETRAIN),
+                     "another order", "--no-resume")
+    assert snapshot(tmp_path) == before
+
+
+def test_the_global_batch_not_the_batch_per_process_decides_a_resume():
+    """Resumed on 2 processes with the same --batch-size, pretrain doubled the global batch and skipped examples
+    it never trained on: the record kept the batch per process."""
+    def record(batch, processes, **more):
+        return RunRecord("pretrain", "base", "x", [], "y", resumed_settings(
+            {"per_device_train_batch_size": batch, **more}, processes))
+
+    assert "global_batch" in record(4, 2).difference(record(4, 1))
+    assert record(4, 2).difference(record(8, 1)) is None
+    assert record(4, 2).difference(record(2, 2, gradient_accumulation_steps=2)) is None
+    assert "bf16" in record(8, 1, bf16=True).difference(record(8, 1))
+
+
+@pytest.mark.parametrize("damage", ["no optimizer", "optimizer piece cut", "optimizer metadata missing",
+                                    "no scheduler"])
+def test_an_incomplete_checkpoint_falls_back_to_the_newest_whole_one(damage, tmp_path, tokenizer):
+    """A checkpoint without (or with cut) optimizer state or scheduler was resumed from with a fresh optimizer and
+    schedule without a word, or failed on every rerun with torch's traceback in one line."""
+    base, data = base_model(tmp_path / "base", tokenizer), corpus(tmp_path / "corpus")
+    done = pretrain(base, data, "--output", tmp_path / "uninterrupted", "--max-steps", "8", *PRETRAIN)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shutil.copytree(tmp_path / "uninterrupted.checkpoints", tmp_path / "out.checkpoints")
+    latest = tmp_path / "out.checkpoints" / "checkpoint-8"
+    optimizer = latest / "optimizer"
+    assert checkpoint_problem(latest) is None and optimizer.is_dir()
+    if damage == "no optimizer":
+        shutil.rmtree(optimizer)
+    elif damage == "optimizer piece cut":
+        piece = max((p for p in optimizer.iterdir() if p.name.endswith(".distcp")), key=lambda p: p.stat().st_size)
+        piece.write_bytes(piece.read_bytes()[: piece.stat().st_size // 2])
+    elif damage == "optimizer metadata missing":
+        (optimizer / ".metadata").unlink()
+    else:
+        (latest / "scheduler.pt").unlink()
+    assert checkpoint_problem(latest) is not None
+    assert last_complete_checkpoint(tmp_path / "out.checkpoints").name == "checkpoint-4"
+    done = pretrain(base, data, "--output", tmp_path / "out", "--max-steps", "8", *PRETRAIN)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sum("Skipping the incomplete checkpoint" in line for line in done.stderr.splitlines()) == 1
+    assert "checkpoint-4" in done.stderr.split("Resuming from")[1].splitlines()[0]
+    got, expected = load_file(tmp_path / "out" / "model.safetensors"), load_file(
+        tmp_path / "uninterrupted" / "model.safetensors")
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=0)
+
+
+# --- a tokenizer that is not the model's own -----------------------------------------------------------------
+
+
+def small_tokenizer(directory):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n", encoding="utf-8")
+    from transformers import BertTokenizerFast
+
+    return BertTokenizerFast.from_pretrained(directory)
+
+
+def test_summarize_refuses_a_tokenizer_that_does_not_fit_its_models(tmp_path, tokenizer, run_cli):
+    """A 5-token vocabulary for a 731-token model: empty summaries, exit 0."""
+    torch.manual_seed(0)
+    config = tiny_config(vocab_size=731)
+    Summarizer(NezhaForSentenceExtraction(config), NezhaForUniLM(config),
+               small_tokenizer(tmp_path / "small")).save_pretrained(tmp_path / "s")
+    data = judgments_file(tmp_path / "d.jsonl", "d", 2)
+    one_line_failure(run_cli("summarize", tmp_path / "s", data, *SUMMARIZE), "5 tokens", "731",
+                     str(tmp_path / "s" / "extractor"))
+
+
+def test_train_summarizer_and_pretrain_refuse_a_tokenizer_that_does_not_fit_the_base(tmp_path, run_cli):
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    from nezha_hf import NezhaForMaskedLM
+
+    NezhaForMaskedLM(tiny_config(vocab_size=731)).save_pretrained(base)
+    small_tokenizer(base).save_pretrained(base)
+    data = judgments_file(tmp_path / "d.jsonl", "d", 4)
+    before = snapshot(tmp_path)
+    one_line_failure(run_cli("train-summarizer", data, "--base", base, "--output", tmp_path / "out"), "5 tokens", "731")
+    one_line_failure(run_cli("pretrain", base, data, "--output", tmp_path / "out"), "5 tokens", "731")
+    assert snapshot(tmp_path) == before
+
+
+def test_a_tokenizer_without_a_mask_token_cannot_pretrain(tmp_path, tokenizer, run_cli):
+    base = base_model(tmp_path / "base", tokenizer)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps({**config, "mask_token": None}))
+    one_line_failure(run_cli("pretrain", base, corpus(tmp_path / "corpus"), "--output", tmp_path / "out"),
+                     "mask_token")
+
+
+# --- ids: never merged -----------------------------------------------------------------------------------------
+
+
+def test_txt_judgments_with_one_name_in_two_folders_keep_distinct_ids(tmp_path):
+    """`2019/001.txt` and `2020/001.txt` both got the id `001`, and `evaluate` scored by the merged id."""
+    from nezha_hf.cail import read_judgments
+
+    for year in ("2019", "2020"):
+        (tmp_path / "judgments" / year).mkdir(parents=True)
+        (tmp_path / "judgments" / year / "001.txt").write_text(f"{year}年的判决。原告胜诉。", encoding="utf-8")
+    assert [j.id for j in read_judgments([tmp_path / "judgments"])] == ["2019/001", "2020/001"]
+    with pytest.raises(ValueError, match="2019.001.txt.*2020.001.txt"):
+        read_judgments([tmp_path / "judgments" / "2019", tmp_path / "judgments" / "2020"])
+    with pytest.raises(ValueError, match="'001'"):
+        read_judgments([tmp_path / "judgments" / "2019" / "001.txt", tmp_path / "judgments" / "2020" / "001.txt"])
+
+
+def test_a_null_id_is_the_line_not_none_and_a_bom_is_not_text(tmp_path):
+    from nezha_hf.cail import read_judgments
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"id": None, "text": "原告胜诉。"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    (tmp_path / "bom.txt").write_text("\ufeff原告胜诉。被告败诉。", encoding="utf-8")
+    judgments = read_judgments([data, tmp_path / "bom.txt"])
+    assert judgments[0].id == f"{data}:1"
+    assert judgments[1].sentences[0] == "原告胜诉。"
+
+
+def test_each_skipped_line_is_reported_once(tmp_path, tokenizer, run_cli, caplog):
+    model = summarizer_folder(tmp_path / "s", tokenizer)
+    data = write_jsonl(tmp_path / "d.jsonl", [synthetic_judgment(random.Random(0), 0)], extra_lines=["{not json"])
+    done = run_cli("summarize", model, data, "--extract-only", *SUMMARIZE)
+    assert done.returncode == 0, done.stderr
+    assert (done.stderr + caplog.text).count("d.jsonl:2") == 1
+
+
+# --- inputs far beyond any judgment; signals at any length -------------------------------------------------------
+
+
+def test_an_input_far_beyond_any_judgment_is_refused_before_any_work(tmp_path, tokenizer, run_cli):
+    """A 5 MB single-line "judgment" ran for hours without a word of what it would cost."""
+    model, base = summarizer_folder(tmp_path / "s", tokenizer), base_model(tmp_path / "base", tokenizer)
+    data = tmp_path / "huge.jsonl"
+    data.write_text(json.dumps({"id": "huge", "text": "原告胜诉。" * 40_000}, ensure_ascii=False) + "\n",
+                    encoding="utf-8")
+    start = time.monotonic()
+    line = one_line_failure(run_cli("summarize", model, data, "--output", tmp_path / "o.jsonl"), "200,000",
+                            "100,000", "--max-characters", "huge")
+    assert time.monotonic() - start < 5, line
+    for command in (["evaluate", data, data], ["train-summarizer", data, "--base", base, "--output", tmp_path / "t"]):
+        one_line_failure(run_cli(*command), "--max-characters")
+    from nezha_hf.cail import read_judgments
+
+    assert len(read_judgments([data], max_characters=200_000)[0].text) == 200_000
+
+
+SIGNALLED = """
+import sys, time, torch
+from nezha_hf import attention_ops, fused_attention
+assert fused_attention.fused_kernel() is not None
+q = torch.randn(1, 12, 32768, 64)
+problem = attention_ops.AttentionProblem(attention_ops.RelativeAttentionMask(), 0.125)
+table = attention_ops.sinusoid_relative_table(64, 64)
+print("started", flush=True)
+try:
+    fused_attention.fused_attention(q, q, q, table, problem)
+    print("finished", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", time.monotonic(), flush=True)
+"""
+
+
+def test_ctrl_c_ends_a_long_attention_call_within_two_seconds(tmp_path):
+    """SIGINT and SIGTERM waited until the current attention call ended: over 9 minutes at 41k tokens."""
+    process = subprocess.Popen([sys.executable, "-c", SIGNALLED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    assert process.stdout.readline().strip() == "started", process.stderr.read()
+    time.sleep(2)  # well inside the call: it takes tens of seconds
+    sent = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    assert stdout.split()[0] == "interrupted", (stdout, stderr[-2000:])
+    assert float(stdout.split()[1]) - sent < 2.0
+
+
+# --- outputs others can read ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def umask_022():
+    previous = os.umask(0o022)
+    yield
+    os.umask(previous)
+
+
+def mode(path):
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_outputs_get_the_permissions_of_an_ordinary_write(tmp_path, umask_022, run_cli):
+    """Every output was 0600 / 0700 whatever the umask (staging used mkstemp/mkdtemp); `--overwrite` turned a 0644
+    file into 0600: a colleague could not load the model you trained."""
+    from helpers import save_layout, small_bert
+
+    save_layout(small_bert(), tmp_path / "bert", "safetensors")
+    done = run_cli("convert", "bert", tmp_path / "bert", tmp_path / "nezha")
+    assert done.returncode == 0, done.stderr
+    assert mode(tmp_path / "nezha") == 0o755
+    assert {mode(p) for p in (tmp_path / "nezha").rglob("*") if p.is_file()} == {0o644}
+    from safetensors.torch import save_file
+
+    from nezha_hf.safe_output import staged_file, write_text_atomically
+
+    with staged_file(tmp_path / "weights.safetensors") as staging:
+        save_file({"w": torch.zeros(2)}, str(staging))  # safetensors alone makes it 0600
+    assert mode(tmp_path / "weights.safetensors") == 0o644
+    target = tmp_path / "scores.json"
+    write_text_atomically(target, "{}")
+    assert mode(target) == 0o644
+    target.chmod(0o640)
+    write_text_atomically(target, "{} ", overwrite=True)
+    assert mode(target) == 0o640 and target.read_text() == "{} "
+    (tmp_path / "nezha").chmod(0o750)
+    done = run_cli("convert", "bert", tmp_path / "bert", tmp_path / "nezha", "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert mode(tmp_path / "nezha") == 0o750
