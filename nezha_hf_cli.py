@@ -7,6 +7,7 @@
     nezha-hf summarize SUMMARIZER INPUT... [--output F]   summarise judgments (.txt, folders, JSONL)
     nezha-hf evaluate DATA.jsonl [--predictions P.jsonl]  ROUGE / CAIL scores beside lead-N and the oracle
     nezha-hf export onnx MODEL_DIR OUT                    ONNX for serving, checked with onnxruntime first
+    nezha-hf accelerate-config one-machine|two-machines   the path of an `accelerate launch` config
 
 `nezha-hf COMMAND --help` lists a command's options, their defaults and an example. Arguments, input files and
 output paths are checked before any long work starts. Every failure is one line naming the problem, with exit status
@@ -64,6 +65,9 @@ def _number(kind, low=None, high=None, high_open=False):
     return parse
 
 
+# The `accelerate launch` configs that install with the package (nezha_hf/launch_configs/NAME.yaml).
+LAUNCH_CONFIGS = ("one-machine", "two-machines")
+
 COUNT = _number(int, 1)  # at least 1
 STEPS = _number(int, 0)
 RATE = _number(float, 0.0, 1.0, high_open=True)  # a fraction in [0, 1)
@@ -85,16 +89,21 @@ def _add_conversion_options(parser):
     parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of every command (no heavy import: see the module docstring)."""
+def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command (no heavy import: see the module docstring). `progs` names a command's program
+    in its usage and help (`{"convert bert": "python convert/convert_bert.py"}`) where a script runs it."""
+    parser = _Parser(prog="nezha-hf", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a failure")
+    # --debug after the command too; its default there is "not given", so as not to undo one given before it.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="show the traceback of a failure")
-    parser = _Parser(prog="nezha-hf", description=__doc__.split("\n\n")[1], parents=[common])
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of a failure")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version('nezha_hf')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
 
-    def command(subparsers, name, help, example):
-        return subparsers.add_parser(name, parents=[common], help=help, description=help, epilog=example)
+    def command(subparsers, name, help, example, parent=""):
+        prog = (progs or {}).get(f"{parent} {name}".strip())
+        return subparsers.add_parser(name, parents=[common], help=help, description=help, epilog=example,
+                                     **({"prog": prog} if prog else {}))
 
     demo = command(sub, "demo", "the main jobs, end to end: convert a real BERT, long inputs, the summariser",
                    _examples("nezha-hf demo --workdir demo-output"))
@@ -107,13 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
                       _examples("nezha-hf convert bert bert-base-chinese/ nezha-from-bert/")).add_subparsers(
         dest="source_format", required=True, metavar="SOURCE_FORMAT", help="what the source is")
     bert = command(convert, "bert", "a Hugging Face BERT folder (safetensors or .bin, any head)",
-                   _examples("nezha-hf convert bert bert-base-chinese/ nezha-from-bert/"))
+                   _examples("nezha-hf convert bert bert-base-chinese/ nezha-from-bert/"), parent="convert")
     bert.add_argument("source", help="BERT folder with config.json and weights")
     _add_conversion_options(bert)
     bert.add_argument("--max-relative-position", type=COUNT, help="K of the new model (default: NezhaConfig's)")
     tf = command(convert, "tf", "a TensorFlow checkpoint, Google BERT or Huawei NEZHA naming (needs nezha_hf[tf])",
                  _examples("nezha-hf convert tf chinese_L-12_H-768_A-12/bert_model.ckpt nezha-tf/ \\",
-                           "    --config chinese_L-12_H-768_A-12/bert_config.json --vocab chinese_L-12_H-768_A-12/vocab.txt"))
+                           "    --config chinese_L-12_H-768_A-12/bert_config.json --vocab chinese_L-12_H-768_A-12/vocab.txt"),
+                 parent="convert")
     tf.add_argument("checkpoint", help="checkpoint prefix, e.g. model.ckpt-900000")
     _add_conversion_options(tf)
     tf.add_argument("--config", required=True, help="bert_config.json")
@@ -121,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     tf.add_argument("--max-relative-position", type=COUNT, help="K (default: the config's, else NezhaConfig's)")
     tf.add_argument("--cased", action="store_true", help="do not lower-case (the Chinese releases lower-case)")
     legacy = command(convert, "nezha", "an older PyTorch NEZHA release (bert. prefix, persisted buffers)",
-                     _examples("nezha-hf convert nezha nezha-cn-base-old/ nezha-cn-base/"))
+                     _examples("nezha-hf convert nezha nezha-cn-base-old/ nezha-cn-base/"), parent="convert")
     legacy.add_argument("source", help="the release's folder")
     _add_conversion_options(legacy)
 
@@ -173,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     summarize.add_argument("--no-copy-constraint", action="store_true",
                            help="decode freely even if the generator has a copy head")
     summarize.add_argument("--max-new-tokens", type=COUNT, default=512, help="longest summary, in tokens")
+    _add_length_limit(summarize)
 
     train = command(sub, "train-summarizer", "train the extractor and the generator from CAIL2020 JSONL",
                     _examples("nezha-hf train-summarizer cail2020_train.jsonl --base nezha-cn-base/ "
@@ -185,24 +196,32 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-resume", action="store_true",
                        help="start over, deleting the checkpoints of an earlier run in OUTPUT.checkpoints")
     train.add_argument("--validation-fraction", type=RATE, default=0.1, help="share of judgments held out")
-    train.add_argument("--extractor-steps", type=STEPS, default=1000, help="training steps of the extractor")
-    train.add_argument("--generator-steps", type=STEPS, default=2000, help="training steps of the generator")
+    train.add_argument("--epochs", type=POSITIVE, default=3.0,
+                       help="passes over the training judgments, for each stage (one judgment per step and process)")
+    train.add_argument("--extractor-steps", type=STEPS, help="training steps of the extractor (instead of --epochs)")
+    train.add_argument("--generator-steps", type=STEPS, help="training steps of the generator (instead of --epochs)")
     train.add_argument("--max-length", type=_number(int, 8), default=1024, help="generator source + summary tokens")
     train.add_argument("--learning-rate", type=POSITIVE, default=5e-5, help="peak learning rate of both stages")
     train.add_argument("--save-steps", type=COUNT, default=500, help="steps between checkpoints")
     train.add_argument("--copy", action="store_true",
                        help="SPACES copy mechanism: copy tags trained jointly, copied spans follow source n-grams")
+    _add_length_limit(train)
 
     export = command(sub, "export", "export a model for serving",
                      _examples("nezha-hf export onnx my-nezha/ my-nezha.onnx")).add_subparsers(
         dest="format", required=True, metavar="FORMAT", help="the format to write")
     onnx = command(export, "onnx", "ONNX (dynamic batch and length), checked with onnxruntime before it is written",
                    _examples("nezha-hf export onnx my-nezha/ my-nezha.onnx",
-                             "nezha-hf export onnx my-summarizer/ my-summarizer-onnx/"))
+                             "nezha-hf export onnx my-summarizer/ my-summarizer-onnx/"), parent="export")
     onnx.add_argument("model", help="a NEZHA model folder (an encoder head), or a summariser folder (train-summarizer)")
     onnx.add_argument("output", help="the .onnx file to write; for a summariser, the folder to write")
     onnx.add_argument("--atol", type=POSITIVE, default=1e-4, help="largest allowed |onnxruntime - PyTorch|")
     onnx.add_argument("--overwrite", action="store_true", help="replace an existing output")
+
+    launch = command(sub, "accelerate-config", "print the path of an `accelerate launch` config installed with nezha_hf",
+                     _examples('accelerate launch --config_file "$(nezha-hf accelerate-config one-machine)" \\',
+                               "    --num_processes 2 -m nezha_hf pretrain MODEL CORPUS --output OUT --fsdp"))
+    launch.add_argument("name", choices=LAUNCH_CONFIGS, help="one machine with several processes, or two machines")
 
     evaluate = command(sub, "evaluate", "ROUGE-1/2/L and CAIL score, over characters and jieba words",
                        _examples("nezha-hf evaluate cail2020_test.jsonl --predictions summaries.jsonl"))
@@ -211,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--lead", type=COUNT, default=3, help="N of the lead-N baseline")
     evaluate.add_argument("--output", type=Path, help="write the scores as JSON here")
     evaluate.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    _add_length_limit(evaluate)
     return parser
 
 
@@ -219,11 +239,17 @@ def _report_problems(problems) -> None:
         print(f"skipped {problem}", file=sys.stderr)
 
 
-def _read_inputs(paths):
-    from nezha_hf.cail import read_judgments
+def _add_length_limit(parser):
+    parser.add_argument("--max-characters", type=COUNT,
+                        help="refuse a judgment longer than this, before any work (default: 100,000 characters; real "
+                             "judgments have up to about 13,000, and attention time grows with the square of the length)")
+
+
+def _read_inputs(paths, max_characters=None):
+    from nezha_hf.cail import MAX_CHARACTERS, read_judgments
 
     problems = []
-    judgments = read_judgments(paths, problems)
+    judgments = read_judgments(paths, problems, max_characters or MAX_CHARACTERS)
     _report_problems(problems)
     if not judgments:
         raise ValueError(f"No judgments found in {', '.join(map(str, paths))}.")
@@ -237,17 +263,17 @@ def _summarize(args) -> None:
 
     from nezha_hf.checkpoints import RunRecord, model_folder
     from nezha_hf.distributed import claimed_by_main, processes, run_batches
+    from nezha_hf.export import load_summarizer
     from nezha_hf.safe_output import check_destination, write_text_atomically
-    from nezha_hf.summarization import Summarizer
 
     state = processes()
     model_folder(args.model, "summarizer.json")
     if args.output:
         check_destination(args.output, [args.model, *args.inputs], args.overwrite, kind="file")
-    judgments = _read_inputs(args.inputs)
+    judgments = _read_inputs(args.inputs, args.max_characters)
     settings = {key: value for key, value in (("threshold", args.threshold), ("token_budget", args.token_budget))
                 if value is not None}
-    summarizer = Summarizer.from_pretrained(args.model, **settings)
+    summarizer = load_summarizer(args.model, **settings)
     options = {"num_beams": args.num_beams} if args.num_beams else {}
     if args.no_copy_constraint:
         options["copy_constraint"] = False
@@ -273,7 +299,7 @@ def _summarize(args) -> None:
         if args.output:
             write_text_atomically(args.output, text, overwrite=args.overwrite)
             shutil.rmtree(journal)
-            print(f"wrote {len(results)} summaries to {args.output}", file=sys.stderr)
+            print(f"wrote {len(results)} summar{'y' if len(results) == 1 else 'ies'} to {args.output}", file=sys.stderr)
         else:
             sys.stdout.write(text)
 
@@ -285,8 +311,8 @@ def _train_summarizer(args) -> None:
 
     model_folder(args.base)
     metrics = train_summarizer(
-        _read_inputs(args.data), args.base, args.output, validation_fraction=args.validation_fraction,
-        extractor_steps=args.extractor_steps, generator_steps=args.generator_steps, max_length=args.max_length,
+        _read_inputs(args.data, args.max_characters), args.base, args.output, validation_fraction=args.validation_fraction,
+        epochs=args.epochs, extractor_steps=args.extractor_steps, generator_steps=args.generator_steps, max_length=args.max_length,
         learning_rate=args.learning_rate, save_steps=args.save_steps, copy_mechanism=args.copy,
         overwrite=args.overwrite, resume=not args.no_resume,
     )
@@ -312,7 +338,7 @@ def _evaluate(args) -> None:
         predictions = {str(r["id"]): r["summary"] for _, r in iter_jsonl(args.predictions, problems)
                        if "id" in r and isinstance(r.get("summary"), str)}
         _report_problems(problems)
-    results = evaluate_summaries(_read_inputs(args.data), predictions, lead_count=args.lead)
+    results = evaluate_summaries(_read_inputs(args.data, args.max_characters), predictions, lead_count=args.lead)
     print(format_scores(results))
     if args.output:
         write_text_atomically(args.output, json.dumps(results, indent=2, ensure_ascii=False) + "\n",
@@ -371,7 +397,13 @@ def _export(args) -> None:
     print(report.summary())
 
 
-COMMANDS = {"export": _export, "demo": _demo, "convert": _convert, "pretrain": _pretrain, "summarize": _summarize,
+def _accelerate_config(args) -> None:
+    from importlib import resources
+
+    print(resources.files("nezha_hf") / "launch_configs" / f"{args.name}.yaml")
+
+
+COMMANDS = {"accelerate-config": _accelerate_config, "export": _export, "demo": _demo, "convert": _convert, "pretrain": _pretrain, "summarize": _summarize,
             "train-summarizer": _train_summarizer, "evaluate": _evaluate}
 
 
@@ -395,10 +427,15 @@ def _new_line_if_a_progress_bar_is_drawing() -> str:
     return "\n" if bar is not None and any(not getattr(b, "disable", True) for b in list(bar._instances)) else ""
 
 
-def main(argv=None) -> int:
+def main(argv=None, progs: dict[str, str] | None = None) -> int:
     """Entry point of the `nezha-hf` console script; returns the exit status: 0; 2 on any failure; 130 after
-    Ctrl-C and 143 after SIGTERM, with what the command was writing removed."""
-    args = build_parser().parse_args(argv)
+    Ctrl-C and 143 after SIGTERM, with what the command was writing removed. `progs`: see `build_parser`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(progs)
+    if not argv:  # what there is to do, rather than "the following arguments are required"
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     received = []  # the signal that stopped the command, however a library wrapped the exception it raised
 
     def stop(signum, frame):

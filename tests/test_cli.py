@@ -131,7 +131,7 @@ def test_summarize_checks_its_arguments_and_output_before_any_work(tmp_path, run
     (tmp_path / "results").mkdir()
     one_line_failure(run_cli("summarize", fake, data, "--output", tmp_path / "results"), "is a folder")
     one_line_failure(run_cli("summarize", fake, data, "--output", tmp_path / "missing" / "out.jsonl"), "does not exist")
-    one_line_failure(run_cli("summarize", tmp_path / "nowhere", data), "not a model folder")
+    one_line_failure(run_cli("summarize", tmp_path / "nowhere", data), "No such folder")
     (tmp_path / "kept.jsonl").write_text("old results\n")
     one_line_failure(run_cli("summarize", fake, data, "--output", tmp_path / "kept.jsonl"), "--overwrite")
     assert (tmp_path / "kept.jsonl").read_text() == "old results\n"
@@ -139,8 +139,11 @@ def test_summarize_checks_its_arguments_and_output_before_any_work(tmp_path, run
 
 
 def test_debug_shows_the_traceback(tmp_path, run_cli):
-    with pytest.raises(FileNotFoundError, match="not a model folder"):
-        run_cli("summarize", tmp_path / "nowhere", "x.jsonl", "--debug")
+    """Before the command as after it (before, it was reset by the command's own parser)."""
+    for arguments in (["summarize", tmp_path / "nowhere", "x.jsonl", "--debug"],
+                      ["--debug", "summarize", tmp_path / "nowhere", "x.jsonl"]):
+        with pytest.raises(FileNotFoundError, match="No such folder"):
+            run_cli(*arguments)
     done = subprocess.run([sys.executable, "-m", "nezha_hf", "summarize", str(tmp_path / "nowhere"), "x.jsonl",
                            "--debug"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "Traceback" in done.stderr and "FileNotFoundError" in done.stderr
@@ -163,3 +166,55 @@ def test_evaluate_long_predictions_long_leads_bad_lines_and_no_references(tmp_pa
     assert set(scores["systems"]) == {"lead-40", "oracle", "labelled", "predictions"}
     no_summaries = write_jsonl(tmp_path / "plain.jsonl", [{"id": "a", "text": "原告起诉。被告答辩。"}])
     one_line_failure(run_cli("evaluate", no_summaries), "reference summary")
+
+
+# --- what a new user meets first (issue 37) ---------------------------------------------------------------------
+
+
+def test_bare_command_prints_usage_and_fails():
+    done = subprocess.run([sys.executable, "-m", "nezha_hf"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("usage: nezha-hf") and "train-summarizer" in done.stderr
+
+
+def test_a_hub_id_is_named_as_not_fetched(tmp_path, run_cli, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = one_line_failure(run_cli("convert", "bert", "bert-base-chinese", "out"), "No such folder")
+    assert "fetches nothing from the model hub" in line and "hf download bert-base-chinese" in line
+    line = one_line_failure(run_cli("convert", "bert", tmp_path / "missing" / "bert", "out"), "No such folder")
+    assert "model hub" not in line  # an absolute path is no hub id
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_scripts_name_themselves_in_their_usage():
+    root = Path(__file__).resolve().parents[1]
+    for script in sorted((root / "convert").glob("convert_*.py")):
+        done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"usage: python {script}"), done.stdout[:200]
+
+
+def test_accelerate_config_prints_an_installed_config(run_cli):
+    import yaml
+
+    for name in nezha_hf_cli.LAUNCH_CONFIGS:
+        done = run_cli("accelerate-config", name)
+        path = Path(done.stdout.strip())
+        assert done.returncode == 0 and path.is_file() and path.parent.name == "launch_configs"
+        assert yaml.safe_load(path.read_text())["distributed_type"]
+    one_line_failure(run_cli("accelerate-config", "three-machines"), "invalid choice")
+
+
+def test_a_missing_extra_is_one_line_naming_the_install(tmp_path, run_cli, monkeypatch):
+    """As on an install without `[onnx]`: the export says which extra to install, before it writes anything."""
+    import importlib.util
+
+    from nezha_hf import extras
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(extras.importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "onnxscript" else real_find_spec(name, *rest))
+    model = tmp_path / "model"
+    NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)).save_pretrained(model)
+    one_line_failure(run_cli("export", "onnx", model, tmp_path / "model.onnx"), "onnxscript",
+                     'pip install "nezha_hf[onnx]"')
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]

@@ -24,6 +24,21 @@ def test_demo_converts_a_real_bert_and_runs_long_inputs(capsys, tmp_path):
     # Step 3: the summariser ran, its output labelled for what it is, beside the extraction and the reference.
     assert "A toy" in out and "extracted (sentences" in out and "reference summary:" in out
     assert (tmp_path / "summaries.jsonl").exists() and "| oracle | char |" in out and "| predictions | word |" in out
+    # What the README's examples read, written where it says (they run offline from these).
+    assert f"The demo wrote into {tmp_path}/" in out
+    assert (tmp_path / "minilm-bert" / "config.json").is_file() and len(list((tmp_path / "judgments").glob("*.txt"))) == 3
+    train, test = (tmp_path / "cail2020-train.jsonl"), (tmp_path / "cail2020-test.jsonl")
+    assert len(train.read_text().splitlines()) == 2 and len(test.read_text().splitlines()) == 1
+    assert " …" in out  # long texts are shown cut at a sentence end, and say so
     # A second run reuses the trained summariser and converts again into its own folder.
     assert cli.main(["demo", "--tokens", "600", "--workdir", str(tmp_path), "--quick"]) == 0
     assert "reusing the summariser" in capsys.readouterr().out
+
+
+def test_shortened_texts_end_at_a_sentence_and_say_they_were_cut():
+    from nezha_hf.demo import shortened
+
+    assert shortened("短。") == "短。"
+    text = "原告起诉要求被告还款。" * 10 + "被告未到庭"
+    assert shortened(text, limit=50) == "原告起诉要求被告还款。" * 4 + " …"
+    assert shortened("无标点" * 40, limit=50) == ("无标点" * 40)[:50] + " …"
