@@ -64,8 +64,9 @@ test-fast: $(VENV)/.test
 mutations: $(VENV)/.test
 	$(PY) tests/mutations/run.py
 
-# Every file of benchmarks/results/, as docs/performance.md quotes it (about 40 minutes on 2 cores). Each names the
-# CPU it ran on and its matmul throughput; 2 layers of base width keep the long inputs affordable.
+# Every file of benchmarks/results/, as docs/performance.md quotes it (about 25 minutes on 2 cores). Each names the
+# CPU it ran on and its matmul throughput; 2 layers of base width keep the long inputs affordable. 2,048-token
+# serving runs alone, at batch 1: at batch 8 onnxruntime (L x L scores) was killed for memory on a 24 GiB machine.
 BENCH := $(PY) benchmarks/attention.py --layers 2
 bench: $(VENV)/.test
 	$(BENCH) --lengths 512 2048 8192 --eager-up-to 512 --memory-lengths 8192 --output attention
@@ -74,6 +75,8 @@ bench: $(VENV)/.test
 	$(BENCH) --attention nezha_chunked --dtype bfloat16 --lengths 2048 8192 --eager-up-to 0 --memory-lengths \
 	  --output attention-chunked-bfloat16
 	$(BENCH) --dropout 0.1 --lengths 2048 4096 --eager-up-to 0 --memory-lengths 4096 --output attention-dropout
+	$(BENCH) --dropout 0.1 --dtype bfloat16 --lengths 2048 --eager-up-to 0 --memory-lengths \
+	  --output attention-dropout-bfloat16
 	MALLOC_MMAP_THRESHOLD_=1048576 $(BENCH) --lengths --no-train --memory-lengths 8192 --output attention-memory-mmap
 	$(BENCH) --lengths --no-train --memory-lengths 8192 --memory-runs 1 --memory-method tensors \
 	  --output attention-memory-tensors
@@ -82,7 +85,8 @@ bench: $(VENV)/.test
 	$(BENCH) --attention nezha_chunked --lengths --memory-lengths 8192 --memory-runs 1 --memory-method tensors \
 	  --output attention-chunked-tensors
 	$(PY) benchmarks/generate.py --layers 2 --new-tokens 64
-	$(PY) benchmarks/serving.py --layers 2 --repeats 2
+	$(PY) benchmarks/serving.py --layers 2 --repeats 2 --lengths 128 512 --output serving
+	$(PY) benchmarks/serving.py --layers 2 --repeats 2 --lengths 2048 --batches 1 --output serving-2048
 
 # After `make test` passes on newer releases: record them as the versions to install (torch stays pinned above).
 constraints: $(VENV)/.test

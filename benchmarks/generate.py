@@ -3,7 +3,7 @@
     python benchmarks/generate.py                        # sources of 512, 2,048 and 8,192 tokens
     python benchmarks/generate.py --lengths 512 --new-tokens 16
 
-Base width (12 layers, hidden 768, 12 heads, vocabulary 21,128; NEZHA with K = 64), float32,
+Base width (12 layers unless `--layers`, hidden 768, 12 heads, vocabulary 21,128; NEZHA with K = 64), float32,
 batch 1, greedy decoding forced to produce exactly `--new-tokens` tokens. For each source length
 and model: the time of `generate(max_new_tokens=1)` (reading the source: the prefill) and of
 `generate(max_new_tokens=N)`; decoding speed is `(N - 1) / (t_N - t_1)` tokens per second. NEZHA
@@ -23,18 +23,20 @@ from transformers import BertConfig, BertLMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.attention import BASE  # noqa: E402
+from benchmarks.machine import describe, summary  # noqa: E402
 from nezha_hf import NezhaConfig, NezhaForUniLM  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SEP = 102
 
 
-def build(kind: str, max_length: int):
+def build(kind: str, max_length: int, layers: int = 12):
     torch.manual_seed(0)
+    sizes = {**BASE, "num_hidden_layers": layers}
     if kind == "bert":
-        config = BertConfig(**BASE, max_position_embeddings=max_length, is_decoder=True)
+        config = BertConfig(**sizes, max_position_embeddings=max_length, is_decoder=True)
         return BertLMHeadModel._from_config(config, attn_implementation="sdpa").eval()
-    return NezhaForUniLM._from_config(NezhaConfig(**BASE, max_relative_position=64)).eval()
+    return NezhaForUniLM._from_config(NezhaConfig(**sizes, max_relative_position=64)).eval()
 
 
 def time_generate(model, input_ids, new_tokens: int) -> float:
@@ -49,8 +51,8 @@ def time_generate(model, input_ids, new_tokens: int) -> float:
     return elapsed
 
 
-def measure(length: int, new_tokens: int, repeats: int) -> dict:
-    models = {kind: build(kind, length + new_tokens) for kind in ("nezha", "bert")}
+def measure(length: int, new_tokens: int, repeats: int, layers: int = 12) -> dict:
+    models = {kind: build(kind, length + new_tokens, layers) for kind in ("nezha", "bert")}
     input_ids = torch.randint(1000, 21128, (1, length))
     input_ids[0, 0], input_ids[0, -1] = 101, SEP
     for model in models.values():  # warm-up
@@ -60,7 +62,7 @@ def measure(length: int, new_tokens: int, repeats: int) -> dict:
         for kind, model in models.items():
             samples[kind]["prefill"].append(time_generate(model, input_ids, 1))
             samples[kind]["total"].append(time_generate(model, input_ids, new_tokens))
-    row = {"source_tokens": length, "new_tokens": new_tokens}
+    row = {"source_tokens": length, "new_tokens": new_tokens, "layers": layers}
     for kind, times in samples.items():
         prefill, total = statistics.median(times["prefill"]), statistics.median(times["total"])
         row[f"{kind}_prefill_s"] = prefill
@@ -71,11 +73,13 @@ def measure(length: int, new_tokens: int, repeats: int) -> dict:
     return row
 
 
-def markdown(rows, command: str) -> str:
+def markdown(rows, command: str, machine: dict) -> str:
     lines = [
         f"Command: `{command}`",
         "",
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, batch 1, greedy, "
+        summary(machine),
+        "",
+        f"{rows[0]['layers']} layers, float32, batch 1, greedy, "
         f"{rows[0]['new_tokens']} new tokens.",
         "",
         "| source tokens | NEZHA prefill (s) | BERT prefill (s) | prefill ratio | NEZHA decode (tok/s) | "
@@ -97,17 +101,20 @@ def main(argv=None):
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=12, help="layers of both models")
     args = parser.parse_args(argv)
+    machine = describe(torch.float32)
+    print(summary(machine), flush=True)
     rows = []
     for length in args.lengths:
-        rows.append(measure(length, args.new_tokens, args.repeats))
+        rows.append(measure(length, args.new_tokens, args.repeats, args.layers))
         print(json.dumps(rows[-1]), flush=True)
     command = "python benchmarks/generate.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    table = markdown(rows, command.strip())
+    table = markdown(rows, command.strip(), machine)
     print(table)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "generate.md").write_text(table)
-    (RESULTS / "generate.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (RESULTS / "generate.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python benchmarks/serving.py                                  # 128, 512 and 2,048 tokens, batch 1 and 8
     python benchmarks/serving.py --lengths 128 --batches 1 --repeats 2 --output serving-quick
 
-A `NezhaForSequenceClassification` of base width (12 layers, hidden 768, 12 heads, K = 64, random
+A `NezhaForSequenceClassification` of base width (12 layers unless `--layers`, hidden 768, 12 heads, K = 64, random
 weights), float32, inference (`torch.no_grad`), a batch of random ids with the last row padded to
 half its length. Rows:
 
@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.attention import BASE  # noqa: E402
+from benchmarks.machine import describe, summary  # noqa: E402
 from nezha_hf import NezhaConfig, NezhaForSequenceClassification  # noqa: E402
 from nezha_hf.export import export_onnx  # noqa: E402
 
@@ -58,11 +59,15 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", default="serving", help="file name stem in benchmarks/results/")
+    parser.add_argument("--layers", type=int, default=12, help="layers of the model")
     args = parser.parse_args()
     import onnxruntime
 
+    machine = describe(torch.float32)
+    print(summary(machine), flush=True)
     torch.manual_seed(0)
-    model = NezhaForSequenceClassification(NezhaConfig(**BASE, max_relative_position=64, num_labels=2)).eval()
+    model = NezhaForSequenceClassification(NezhaConfig(**{**BASE, "num_hidden_layers": args.layers}, max_relative_position=64,
+                                                          num_labels=2)).eval()
     compiled = torch.compile(model)
     rows = []
     with tempfile.TemporaryDirectory() as work:
@@ -91,16 +96,17 @@ def main():
                 row["onnxruntime_vs_fastest_pytorch"] = row["onnxruntime_s"] / fastest
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-                write_results(rows, args)  # after every cell, so a cell that runs out of memory loses only itself
+                write_results(rows, args, machine)  # after every cell, so a cell that runs out of memory loses only itself
 
 
-def write_results(rows, args):
+def write_results(rows, args, machine):
     RESULTS.mkdir(exist_ok=True)
     command = "python benchmarks/serving.py " + " ".join(sys.argv[1:])
     lines = [
-        f"Command: `{command.strip()}` (torch {torch.__version__}, {torch.get_num_threads()} threads; base-width "
-        "NezhaForSequenceClassification, float32, inference, last row padded to half its length; seconds per call, "
-        f"median of {args.repeats})",
+        f"Command: `{command.strip()}` ({args.layers} layers, base-width NezhaForSequenceClassification, float32, "
+        f"inference, last row padded to half its length; seconds per call, median of {args.repeats})",
+        "",
+        summary(machine),
         "",
         "| tokens | batch | eager (default attention) | torch.compile | onnxruntime (gather attention) | compile / eager "
         "| onnxruntime / fastest PyTorch | max logit difference compile / onnxruntime |",
@@ -114,7 +120,7 @@ def write_results(rows, args):
         )
     table = "\n".join(lines) + "\n"
     (RESULTS / f"{args.output}.md").write_text(table)
-    (RESULTS / f"{args.output}.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    (RESULTS / f"{args.output}.json").write_text(json.dumps({"command": command, "machine": machine, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
