@@ -120,6 +120,14 @@ def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser
     bert.add_argument("source", help="BERT folder with config.json and weights")
     _add_conversion_options(bert)
     bert.add_argument("--max-relative-position", type=COUNT, help="K of the new model (default: NezhaConfig's)")
+    bert.add_argument("--hierarchical-positions", action="store_true",
+                      help="instead of NEZHA: a BERT of the same head whose learned positions are extended "
+                           "hierarchically (no training; loads with transformers alone)")
+    bert.add_argument("--alpha", type=_number(float, 0.0, 1.0, high_open=True),
+                      help="with --hierarchical-positions: the decomposition's alpha, in (0, 1), not 0.5 (default: 0.4)")
+    bert.add_argument("--max-length", type=COUNT,
+                      help="with --hierarchical-positions: positions to write, more than the BERT's and at most their "
+                           "square (default: that square, at most 16,384)")
     tf = command(convert, "tf", "a TensorFlow checkpoint, Google BERT or Huawei NEZHA naming (needs nezha_hf[tf])",
                  _examples("nezha-hf convert tf chinese_L-12_H-768_A-12/bert_model.ckpt nezha-tf/ \\",
                            "    --config chinese_L-12_H-768_A-12/bert_config.json --vocab chinese_L-12_H-768_A-12/vocab.txt"),
@@ -348,7 +356,17 @@ def _evaluate(args) -> None:
 def _convert(args) -> None:
     from nezha_hf.conversion import convert_bert, convert_legacy_nezha, convert_tf
 
-    if args.source_format == "bert":
+    if args.source_format == "bert" and args.hierarchical_positions:
+        from nezha_hf.conversion import HIERARCHICAL_ALPHA, convert_bert_hierarchical
+
+        if args.architecture or args.allow_missing or args.max_relative_position or args.remote_code:
+            raise ValueError("--hierarchical-positions writes a BERT: --architecture, --allow-missing, "
+                             "--max-relative-position and --remote-code are for NEZHA outputs")
+        report = convert_bert_hierarchical(args.source, args.output, HIERARCHICAL_ALPHA if args.alpha is None
+                                           else args.alpha, args.max_length, overwrite=args.overwrite)
+    elif args.source_format == "bert":
+        if args.alpha is not None or args.max_length is not None:
+            raise ValueError("--alpha and --max-length go with --hierarchical-positions")
         report = convert_bert(args.source, args.output, args.architecture, args.allow_missing,
                               args.max_relative_position, args.remote_code, overwrite=args.overwrite)
     elif args.source_format == "tf":

@@ -10,6 +10,7 @@ empty load report; the converter checks that before it returns.
     report = convert_bert("bert-base-chinese/", "nezha-from-bert/")
     report = convert_tf("model.ckpt-900000", "nezha-base-tf/", config_file="bert_config.json", vocab_file="vocab.txt")
     report = convert_legacy_nezha("old-nezha-pytorch/", "nezha-base/")
+    report = convert_bert_hierarchical("bert-base-chinese/", "bert-long/")  # stays a BERT, reads up to 16,384 tokens
 
 A converted BERT has lost its word order (absolute positions are dropped and NEZHA's relative
 positions are new to it): continue masked-LM training before use (`nezha_hf.pretraining`).
@@ -335,7 +336,11 @@ def map_state_dict(
 # --- writing -------------------------------------------------------------------------------
 
 
-def _copy_tokenizer(source_directory: Path | None, output: Path, report: ConversionReport, vocab_file=None, do_lower_case=True):
+def _copy_tokenizer(source_directory: Path | None, output: Path, report: ConversionReport, vocab_file=None, do_lower_case=True,
+                    model_max_length: int = UNLIMITED_MODEL_MAX_LENGTH, why: str = "NEZHA has no length cap",
+                    only_raise: bool = True):
+    """Copy (or write, from `vocab_file`) the tokenizer into `output`, its `model_max_length` raised to
+    `model_max_length` (or, with `only_raise=False`, set to it), each change noted in `report` with `why`."""
     if vocab_file is not None:
         from transformers import BertTokenizerFast
 
@@ -351,10 +356,10 @@ def _copy_tokenizer(source_directory: Path | None, output: Path, report: Convers
     if config_path.exists():
         tokenizer_config = json.loads(config_path.read_text(encoding="utf-8"))
         old = tokenizer_config.get("model_max_length")
-        if old is not None and old < UNLIMITED_MODEL_MAX_LENGTH:
-            tokenizer_config["model_max_length"] = UNLIMITED_MODEL_MAX_LENGTH
+        if (old is not None and old < model_max_length) if only_raise else old != model_max_length:
+            tokenizer_config["model_max_length"] = model_max_length
             config_path.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-            report.notes.append(f"tokenizer model_max_length {old} raised to {UNLIMITED_MODEL_MAX_LENGTH}: NEZHA has no length cap")
+            report.notes.append(f"tokenizer model_max_length {old} set to {model_max_length}: {why}")
 
 
 def _write_and_verify(mapped, config: NezhaConfig, output: Path, report: ConversionReport) -> None:
@@ -447,6 +452,103 @@ def convert_bert(
     return report
 
 
+# Hierarchical positions (bert4keras's `PositionEmbedding(hierarchical=True)`): alpha, and the longest table written
+# by default (a 768-wide table of 16,384 positions is 48 MB in float32).
+HIERARCHICAL_ALPHA = 0.4
+HIERARCHICAL_MAX_LENGTH = 16_384
+POSITION_TABLE = re.compile(r"(^|\.)embeddings\.position_embeddings\.weight$")
+
+
+def hierarchical_positions(table: torch.Tensor, length: int, alpha: float = HIERARCHICAL_ALPHA) -> torch.Tensor:
+    """Su Jianlin's hierarchical decomposition of a learned position table `table` (n x hidden), extended to `length`
+    (at most n^2) positions: with `u = (table - alpha * table[0]) / (1 - alpha)`, position `i` is
+    `alpha * u[i // n] + (1 - alpha) * u[i % n]`. Computed in float64, returned in the table's dtype; the first n
+    rows are the table's own, copied."""
+    n = table.shape[0]
+    if not 0 < alpha < 1 or alpha == 0.5:
+        raise ValueError(f"alpha must be in (0, 1) and not 0.5 (positions a*n+b and b*n+a would coincide); got {alpha}")
+    if not n < length <= n * n:
+        raise ValueError(f"The length must be more than the {n} learned positions and at most {n}^2 = {n * n:,}; "
+                         f"got {length}")
+    learned = table.double()
+    u = (learned - alpha * learned[0]) / (1 - alpha)
+    positions = torch.arange(length)
+    extended = (alpha * u[positions // n] + (1 - alpha) * u[positions % n]).to(table.dtype)
+    extended[:n] = table
+    return extended
+
+
+def convert_bert_hierarchical(
+    source: str | Path,
+    output: str | Path,
+    alpha: float = HIERARCHICAL_ALPHA,
+    max_length: int | None = None,
+    overwrite: bool = False,
+) -> ConversionReport:
+    """A Hugging Face BERT (any head) that reads longer inputs with no training: its position table of n learned
+    positions extended to `max_length` (default: n^2, at most 16,384) by `hierarchical_positions`. The output is a
+    plain transformers BERT of the same head (no nezha_hf needed to load it), with `max_position_embeddings` and the
+    tokenizer's `model_max_length` set to match, and `conversion_report.json` saying what changed.
+
+    The cheapest long-input baseline: positions below n are the source's own, bit for bit; beyond them the model
+    sees combinations it was never trained on. Converting to NEZHA and continuing pretraining
+    (`convert_bert`, `nezha_hf.pretraining`) is the alternative that learns; `docs/conversion.md` compares them.
+    """
+    source = Path(source)
+    output = check_destination(output, [source], overwrite)
+    state = read_pytorch_checkpoint(source)
+    config_dict = _read_config(source / "config.json")
+    if config_dict.get("model_type") != "bert":
+        raise ConversionError(f"{source} is a {config_dict.get('model_type')!r} checkpoint; hierarchical positions "
+                              "extend a BERT's (model_type 'bert').")
+    name = next((key for key in state if POSITION_TABLE.search(key)), None)
+    if name is None:
+        raise ConversionError(f"{source} has no embeddings.position_embeddings.weight to extend.")
+    n = state[name].shape[0]
+    length = min(n * n, HIERARCHICAL_MAX_LENGTH) if max_length is None else max_length
+    state[name] = hierarchical_positions(state[name], length, alpha)
+    architecture = _bert_architecture(config_dict, state, source)
+    report = ConversionReport(str(source), str(output), "huggingface-pytorch", architecture)
+    for key in list(state):
+        if re.search(r"(^|\.)embeddings\.position_ids$", key):  # an older save's buffer, sized for n positions
+            report.drop(key, state.pop(key).shape, "buffer of position indices: transformers rebuilds it")
+    report.mapped = {key: key for key in state}
+    report.notes.append(f"{name}: {n} learned positions extended to {length:,} (hierarchical, alpha {alpha:g}); the "
+                        f"first {n} copied unchanged")
+    config_dict["max_position_embeddings"] = length
+    with staged_folder(output, overwrite) as work:
+        _copy_tokenizer(source, work, report, model_max_length=length, why="the model's new length",
+                        only_raise=False)
+        # Cloned: an old .bin's tied tensors share storage, which safetensors refuses.
+        save_file({key: value.clone() for key, value in state.items()}, str(work / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (work / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n", encoding="utf-8")
+        report.save(work)
+        _, info = getattr(transformers, architecture).from_pretrained(work, output_loading_info=True)
+        if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"] or info.get("error_msgs"):
+            raise ConversionError(f"The extended checkpoint for {output} does not load cleanly: {info}")
+    return report
+
+
+def _bert_architecture(config_dict: dict, state: dict, source: Path) -> str:
+    """The transformers BERT class of a checkpoint: its config's `architectures`, else told by the heads it has."""
+    named = (config_dict.get("architectures") or [None])[0]
+    if named is not None:
+        if not issubclass(getattr(transformers, named, type), transformers.BertPreTrainedModel):
+            raise ConversionError(f"{source}'s architecture {named!r} is not a transformers BERT class.")
+        return named
+    heads = {head for name in state for head in ("cls.predictions", "cls.seq_relationship", "classifier", "qa_outputs")
+             if head in name}
+    by_heads = {frozenset(): "BertModel", frozenset({"cls.predictions"}): "BertForMaskedLM",
+                frozenset({"cls.seq_relationship"}): "BertForNextSentencePrediction",
+                frozenset({"cls.predictions", "cls.seq_relationship"}): "BertForPreTraining",
+                frozenset({"qa_outputs"}): "BertForQuestionAnswering"}
+    if frozenset(heads) not in by_heads:
+        raise ConversionError(f"{source}/config.json names no architecture and its heads ({', '.join(sorted(heads))}) "
+                              "fit several BERT classes: add \"architectures\" to it.")
+    return by_heads[frozenset(heads)]
+
+
 def convert_legacy_nezha(
     source: str | Path,
     output: str | Path,
@@ -503,8 +605,10 @@ __all__ = [
     "ConversionError",
     "ConversionReport",
     "convert_bert",
+    "convert_bert_hierarchical",
     "convert_legacy_nezha",
     "convert_tf",
+    "hierarchical_positions",
     "map_state_dict",
     "nezha_config_from_bert",
     "nezha_name",

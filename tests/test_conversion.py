@@ -24,6 +24,7 @@ from transformers import (
     AutoModelForMaskedLM,
     AutoModelForPreTraining,
     AutoModelForSequenceClassification,
+    BertForPreTraining,
     BertForSequenceClassification,
     BertModel,
 )
@@ -398,3 +399,68 @@ def test_cli_convert_bert_from_shards_then_load_and_save_nezha_in_shards(tmp_pat
     assert not any(info.values()), info
     for name, tensor in model.state_dict().items():
         assert torch.equal(again.state_dict()[name], tensor), name
+
+
+# --- hierarchical positions: a BERT that reads long inputs untrained (issue 40) -----------------------------------
+
+
+def hierarchical_reference(table, length, alpha):
+    """bert4keras's hierarchical position embedding, position by position, in float64."""
+    table = table.double()
+    n = table.shape[0]
+    rows = []
+    for i in range(length):
+        u_high = (table[i // n] - alpha * table[0]) / (1 - alpha)
+        u_low = (table[i % n] - alpha * table[0]) / (1 - alpha)
+        rows.append(alpha * u_high + (1 - alpha) * u_low)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "bin-with-buffers"])
+def test_hierarchical_positions_extend_a_bert_that_transformers_alone_loads(tmp_path, layout):
+    from nezha_hf.conversion import convert_bert_hierarchical
+
+    bert = small_bert()  # 64 learned positions
+    save_layout(bert, tmp_path / "bert", layout)
+    before = snapshot(tmp_path / "bert")
+    report = convert_bert_hierarchical(tmp_path / "bert", tmp_path / "long", alpha=0.3, max_length=2048)
+    assert snapshot(tmp_path / "bert") == before
+    learned = bert.bert.embeddings.position_embeddings.weight.detach()
+    extended = load_file(tmp_path / "long" / "model.safetensors")["bert.embeddings.position_embeddings.weight"]
+    assert extended.shape == (2048, 32)
+    assert torch.equal(extended[:64], learned)  # copied, not recomputed
+    torch.testing.assert_close(extended.double(), hierarchical_reference(learned, 2048, 0.3), atol=1e-6, rtol=0)
+    assert "extended to 2,048" in report.summary() and json.loads((tmp_path / "long" / REPORT_NAME).read_text())
+    assert json.loads((tmp_path / "long" / "tokenizer_config.json").read_text())["model_max_length"] == 2048
+    # Every other tensor as it was; a 2,000-token input runs with transformers alone (nezha_hf never imported).
+    probe = ("import sys, torch, transformers\n"
+             f"model = transformers.AutoModelForPreTraining.from_pretrained({str(tmp_path / 'long')!r}).eval()\n"
+             "with torch.no_grad():\n"
+             "    out = model(torch.randint(5, 99, (1, 2000)))\n"
+             "assert torch.isfinite(out.prediction_logits).all() and out.prediction_logits.shape == (1, 2000, 99)\n"
+             "print(type(model).__name__, 'nezha_hf' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == ["BertForPreTraining", "False"], done.stderr[-2000:]
+    kept = BertForPreTraining.from_pretrained(tmp_path / "long").state_dict()
+    for name, tensor in bert.state_dict().items():
+        if "position" not in name:
+            assert torch.equal(kept[name], tensor), name
+
+
+def test_hierarchical_options_are_checked_in_one_line(tmp_path, run_cli):
+    save_layout(small_bert(), tmp_path / "bert", "safetensors")
+    source, out = tmp_path / "bert", tmp_path / "long"
+    for alpha in ("0", "0.5"):
+        done = run_cli("convert", "bert", source, out, "--hierarchical-positions", "--alpha", alpha)
+        assert done.returncode == 2 and "alpha must be in (0, 1)" in done.stderr, done.stderr
+    assert run_cli("convert", "bert", source, out, "--hierarchical-positions", "--alpha", "1").returncode == 2
+    for length in ("64", "4097"):
+        done = run_cli("convert", "bert", source, out, "--hierarchical-positions", "--max-length", length)
+        assert done.returncode == 2 and "at most 64^2 = 4,096" in done.stderr, done.stderr
+    done = run_cli("convert", "bert", source, out, "--alpha", "0.3")
+    assert done.returncode == 2 and "go with --hierarchical-positions" in done.stderr
+    done = run_cli("convert", "bert", source, out, "--hierarchical-positions", "--max-relative-position", "8")
+    assert done.returncode == 2 and "writes a BERT" in done.stderr
+    assert not out.exists()
+    done = run_cli("convert", "bert", source, out, "--hierarchical-positions")
+    assert done.returncode == 0 and "extended to 4,096" in done.stdout  # n^2 by default (under 16,384)

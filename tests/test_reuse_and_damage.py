@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from helpers import VOCAB, make_tokenizer, snapshot, synthetic_judgment, tiny_config, write_jsonl
+from helpers import VOCAB, snapshot, synthetic_judgment, tiny_config, write_jsonl
 from safetensors.torch import load_file
 from test_nothing_lost import CLI, PRETRAIN, base_model, corpus, one_line_failure, pretrain
 
