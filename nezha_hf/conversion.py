@@ -474,7 +474,7 @@ def hierarchical_positions(table: torch.Tensor, length: int, alpha: float = HIER
     u = (learned - alpha * learned[0]) / (1 - alpha)
     positions = torch.arange(length)
     extended = (alpha * u[positions // n] + (1 - alpha) * u[positions % n]).to(table.dtype)
-    extended[:n] = table
+    extended[:n] = table  # float64 recomputation rounds back to them too; the copy makes it certain
     return extended
 
 
