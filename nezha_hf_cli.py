@@ -472,6 +472,9 @@ def main(argv=None, progs: dict[str, str] | None = None) -> int:
             raise
         if received or isinstance(error, (KeyboardInterrupt, Terminated)):
             how, code = _STOPPED_BY[received[0] if received else signal.SIGINT]
+            # What the signal cut short (a distributed-checkpoint writer mid-save) may fail again in its finalizer as
+            # the interpreter exits, printing "Exception ignored in ..." after the one line below; it is the same stop.
+            sys.unraisablehook = lambda unraisable: None
             # On a line of its own: a progress bar may have been drawing when the signal came.
             print(f"\nnezha-hf {args.command}: {how}; outputs not yet in place were removed", file=sys.stderr)
             return code

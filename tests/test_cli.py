@@ -218,3 +218,23 @@ def test_a_missing_extra_is_one_line_naming_the_install(tmp_path, run_cli, monke
     one_line_failure(run_cli("export", "onnx", model, tmp_path / "model.onnx"), "onnxscript",
                      'pip install "nezha_hf[onnx]"')
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_an_interrupted_writer_failing_again_at_exit_stays_one_line():
+    """As when Ctrl-C lands mid-save in PyTorch's distributed checkpoint: its writer's finalizer fails again as the
+    interpreter exits ("Exception ignored in ..."), after the one line that already said the command was stopped."""
+    probe = ("import sys, nezha_hf_cli\n"
+             "class Writer:\n"
+             "    def __del__(self):\n"
+             "        raise ValueError('flush of closed file')\n"
+             "def command(args):\n"
+             "    global writer\n"
+             "    writer = Writer()\n"
+             "    raise KeyboardInterrupt\n"
+             "nezha_hf_cli.COMMANDS['evaluate'] = command\n"
+             "code = nezha_hf_cli.main(['evaluate', 'x.jsonl'])\n"
+             "del writer\n"
+             "sys.exit(code)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130 and done.stderr.strip() == (
+        "nezha-hf evaluate: interrupted; outputs not yet in place were removed"), done.stderr
