@@ -370,12 +370,18 @@ def _write_and_verify(mapped, config: NezhaConfig, output: Path, report: Convers
     write_model_card(output, report.architecture, {"kind": "converted", **(config.nezha_card or {})})
     head = nezha_head(report.architecture)
     loader = getattr(transformers, head.auto_class) if head.auto_class else head.model_class
-    _, info = loader.from_pretrained(output, output_loading_info=True)
     allowed = set(report.missing_allowed)
     allowed |= {tied for tied, source in TIED_DECODER.items() if source in allowed}  # missing with their source
-    missing = set(info["missing_keys"]) - allowed
+    _check_clean_load(loader, output, report.output, allowed)
+
+
+def _check_clean_load(loader, folder: Path, output: str, allowed_missing=frozenset()) -> None:
+    """Load `folder` with `loader` (a transformers class) and insist on an empty load report: no weight missing
+    (beyond `allowed_missing`), left over or mismatched. `output` names the destination in the error."""
+    _, info = loader.from_pretrained(folder, output_loading_info=True)
+    missing = set(info["missing_keys"]) - set(allowed_missing)
     if missing or info["unexpected_keys"] or info["mismatched_keys"] or info.get("error_msgs"):
-        raise ConversionError(f"The converted checkpoint for {report.output} does not load cleanly: {info}")
+        raise ConversionError(f"The converted checkpoint for {output} does not load cleanly: {info}")
 
 
 def _convert_state(
@@ -524,9 +530,7 @@ def convert_bert_hierarchical(
                   metadata={"format": "pt"})
         (work / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n", encoding="utf-8")
         report.save(work)
-        _, info = getattr(transformers, architecture).from_pretrained(work, output_loading_info=True)
-        if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"] or info.get("error_msgs"):
-            raise ConversionError(f"The extended checkpoint for {output} does not load cleanly: {info}")
+        _check_clean_load(getattr(transformers, architecture), work, str(output))
     return report
 
 
