@@ -31,7 +31,7 @@ $(VENV)/.demo: pyproject.toml $(CONSTRAINTS) $(VENV)/.torch
 # What the tests need: every extra, and transformers' own common model tests, from its source distribution on
 # PyPI (not copied into the repo).
 $(VENV)/.test: pyproject.toml $(CONSTRAINTS) $(VENV)/.torch
-	$(INSTALL) -e ".[dev,tf,demo,onnx]"
+	$(INSTALL) -e ".[dev,tf,demo,onnx,triton]"
 	$(PY) tests/fetch_transformers_tests.py
 	touch $@
 
@@ -47,7 +47,7 @@ test-main: $(VENV)/.test
 	test -x .venv-$*/bin/python || $(call python_for,$*) -m venv .venv-$*
 	.venv-$*/bin/python -m pip install --quiet --upgrade pip
 	.venv-$*/bin/python -m pip install --quiet torch==2.13.0
-	.venv-$*/bin/python -m pip install --quiet $(if $(wildcard .ci/constraints-$*.txt),--constraint .ci/constraints-$*.txt) -e ".[dev,tf,demo,onnx]"
+	.venv-$*/bin/python -m pip install --quiet $(if $(wildcard .ci/constraints-$*.txt),--constraint .ci/constraints-$*.txt) -e ".[dev,tf,demo,onnx,triton]"
 	.venv-$*/bin/python tests/fetch_transformers_tests.py
 	touch $@
 

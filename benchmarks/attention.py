@@ -6,12 +6,14 @@
     python benchmarks/attention.py --dropout 0.1 --layers 4 --lengths 2048 4096 --memory-lengths 4096 --output attention-dropout
     python benchmarks/attention.py --attention nezha_chunked --output attention-chunked
     python benchmarks/attention.py --dtype bfloat16 --lengths 512 2048 8192 --memory-lengths --output attention-bfloat16
-    python benchmarks/attention.py --device cuda --output attention-cuda   # where a GPU exists
+    python benchmarks/attention.py --device cuda --dtype bfloat16 --lengths 512 2048 8192 --output attention-cuda-bfloat16
+                                                       # on a GPU: NEZHA's Triton engine against BERT-SDPA's FlashAttention
 
 Base width (hidden 768, 12 heads, K = 64; 12 layers unless `--layers`), float32 unless `--dtype`, batch 1.
 Every results file starts with the machine it ran on (`benchmarks/machine.py`: CPU model, its AMX and AVX512-BF16/FP16
-flags, and its matrix-multiply throughput in `--dtype`, measured in the same run); the forward table also gives each
-model's share of that throughput (model FLOPs per layer: `2 * weights * L + 4 * L^2 * hidden`).
+flags, or with `--device cuda` the GPU, and the matrix-multiply throughput in `--dtype` on that device, measured in the
+same run) and the NEZHA engines that ran; the forward table also gives each model's share of that throughput (model
+FLOPs per layer: `2 * weights * L + 4 * L^2 * hidden`).
 `--dropout P` sets attention and hidden dropout to P in both models (BERT-SDPA then leaves its
 flash kernel for the math path); NEZHA runs the implementation `--attention` (default: the
 default). Times are medians of `--repeats` runs, NEZHA and BERT alternating in one process; the
@@ -46,6 +48,7 @@ from transformers import BertConfig, BertModel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.machine import describe, summary  # noqa: E402
 from nezha_hf import NezhaConfig, NezhaModel  # noqa: E402
+from nezha_hf.relative_attention import recorded_attention_calls  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 BASE = dict(
@@ -95,12 +98,17 @@ def forward_flops(length: int, layers: int) -> float:
     return layers * (2 * weights * length + 4 * length**2 * hidden)
 
 
-def time_models(kinds, length, train, repeats, args):
+def time_models(kinds, length, train, repeats, args, engines: set):
+    """Median seconds per pass of each model; adds the labels of the engines NEZHA's attention ran to `engines`."""
     models = {kind: build(kind, args.dropout, args.layers, args.attention, args.device, args.dtype).train(train)
               for kind in kinds}
     input_ids = torch.randint(1, 21128, (1, length), device=args.device)
-    for model in models.values():  # warm-up
-        run_once(model, input_ids, train)
+    with recorded_attention_calls() as calls:  # warm-up
+        run_once(models["nezha"], input_ids, train)
+    engines.update(call.ran.label for call in calls)
+    for kind, model in models.items():
+        if kind != "nezha":
+            run_once(model, input_ids, train)
     samples = {kind: [] for kind in kinds}
     for _ in range(repeats):
         for kind, model in models.items():
@@ -195,13 +203,13 @@ def main():
     machine = describe(getattr(torch, args.dtype), args.device)
     print(summary(machine), flush=True)
 
-    rows = []
+    rows, engines = [], set()
     for length in args.lengths:
         row = {"tokens": length}
         for train in [False] if args.no_train or length > args.train_up_to else [False, True]:
             mode = "train" if train else "fwd"
             kinds = ["nezha", "bert"] + (["nezha-eager"] if length <= args.eager_up_to else [])
-            times = time_models(kinds, length, train, args.repeats, args)
+            times = time_models(kinds, length, train, args.repeats, args, engines)
             row[f"bert_{mode}_s"] = times["bert"]
             row[f"nezha_{mode}_s"] = times["nezha"]
             row[f"ratio_{mode}"] = times["nezha"] / times["bert"]
@@ -233,20 +241,21 @@ def main():
         memory.append(entry)
 
     errors = accuracy(args) if args.dtype != "float32" else {}
-    write_results(rows, memory, args, errors, machine)
+    write_results(rows, memory, args, errors, machine, sorted(engines))
 
 
 def accuracy(args) -> dict:
     """Each model in `args.dtype` against the same model in float64 on the same input: the relative error of
     the last hidden state (Frobenius norm), and its largest absolute error. The float64 references are NEZHA's
     gather engine (exact against the plain formula in float64, tests/test_relative_attention.py) and BERT's
-    eager attention."""
+    eager attention (both in float64 on the CPU); the model under test runs on `--device`."""
     input_ids = torch.randint(1, 21128, (1, args.accuracy_length))
     errors = {}
     for kind, reference_kind in (("nezha", "nezha-eager"), ("bert", "bert-eager")):
         with torch.no_grad():
             expected = build(reference_kind, 0.0, args.layers, None, "cpu", "float64")(input_ids).last_hidden_state
-            got = build(kind, 0.0, args.layers, args.attention, "cpu", args.dtype)(input_ids).last_hidden_state.double()
+            model = build(kind, 0.0, args.layers, args.attention, args.device, args.dtype)
+            got = model(input_ids.to(args.device)).last_hidden_state.double().cpu()
         errors[kind] = {"relative": float((got - expected).norm() / expected.norm()),
                         "max_abs": float((got - expected).abs().max())}
         print(f"accuracy {kind} {args.dtype}: relative {errors[kind]['relative']:.2e}, "
@@ -254,7 +263,7 @@ def accuracy(args) -> dict:
     return errors
 
 
-def write_results(rows, memory, args, errors, machine):
+def write_results(rows, memory, args, errors, machine, engines=()):
     RESULTS.mkdir(exist_ok=True)
     malloc = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     command = (f"MALLOC_MMAP_THRESHOLD_={malloc} " if malloc else "") + "python benchmarks/attention.py " + " ".join(sys.argv[1:])
@@ -262,6 +271,8 @@ def write_results(rows, memory, args, errors, machine):
                f"device {args.device}, {args.dtype}")
     lines = [f"Command: `{command.strip()}` ({setting}; medians of {args.repeats}, the two models alternating)", "",
              summary(machine)]
+    if engines:
+        lines += ["", f"NEZHA's attention ran the {' and '.join(engines)} engine{'s' if len(engines) > 1 else ''}."]
     if rows:
         lines += [
             "",
@@ -297,7 +308,8 @@ def write_results(rows, memory, args, errors, machine):
     table = "\n".join(lines) + "\n"
     print(table)
     (RESULTS / f"{args.output}.md").write_text(table)
-    (RESULTS / f"{args.output}.json").write_text(json.dumps({"command": command, "machine": machine, "time": rows,
+    (RESULTS / f"{args.output}.json").write_text(json.dumps({"command": command, "machine": machine, "engines": engines,
+                                                             "time": rows,
                                                              "memory": memory, "accuracy": errors}, indent=1))
     try:
         import matplotlib

@@ -64,12 +64,18 @@ def matmul_throughput(dtype: torch.dtype, device: str = "cpu", size: int = MATMU
 
 
 def describe(dtype: torch.dtype, device: str = "cpu") -> dict:
-    """The machine as a results file records it; `throughput` is measured now."""
+    """The machine as a results file records it; `throughput` is measured now, on `device`."""
     from nezha_hf.fused_attention import product_routine
 
     flags = cpu_flags()
+    gpu = None
+    if device.startswith("cuda"):
+        capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        gpu = f"{torch.cuda.get_device_name(device)} (compute capability {capability})"
     return {
-        "cpu": cpu_model() if device == "cpu" else torch.cuda.get_device_name() if device.startswith("cuda") else device,
+        "cpu": cpu_model(),
+        "gpu": gpu,
+        "device": device,
         "flags": flags,
         "missing_flags": [flag for flag in REDUCED_PRECISION_FLAGS if flag not in flags],
         "threads": torch.get_num_threads(),
@@ -81,14 +87,17 @@ def describe(dtype: torch.dtype, device: str = "cpu") -> dict:
 
 
 def summary(machine: dict) -> str:
-    """One line naming the machine, for the top of a results file."""
+    """One line naming the machine, for the top of a results file: the CPU, or the GPU the run used."""
+    throughput = (f"{machine['dtype']} matmul {machine['matmul_tflops']:.2f} TFLOP/s ({MATMUL_SIZE:,} square, best of 5, "
+                  f"measured in this run)")
+    if machine.get("gpu"):
+        return f"GPU: {machine['gpu']}, torch {machine['torch']}; {throughput}; CPU: {machine['cpu']}"
     has = ", ".join(machine["flags"]) or "none"
     lacks = ", ".join(machine["missing_flags"]) or "none"
     kernel = f"; the fused kernel multiplies {machine['dtype']} blocks as {machine['kernel_products']}" if machine[
         "kernel_products"] else ""
     return (f"CPU: {machine['cpu']} (has {has}; lacks {lacks}), {machine['threads']} threads, torch {machine['torch']}; "
-            f"{machine['dtype']} matmul {machine['matmul_tflops']:.2f} TFLOP/s ({MATMUL_SIZE:,} square, best of 5, "
-            f"measured in this run){kernel}")
+            f"{throughput}{kernel}")
 
 
 def main():

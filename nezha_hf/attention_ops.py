@@ -63,6 +63,11 @@ class AttentionProblem:
         return self.mask.key_is_source if self.mask.causal else None
 
 
+class EngineUnavailable(RuntimeError):
+    """Raised by an engine that finds, when it runs, that it cannot run here (a GPU kernel that does not compile),
+    after recording that so its `unusable` check says it from then on: the call is given to the next engine."""
+
+
 def sinusoid_frequencies(head_size: int) -> torch.Tensor:
     """The table's angular frequencies `w_m = 10000^(-2m / head_size)`, in float32 as transformers 4.x computed them."""
     return torch.exp(torch.arange(0, head_size, 2).float() * (-math.log(10000.0) / head_size))
@@ -304,6 +309,7 @@ def engine_op(name: str, forward: Callable, forward_fake: Callable, backward: Ca
 
 __all__ = [
     "AttentionProblem",
+    "EngineUnavailable",
     "RelativeAttentionMask",
     "engine_op",
     "gather_attention",

@@ -29,6 +29,7 @@ from transformers.utils import logging
 
 from .attention_ops import (
     AttentionProblem,
+    EngineUnavailable,
     RelativeAttentionMask,
     gather_attention,
     max_relative_position,
@@ -40,6 +41,9 @@ from .chunked_attention import chunked_attention
 from .fused_attention import fused_attention, fused_kernel, fused_kernel_loaded
 from .three_regions import AVAILABLE as THREE_REGIONS_AVAILABLE
 from .three_regions import three_regions_attention
+from .triton_attention import check_backward, triton_attention
+from .triton_attention import DTYPES as TRITON_DTYPES
+from .triton_attention import unusable_reason as triton_unusable_reason
 
 logger = logging.get_logger(__name__)
 
@@ -61,6 +65,7 @@ class Engine(enum.Enum):
     """The engines that compute NEZHA attention; each value is the `attn_implementation` that asks for it."""
 
     FUSED = "nezha_fused"
+    TRITON = "nezha_triton"
     THREE_REGIONS = "nezha_three_regions"
     CHUNKED = "nezha_chunked"
     GATHER = "eager"
@@ -94,7 +99,10 @@ class Situation:
     dropout: bool  # attention dropout in training
     tracing: bool  # torch.compile, torch.export or torch.jit.trace
     wants_probabilities: bool  # output_attentions=True
+    requested: "Engine | None" = None  # the engine asked for by name
     kernel_built: Callable[["Situation"], bool] = field(default=_kernel_built, compare=False)
+    # Why the Triton kernel cannot run on a device (None when it can), asked for by name or not.
+    triton_unusable: Callable[[str, bool], str | None] = field(default=triton_unusable_reason, compare=False)
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,13 @@ def _fused_unusable(situation: Situation) -> str | None:
     if not situation.kernel_built(situation):
         return "the fused kernel is not built (see the warning logged when it was tried)"
     return _no_probabilities(situation)
+
+
+def _triton_unusable(situation: Situation) -> str | None:
+    if situation.dtype not in TRITON_DTYPES:
+        return "the Triton kernel takes float32, bfloat16 and float16"
+    named = situation.requested is Engine.TRITON
+    return situation.triton_unusable(situation.device, named) or _no_probabilities(situation)
 
 
 def _three_regions_unusable(situation: Situation) -> str | None:
@@ -160,6 +175,15 @@ def _op_engine(attention: Callable) -> Callable:
     return run
 
 
+def _triton(query, key, value, table, problem):
+    """The Triton engine. Before the first forward that needs gradients for a dtype and head size, its backward is
+    compiled on a small problem, so that a backward that cannot compile is found while another engine can still take
+    the call (`EngineUnavailable`)."""
+    if not tracing() and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        check_backward(query.dtype, query.shape[-1], query.device.type)
+    return triton_attention(query, key, value, table, problem), None
+
+
 def _gather(query, key, value, table, problem):
     """`attention_ops.gather_attention`: the output and the probabilities."""
     output, probs, _ = gather_attention(query, key, value, table, problem)
@@ -173,7 +197,14 @@ ENGINES = {
         "Linear memory, the fastest on CPU: a compiled C++ kernel (`csrc/fused_attention.cpp`), flash attention with "
         "the relative terms as per-row lookups and bucket sums; bfloat16 / float16 blocks multiplied in their own "
         "type where the CPU has AMX.",
-        _op_engine(fused_attention), _fused_unusable, Engine.THREE_REGIONS,
+        _op_engine(fused_attention), _fused_unusable, Engine.TRITON,
+    ),
+    Engine.TRITON: EngineSpec(
+        "Triton kernel",
+        "Linear memory on CUDA and ROCm GPUs: Triton kernels (`triton_kernels.py`), flash attention with the key "
+        "term looked up in `q @ T^T`, the band's value term per distance and the tails as row sums. Needs Triton; "
+        "speed on a GPU not yet measured (docs/performance.md).",
+        _triton, _triton_unusable, Engine.THREE_REGIONS,
     ),
     # Where the kernel is not built (remote code, no compiler), the fastest for long inputs on the CPU
     # (docs/performance.md); otherwise the chunked engine.
@@ -294,14 +325,21 @@ def relative_attention(
         K=max_relative_position(relative_table),
         cached=not (isinstance(mask.query_offset, int) and mask.query_offset == 0) or query.shape[-2] != key.shape[-2],
         dropout=dropout > 0, tracing=tracing(), wants_probabilities=bool(kwargs.get("output_attentions")),
+        requested=requested,
     )
     engine, why = choose_engine(requested, situation)
     if situation.wants_probabilities and requested is not Engine.GATHER:
         logger.warning_once(f"NEZHA attention {requested.value!r}: {why}; these calls run the gather engine.")
+    table = relative_table.to(query.dtype)
+    try:
+        result = ENGINES[engine].run(query, key, value, table, problem)
+    except EngineUnavailable:  # it found it cannot run here, and its `unusable` now says so: choose again
+        engine, why = choose_engine(requested, situation)
+        result = ENGINES[engine].run(query, key, value, table, problem)
     if not situation.tracing:
         _record(AttentionCall(requested, engine, why, situation.device, situation.dtype, situation.dropout,
                               situation.cached))
-    return ENGINES[engine].run(query, key, value, relative_table.to(query.dtype), problem)
+    return result
 
 
 def engine_function(engine: Engine) -> Callable:
@@ -317,10 +355,17 @@ def engine_function(engine: Engine) -> Callable:
 
 
 def _documented(device="cpu", dtype=torch.float32, length=4096, cached=False, dropout=False, tracing=False,
-                wants_probabilities=False, kernel_built=True) -> Situation:
-    """A situation of the docs' table: 4,096 tokens, K = 64, the kernel built, unless said otherwise."""
+                wants_probabilities=False, kernel_built=True, triton_installed=True) -> Situation:
+    """A situation of the docs' table: 4,096 tokens, K = 64, the kernel built, Triton installed (PyTorch's CUDA wheels
+    bring it), no TRITON_INTERPRET, unless said otherwise."""
+
+    def triton_unusable(device: str, named: bool) -> str | None:
+        if device != "cuda":
+            return "the Triton kernel runs on CUDA GPUs"
+        return None if triton_installed else "Triton is not installed"
+
     return Situation(device, dtype, 1 if cached else length, length, 64, cached, dropout, tracing, wants_probabilities,
-                     kernel_built=lambda situation: kernel_built)
+                     None, kernel_built=lambda situation: kernel_built, triton_unusable=triton_unusable)
 
 
 # The situations the docs' table of which engine runs where shows.
@@ -333,7 +378,10 @@ DOCUMENTED_SITUATIONS = {
     "CPU, float64": _documented(dtype=torch.float64),
     "CPU, kernel not built (`NEZHA_HF_KERNEL=0`, no compiler, remote code)": _documented(kernel_built=False),
     "inside `torch.compile` / `torch.export`": _documented(tracing=True),
-    "CUDA, MPS, XPU or any other device": _documented(device="cuda"),
+    "CUDA or ROCm GPU, float32 / bfloat16 / float16": _documented(device="cuda"),
+    "CUDA or ROCm GPU, float64": _documented(device="cuda", dtype=torch.float64),
+    "CUDA or ROCm GPU without Triton": _documented(device="cuda", triton_installed=False),
+    "MPS, XPU or any other device": _documented(device="mps"),
     "`output_attentions=True`": _documented(wants_probabilities=True),
 }
 

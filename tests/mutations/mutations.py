@@ -26,6 +26,7 @@ UNILM_TESTS = ["tests/test_modeling_nezha_unilm.py", "tests/test_generation_nezh
 CONVERSION_TESTS = ["tests/test_conversion.py", "-m", "not slow"]
 CAIL_TESTS = ["tests/test_cail.py"]
 RESUME_TESTS = ["tests/test_pretraining.py", "-k", "resume"]
+TRITON_TESTS = ["tests/test_triton_attention.py"]
 
 MUTATIONS = [
     # --- relative positions (one place each: attention_ops.py, relative_attention.py) ---
@@ -248,6 +249,30 @@ MUTATIONS = [
     Mutation("the decomposition subtracts the first position unscaled", "nezha_hf/conversion.py",
              "u = (learned - alpha * learned[0]) / (1 - alpha)", "u = (learned - learned[0]) / (1 - alpha)",
              ["tests/test_conversion.py", "-k", "hierarchical"]),
+    # --- the Triton kernels (issue 41), under Triton's interpreter ---
+    Mutation("triton: the band's value term misses its last distance", "nezha_hf/triton_kernels.py",
+             "        in_band = (distance > -K) & (distance < K) & rows_in[:, None] & keys_in[None, :]",
+             "        in_band = (distance > -K) & (distance < K - 1) & rows_in[:, None] & keys_in[None, :]",
+             TRITON_TESTS),
+    Mutation("triton: the left tail's mass is not rescaled with the running maximum", "nezha_hf/triton_kernels.py",
+             "left_mass = left_mass * rescale + ", "left_mass = left_mass + ", TRITON_TESTS),
+    Mutation("triton: the right tail's gradient takes table row 2K - 1", "nezha_hf/triton_kernels.py",
+             "last = tl.load(table_ptr + 2 * K * D + offs_d", "last = tl.load(table_ptr + (2 * K - 1) * D + offs_d",
+             TRITON_TESTS),
+    Mutation("triton: the backward draws dropout for another head", "nezha_hf/triton_kernels.py",
+             "        factor = _keep_factor(seed, head, offs_m, offs_n, Lq, Lk, dropout)\n        kept = p * factor",
+             "        factor = _keep_factor(seed, head + 1, offs_m, offs_n, Lq, Lk, dropout)\n        kept = p * factor",
+             TRITON_TESTS),
+    Mutation("triton: causal blocks skip the keys of the block's last query", "nezha_hf/triton_kernels.py",
+             "        end = tl.minimum(Lk, offset + (block + 1) * BLOCK_M)\n    for n0 in range(0, end, BLOCK_N):\n"
+             "        offs_n = n0 + tl.arange(0, BLOCK_N)\n        keys_in",
+             "        end = tl.minimum(Lk, offset + (block + 1) * BLOCK_M - 1)\n    for n0 in range(0, end, BLOCK_N):\n"
+             "        offs_n = n0 + tl.arange(0, BLOCK_N)\n        keys_in", TRITON_TESTS),
+    Mutation("triton: the key-gradient loop starts a block late under a causal mask", "nezha_hf/triton_kernels.py",
+             "start = tl.maximum(block * BLOCK_N - offset, 0) // BLOCK_M * BLOCK_M",
+             "start = tl.maximum(block * BLOCK_N - offset, 0) // BLOCK_M * BLOCK_M + BLOCK_M", TRITON_TESTS),
+    Mutation("triton: a failing kernel is raised instead of giving way", "nezha_hf/relative_attention.py",
+             "    except EngineUnavailable:", "    except ZeroDivisionError:", TRITON_TESTS),
     # --- export ---
     Mutation("exporting a model object switches the caller's model to the L x L gather path", "nezha_hf/export.py",
              "_from_config(copy.deepcopy(model_or_path.config), ", "_from_config(model_or_path.config, ",
