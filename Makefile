@@ -64,9 +64,10 @@ test-fast: $(VENV)/.test
 mutations: $(VENV)/.test
 	$(PY) tests/mutations/run.py
 
-# Every file of benchmarks/results/, as docs/performance.md quotes it (about 25 minutes on 2 cores). Each names the
-# CPU it ran on and its matmul throughput; 2 layers of base width keep the long inputs affordable. 2,048-token
-# serving runs alone, at batch 1: at batch 8 onnxruntime (L x L scores) was killed for memory on a 24 GiB machine.
+# Every file of benchmarks/results/, as docs/performance.md and docs/conversion.md quote them (about 35 minutes on 2
+# cores). Each names the CPU it ran on and its matmul throughput; 2 layers of base width keep the long inputs
+# affordable. 2,048-token serving runs alone, at batch 1: at batch 8 onnxruntime (L x L scores) was killed for
+# memory on a 24 GiB machine.
 BENCH := $(PY) benchmarks/attention.py --layers 2
 bench: $(VENV)/.test
 	$(BENCH) --lengths 512 2048 8192 --eager-up-to 512 --memory-lengths 8192 --output attention
@@ -87,6 +88,7 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/generate.py --layers 2 --new-tokens 64
 	$(PY) benchmarks/serving.py --layers 2 --repeats 2 --lengths 128 512 --output serving
 	$(PY) benchmarks/serving.py --layers 2 --repeats 2 --lengths 2048 --batches 1 --output serving-2048
+	$(PY) benchmarks/long_inputs.py --pretrain-steps 100
 
 # After `make test` passes on newer releases: record them as the versions to install (torch stays pinned above).
 constraints: $(VENV)/.test

@@ -42,6 +42,13 @@ else:
 
 
 @triton.jit
+def _tile(base, stride_b, stride_h, stride_l, stride_d, b, h, offs_l, offs_d, L, D):
+    """Rows `offs_l` of head `(b, h)` of a `[batch, heads, length, d]`-strided tensor, zeros outside `L` x `D`."""
+    return tl.load(base + b * stride_b + h * stride_h + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d,
+                   mask=(offs_l < L)[:, None] & (offs_d < D)[None, :], other=0.0)
+
+
+@triton.jit
 def _product(a, b, WIDEN: tl.constexpr, IEEE: tl.constexpr):
     """`a @ b` accumulated in float32: float32 operands in IEEE float32, others in their type (widened to float32
     under the interpreter)."""
@@ -131,8 +138,7 @@ def nezha_forward_kernel(
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows_in = offs_m < Lq
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=rows_in[:, None] & (offs_d < D)[None, :], other=0.0)
+    q = _tile(Q, stride_qb, stride_qh, stride_qm, stride_qd, b, h, offs_m, offs_d, Lq, D)
     query_table = QT + head.to(tl.int64) * Lq * R
     band_rows = Band + head.to(tl.int64) * Lq * R
     key_valid, key_is_source = KeyValid + b * Lk, KeyIsSource + b * Lk
@@ -149,10 +155,8 @@ def nezha_forward_kernel(
     for n0 in range(0, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         keys_in = offs_n < Lk
-        k = tl.load(Kx + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=keys_in[:, None] & (offs_d < D)[None, :], other=0.0)
-        v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=keys_in[:, None] & (offs_d < D)[None, :], other=0.0)
+        k = _tile(Kx, stride_kb, stride_kh, stride_kn, stride_kd, b, h, offs_n, offs_d, Lk, D)
+        v = _tile(V, stride_vb, stride_vh, stride_vn, stride_vd, b, h, offs_n, offs_d, Lk, D)
         distance, scores = _distance_and_scores(_product(q, tl.trans(k), WIDEN, IEEE), query_table, offs_m, offs_n,
                                                 Lq, Lk, K, R, offset, scale, key_valid, key_is_source,
                                                 HAS_VALID, CAUSAL, HAS_SOURCE)
@@ -230,10 +234,8 @@ def nezha_key_value_grad_kernel(
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     key_mask = (offs_n < Lk)[:, None] & (offs_d < D)[None, :]
-    k = tl.load(Kx + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=key_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=key_mask, other=0.0)
+    k = _tile(Kx, stride_kb, stride_kh, stride_kn, stride_kd, b, h, offs_n, offs_d, Lk, D)
+    v = _tile(V, stride_vb, stride_vh, stride_vn, stride_vd, b, h, offs_n, offs_d, Lk, D)
     query_table, output_table = QT + head.to(tl.int64) * Lq * R, OT + head.to(tl.int64) * Lq * R
     OPERAND = V.dtype.element_ty
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -243,11 +245,8 @@ def nezha_key_value_grad_kernel(
         start = tl.maximum(block * BLOCK_N - offset, 0) // BLOCK_M * BLOCK_M
     for m0 in range(start, Lq, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        row_mask = (offs_m < Lq)[:, None] & (offs_d < D)[None, :]
-        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                    mask=row_mask, other=0.0)
-        do = tl.load(DO + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-                     mask=row_mask, other=0.0)
+        q = _tile(Q, stride_qb, stride_qh, stride_qm, stride_qd, b, h, offs_m, offs_d, Lq, D)
+        do = _tile(DO, stride_ob, stride_oh, stride_om, stride_od, b, h, offs_m, offs_d, Lq, D)
         lse = tl.load(Lse + head.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
         row_dot = tl.load(RowDot + head.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
         _, kept, grad_s = _block_gradients(q, do, k, v, lse, row_dot, query_table, output_table, offs_m, offs_n,
@@ -279,10 +278,8 @@ def nezha_query_grad_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     rows_in = offs_m < Lq
     row_mask = rows_in[:, None] & (offs_d < D)[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_mask, other=0.0)
-    do = tl.load(DO + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-                 mask=row_mask, other=0.0)
+    q = _tile(Q, stride_qb, stride_qh, stride_qm, stride_qd, b, h, offs_m, offs_d, Lq, D)
+    do = _tile(DO, stride_ob, stride_oh, stride_om, stride_od, b, h, offs_m, offs_d, Lq, D)
     lse = tl.load(Lse + head.to(tl.int64) * Lq + offs_m, mask=rows_in, other=0.0)
     row_dot = tl.load(RowDot + head.to(tl.int64) * Lq + offs_m, mask=rows_in, other=0.0)
     query_table, output_table = QT + head.to(tl.int64) * Lq * R, OT + head.to(tl.int64) * Lq * R
@@ -296,11 +293,8 @@ def nezha_query_grad_kernel(
         end = tl.minimum(Lk, offset + (block + 1) * BLOCK_M)
     for n0 in range(0, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        key_mask = (offs_n < Lk)[:, None] & (offs_d < D)[None, :]
-        k = tl.load(Kx + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=key_mask, other=0.0)
-        v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=key_mask, other=0.0)
+        k = _tile(Kx, stride_kb, stride_kh, stride_kn, stride_kd, b, h, offs_n, offs_d, Lk, D)
+        v = _tile(V, stride_vb, stride_vh, stride_vn, stride_vd, b, h, offs_n, offs_d, Lk, D)
         distance, _, grad_s = _block_gradients(q, do, k, v, lse, row_dot, query_table, output_table, offs_m, offs_n,
                                                head, Lq, Lk, K, R, offset, scale, dropout, seed, KeyValid + b * Lk,
                                                KeyIsSource + b * Lk, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN,

@@ -92,6 +92,29 @@ def test_kernel_with_a_kv_cache(mode):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("new", [1, 16, 17], ids=lambda n: f"{n}-queries")
+def test_few_queries_read_the_keys_where_they_lie(new, dtype):
+    """Up to 16 queries (a decoding step) are multiplied with the keys and values in place, not prepared for block
+    products first (`kDirectQueries`); 17 take the blocks. Both against the reference, with padding, the UniLM mask, a
+    cache's offset and dropout (the kernel's hash-drawn mask), forward and gradients."""
+    p, seed, length, K = 0.3, 42, 90, 6
+    q, k, v, mask, allowed = make_case(2, 3, length, 16, K, "prefix", [90, 70], torch.float64, seed=3)
+    low = [t.to(dtype) for t in (q[..., -new:, :], k, v)]
+    leaves = [t.clone().requires_grad_() for t in low]
+    exact = [t.double().requires_grad_() for t in (low[0], low[1], low[2])]
+    full_query = torch.cat([q[..., :-new, :], exact[0]], -2)
+    keep = kernel_keep_mask(seed, 2, 3, length, length, p)
+    expected = reference.attention(full_query, exact[1], exact[2], K, allowed, keep=keep, dropout=p)[0][..., -new:, :]
+    got = kernel(*leaves, mask, K, offset=length - new, dropout=p, seed=seed)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=0)
+    grad = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for name, a, b in zip("qkv", torch.autograd.grad((got.double() * grad).sum(), leaves),
+                          torch.autograd.grad((expected * grad).sum(), exact)):
+        torch.testing.assert_close(a.double(), b, atol=5 * tolerance, rtol=0, msg=f"d{name}")
+
+
 # --- dropout ---------------------------------------------------------------------------------------------
 
 

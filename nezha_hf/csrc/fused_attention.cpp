@@ -599,15 +599,24 @@ struct TableOperands {
   }
 };
 
+// Calls with at most this many queries (decoding from a cache) multiply the keys and values where they lie.
+constexpr int64_t kDirectQueries = 16;
+
 // The keys and values of every head prepared for the forward's products, once per call: float32, K^T [B, H, d, Lk]
 // and the values as they are; reduced precision, the keys packed as panels and the values as blocks (`pack_rows`).
+// A call with few queries (`kDirectQueries`, decoding) prepares nothing: it reads the keys and values row by row
+// where they lie, because preparing them costs a pass over the whole cache (a transposed copy, or packing) for a
+// handful of products.
 template <typename T>
 struct ForwardOperands {
   const Problem& p;
-  const at::Tensor& value;
+  const at::Tensor &key, &value;
+  const bool direct;
   at::Tensor keys, values;
 
-  ForwardOperands(const Problem& p, const at::Tensor& key, const at::Tensor& value) : p(p), value(value) {
+  ForwardOperands(const Problem& p, const at::Tensor& key, const at::Tensor& value)
+      : p(p), key(key), value(value), direct(p.Lq <= kDirectQueries) {
+    if (direct) return;
     if constexpr (std::is_same_v<T, float>) {
       keys = key.transpose(2, 3).contiguous();
     } else {
@@ -626,10 +635,26 @@ struct ForwardOperands {
     }
   }
 
+  // Row n of head `bh` of the keys or values as they lie (unit stride: `rows_usable`).
+  const T* row(const at::Tensor& t, int64_t bh, int64_t n) const {
+    return t.data_ptr<T>() + bh / p.H * t.stride(0) + bh % p.H * t.stride(1) + n * t.stride(2);
+  }
+
   // scores[qb, :] = Q[qb, d] K[n : n + kb]^T of head `bh`.
   void scores(int64_t bh, int64_t qb, const T* queries, int64_t ld_queries, int64_t n, int64_t kb, float* out,
               int64_t ld_out) const {
-    if constexpr (std::is_same_v<T, float>) {
+    if (direct) {
+      for (int64_t r = 0; r < qb; ++r) {
+        const T* q = queries + r * ld_queries;
+        for (int64_t c = 0; c < kb; ++c) {
+          const T* k = row(key, bh, n + c);
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t x = 0; x < p.d; ++x) dot += static_cast<float>(q[x]) * static_cast<float>(k[x]);
+          out[r * ld_out + c] = dot;
+        }
+      }
+    } else if constexpr (std::is_same_v<T, float>) {
       gemm(qb, kb, p.d, queries, ld_queries, keys.data_ptr<float>() + bh * p.d * p.Lk + n, p.Lk, out, ld_out, false);
     } else {
       row_panels(keys.data_ptr<T>() + bh * panels_size(p.Lk, p.d), p.Lk, p.d)
@@ -640,10 +665,18 @@ struct ForwardOperands {
   // acc[qb, :d] += probs[qb, kb] V[n : n + kb] of head `bh`.
   void weighted_values(int64_t bh, int64_t qb, const T* probs, int64_t ld_probs, int64_t n, int64_t kb, float* acc,
                        int64_t ld_acc) const {
-    if constexpr (std::is_same_v<T, float>) {
-      const int64_t b = bh / p.H, h = bh % p.H;
-      gemm(qb, p.d, kb, probs, ld_probs, value.data_ptr<float>() + b * value.stride(0) + h * value.stride(1) +
-           n * value.stride(2), value.stride(2), acc, ld_acc, true);
+    if (direct) {
+      for (int64_t r = 0; r < qb; ++r) {
+        float* a = acc + r * ld_acc;
+        for (int64_t c = 0; c < kb; ++c) {
+          const float weight = static_cast<float>(probs[r * ld_probs + c]);
+          const T* v = row(value, bh, n + c);
+#pragma omp simd
+          for (int64_t x = 0; x < p.d; ++x) a[x] += weight * static_cast<float>(v[x]);
+        }
+      }
+    } else if constexpr (std::is_same_v<T, float>) {
+      gemm(qb, p.d, kb, probs, ld_probs, row(value, bh, n), value.stride(2), acc, ld_acc, true);
     } else {
       row_block(values.data_ptr<T>() + bh * blocks_size(p.Lk, p.d), p.Lk, p.d, p.kv_block, n)
           .multiply(qb, probs, ld_probs, 0, p.d, acc, ld_acc, true);
