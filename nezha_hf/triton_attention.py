@@ -138,7 +138,8 @@ def triton_forward(query, key, value, table, problem: AttentionProblem) -> list[
             query, key, value, _table_products(query, table), table, band, output, lse,
             _key_flags(problem.mask.key_is_valid, key), _key_flags(problem.key_is_source, key),
             *_strides(query, "bhld"), *_strides(key, "bhld"), *_strides(value, "bhld"), *_strides(output, "blhd"),
-            *_scalars(query, key, table, problem), **flags, BLOCK_R=BLOCK_R,
+            *_scalars(query, key, table, problem), kernels.length_class(queries), kernels.length_class(key.shape[-2]),
+            **flags, BLOCK_R=BLOCK_R,
         )
     except Exception as error:  # compilation or launch: the engine falls back (`relative_attention.py`)
         raise _failed(error) from error

@@ -33,12 +33,25 @@ import os
 # float32), and the float32 sums are what the GPU's bfloat16 products accumulate into.
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
-# FlashAttention-2's Triton forward tunes these; under the interpreter one small block, so tests cross block edges.
+# FlashAttention-2's Triton forward tunes these (and 16 queries, for decoding steps); under the interpreter one small
+# block, so tests cross block edges.
 if INTERPRETING:
     FORWARD_CONFIGS = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})]
 else:
     FORWARD_CONFIGS = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_stages=stages, num_warps=warps)
-                       for block_m in (64, 128) for block_n in (32, 64) for stages in (2, 3) for warps in (4, 8)]
+                       for block_m in (16, 64, 128) for block_n in (32, 64) for stages in (2, 3) for warps in (4, 8)]
+
+
+def length_class(length: int) -> int:
+    """What the forward's tuning is keyed on instead of a length: its power of two (at least 16), so that a decoding
+    loop, whose key length grows by one per step, tunes once per doubling rather than at every step."""
+    return max(16, 1 << (max(length, 1) - 1).bit_length())
+
+
+def _configs_for(configs, named_args, **kwargs):
+    """No block of more queries than the call's length class has (a decoding step gets blocks of 16)."""
+    queries = named_args["LQ_CLASS"]
+    return [config for config in configs if config.kwargs["BLOCK_M"] <= queries] or configs[:1]
 
 
 @triton.jit
@@ -120,18 +133,20 @@ def _tails(acc, left, right, table_ptr, offs_d, K, D):
     return acc + left[:, None] * first[None, :] + right[:, None] * last[None, :]
 
 
-@triton.autotune(configs=FORWARD_CONFIGS, key=["Lq", "Lk", "BLOCK_D", "R", "CAUSAL"])
+@triton.autotune(configs=FORWARD_CONFIGS, key=["LQ_CLASS", "LK_CLASS", "BLOCK_D", "R", "CAUSAL", "DROPOUT"],
+                 prune_configs_by={"early_config_prune": _configs_for})
 @triton.jit
 def nezha_forward_kernel(
     Q, Kx, V, QT, Table, Band, Out, Lse, KeyValid, KeyIsSource,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    H, Lq, Lk, D, R, offset, scale, dropout, seed,
+    H, Lq, Lk, D, R, offset, scale, dropout, seed, LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
     WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One block of queries of one head: the output and the rows' log-sum-exp (-inf where a query sees nothing)."""
+    """One block of queries of one head: the output and the rows' log-sum-exp (-inf where a query sees nothing).
+    `LQ_CLASS` and `LK_CLASS` (`length_class`) are what the tuning is keyed on; the kernel does not read them."""
     block, head = tl.program_id(0), tl.program_id(1)
     b, h = head // H, head % H
     K = (R - 1) // 2

@@ -233,3 +233,14 @@ def test_on_the_cpu_only_by_name_under_the_interpreter(monkeypatch):
         ra.relative_attention(torch.nn.Module().eval(), q, k, v, None, 8**-0.5,
                               relative_table=ra.sinusoid_relative_table(4, 8), requested=ra.Engine.TRITON)
     assert calls[0].ran is ra.Engine.CHUNKED and "CUDA" in calls[0].why
+
+
+def test_tuning_is_keyed_on_length_classes_and_a_decoding_step_gets_small_blocks():
+    """A decoding loop's key length grows by one per step: keyed on the length itself, the forward would be tuned
+    again at every step."""
+    from nezha_hf import triton_kernels as tk
+
+    assert [tk.length_class(n) for n in (1, 16, 17, 1000, 1024, 1025)] == [16, 16, 32, 1024, 1024, 2048]
+    configs = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": 32}) for block_m in (16, 64, 128)]
+    assert [config.kwargs["BLOCK_M"] for config in tk._configs_for(configs, {"LQ_CLASS": 16})] == [16]
+    assert len(tk._configs_for(configs, {"LQ_CLASS": 4096})) == 3
