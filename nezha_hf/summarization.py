@@ -367,13 +367,14 @@ def _train_summarizer(state, judgments, base_model, output_dir, checkpoints, dat
                     save_total_limit=1, report_to=[], seed=seed, disable_tqdm=not show_progress,
                     remove_unused_columns=False, use_cpu=cpu_only())
     settings = {**defaults, **training_arguments}
+    resumed = resumed_settings(settings, state.num_processes)
     record = RunRecord.create("train-summarizer", base_model, data_files, {
         "validation_fraction": validation_fraction, "max_length": max_length, "copy_mechanism": copy_mechanism,
-        "seed": seed, **resumed_settings(settings, state.num_processes)})
+        "seed": seed, **resumed})
     on_main(state, lambda: prepare_checkpoints(checkpoints, record, resume))
     metrics = {}
 
-    global_batch = resumed_settings(settings, state.num_processes)["global_batch"]
+    global_batch = resumed["global_batch"]
 
     def train_stage(name, model, collator, make_examples, steps, label_names):
         if steps is None:

@@ -26,12 +26,11 @@ try:
 except ImportError as error:  # transformers' remote-code check skips imports inside `try`: Triton stays optional
     raise ImportError("nezha_hf's Triton kernels need Triton: pip install triton") from error
 
-import os
 
 # Triton 3.9's interpreter multiplies bfloat16 `tl.dot` operands as their raw 16-bit integers (it keeps bfloat16 as
 # uint16 for numpy), so under TRITON_INTERPRET=1 the kernels widen them to float32 first: exact (every bfloat16 is a
 # float32), and the float32 sums are what the GPU's bfloat16 products accumulate into.
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+INTERPRETING = triton.knobs.runtime.interpret  # what Triton decided when it was imported (TRITON_INTERPRET)
 
 # FlashAttention-2's Triton forward tunes these (and 16 queries, for decoding steps); under the interpreter one small
 # block, so tests cross block edges.
@@ -75,9 +74,9 @@ def _product(a, b, WIDEN: tl.constexpr, IEEE: tl.constexpr):
 @triton.jit
 def _distance_and_scores(raw, query_table_rows, offs_m, offs_n, Lq, Lk, K, R, offset, scale, key_valid_ptr,
                          key_is_source_ptr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr):
-    """`(j - i, scores)` of a block: `(q . k + q . T[r]) * scale`, -inf where the query does not see the key (padding,
-    the causal or UniLM prefix rule, outside the call). `raw` is `q @ k^T`; `query_table_rows` points at the block's
-    rows of `q @ T^T`."""
+    """`(j - i, r, inside the call, scores)` of a block: `(q . k + q . T[r]) * scale`, -inf where the query does not see
+    the key (padding, the causal or UniLM prefix rule, outside the call). `raw` is `q @ k^T`; `query_table_rows` points
+    at the block's rows of `q @ T^T`."""
     distance = offs_n[None, :] - (offs_m + offset)[:, None]
     index = tl.minimum(tl.maximum(distance, -K), K) + K
     inside = (offs_m < Lq)[:, None] & (offs_n < Lk)[None, :]
@@ -93,7 +92,7 @@ def _distance_and_scores(raw, query_table_rows, offs_m, offs_n, Lq, Lk, K, R, of
     if HAS_VALID:
         valid = tl.load(key_valid_ptr + offs_n, mask=offs_n < Lk, other=0)
         visible = visible & (valid != 0)[None, :]
-    return distance, tl.where(visible, scores, float("-inf"))
+    return distance, index, inside, tl.where(visible, scores, float("-inf"))
 
 
 @triton.jit
@@ -123,6 +122,24 @@ def _add_table_rows(acc, band_rows, shift, table_ptr, offs_m, offs_d, Lq, R, D, 
                         mask=(offs_r < R)[:, None] & (offs_d < D)[None, :], other=0.0)
         acc += _product(band.to(OPERAND), table.to(OPERAND), WIDEN, IEEE)
     return acc
+
+
+@triton.jit
+def _split_by_distance(weights, band_values, distance, band_rows, offs_m, offs_n, Lq, Lk, K, R):
+    """The tails' sums of a block's `weights`, `(left, right)` (`j - i <= -K`, `>= K`); stores `band_values` of the band
+    `|j - i| < K` into the `[queries, 2K + 1]` buffer `band_rows` at row `r` (one key per query and row)."""
+    in_band = (distance > -K) & (distance < K) & (offs_m < Lq)[:, None] & (offs_n < Lk)[None, :]
+    tl.store(band_rows + offs_m[:, None] * R + distance + K, band_values, mask=in_band)
+    return tl.sum(tl.where(distance <= -K, weights, 0.0), 1), tl.sum(tl.where(distance >= K, weights, 0.0), 1)
+
+
+@triton.jit
+def _keys_seen(Lk, offset, block, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr):
+    """The keys a query block's loop covers: all, or under a causal mask without source keys those up to its last
+    query."""
+    if CAUSAL and not HAS_SOURCE:
+        return tl.minimum(Lk, offset + (block + 1) * BLOCK_M)
+    return Lk
 
 
 @triton.jit
@@ -164,17 +181,13 @@ def nezha_forward_kernel(
     left_mass = tl.zeros([BLOCK_M], tl.float32)
     right_mass = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    end = Lk
-    if CAUSAL and not HAS_SOURCE:  # no key after the block's last query is seen
-        end = tl.minimum(Lk, offset + (block + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    for n0 in range(0, _keys_seen(Lk, offset, block, BLOCK_M, CAUSAL, HAS_SOURCE), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        keys_in = offs_n < Lk
         k = _tile(Kx, stride_kb, stride_kh, stride_kn, stride_kd, b, h, offs_n, offs_d, Lk, D)
         v = _tile(V, stride_vb, stride_vh, stride_vn, stride_vd, b, h, offs_n, offs_d, Lk, D)
-        distance, scores = _distance_and_scores(_product(q, tl.trans(k), WIDEN, IEEE), query_table, offs_m, offs_n,
-                                                Lq, Lk, K, R, offset, scale, key_valid, key_is_source,
-                                                HAS_VALID, CAUSAL, HAS_SOURCE)
+        distance, _, _, scores = _distance_and_scores(_product(q, tl.trans(k), WIDEN, IEEE), query_table, offs_m,
+                                                      offs_n, Lq, Lk, K, R, offset, scale, key_valid, key_is_source,
+                                                      HAS_VALID, CAUSAL, HAS_SOURCE)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that has seen nothing yet stays at 0
         rescale = tl.exp(row_max - shift)
@@ -186,10 +199,9 @@ def nezha_forward_kernel(
             p = p * factor
             stored = tl.where(factor > 0, scores - tl.log(1.0 - dropout), float("-inf"))
         acc = acc * rescale[:, None] + _product(p.to(OPERAND), v, WIDEN, IEEE)
-        left_mass = left_mass * rescale + tl.sum(tl.where(distance <= -K, p, 0.0), 1)
-        right_mass = right_mass * rescale + tl.sum(tl.where(distance >= K, p, 0.0), 1)
-        in_band = (distance > -K) & (distance < K) & rows_in[:, None] & keys_in[None, :]
-        tl.store(band_rows + offs_m[:, None] * R + distance + K, stored, mask=in_band)  # one key per (query, row)
+        left, right = _split_by_distance(p, stored, distance, band_rows, offs_m, offs_n, Lq, Lk, K, R)
+        left_mass = left_mass * rescale + left
+        right_mass = right_mass * rescale + right
         row_max = new_max
 
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
@@ -213,12 +225,10 @@ def _block_gradients(q, do, k, v, lse, row_dot, query_table, output_table, offs_
     """For a block: `(j - i, dropped-out probabilities, dS)`, recomputing the probabilities from the forward's lse.
     `dP_ij = dO_i . (v_j + T[r])` (the table part looked up in `dO @ T^T`), `dS = P (dP z - D)` for dropout's factor
     `z` and `D_i = dO_i . O_i`."""
-    distance, scores = _distance_and_scores(_product(q, tl.trans(k), WIDEN, IEEE), query_table, offs_m, offs_n, Lq,
-                                            Lk, K, R, offset, scale, key_valid, key_is_source,
-                                            HAS_VALID, CAUSAL, HAS_SOURCE)
+    distance, index, inside, scores = _distance_and_scores(_product(q, tl.trans(k), WIDEN, IEEE), query_table, offs_m,
+                                                           offs_n, Lq, Lk, K, R, offset, scale, key_valid,
+                                                           key_is_source, HAS_VALID, CAUSAL, HAS_SOURCE)
     p = tl.exp(scores - tl.where(lse == float("-inf"), 0.0, lse)[:, None])
-    index = tl.minimum(tl.maximum(distance, -K), K) + K
-    inside = (offs_m < Lq)[:, None] & (offs_n < Lk)[None, :]
     grad_p = _product(do, tl.trans(v), WIDEN, IEEE)
     grad_p += tl.load(output_table + offs_m[:, None] * R + index, mask=inside, other=0.0)
     kept = p
@@ -303,10 +313,7 @@ def nezha_query_grad_kernel(
     grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     left_sum = tl.zeros([BLOCK_M], tl.float32)
     right_sum = tl.zeros([BLOCK_M], tl.float32)
-    end = Lk
-    if CAUSAL and not HAS_SOURCE:
-        end = tl.minimum(Lk, offset + (block + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    for n0 in range(0, _keys_seen(Lk, offset, block, BLOCK_M, CAUSAL, HAS_SOURCE), BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _tile(Kx, stride_kb, stride_kh, stride_kn, stride_kd, b, h, offs_n, offs_d, Lk, D)
         v = _tile(V, stride_vb, stride_vh, stride_vn, stride_vd, b, h, offs_n, offs_d, Lk, D)
@@ -315,10 +322,9 @@ def nezha_query_grad_kernel(
                                                KeyIsSource + b * Lk, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN,
                                                IEEE)
         grad_q += _product(grad_s.to(OPERAND), k, WIDEN, IEEE)
-        left_sum += tl.sum(tl.where(distance <= -K, grad_s, 0.0), 1)
-        right_sum += tl.sum(tl.where(distance >= K, grad_s, 0.0), 1)
-        in_band = (distance > -K) & (distance < K) & rows_in[:, None] & (offs_n < Lk)[None, :]
-        tl.store(band_rows + offs_m[:, None] * R + distance + K, grad_s, mask=in_band)
+        left, right = _split_by_distance(grad_s, grad_s, distance, band_rows, offs_m, offs_n, Lq, Lk, K, R)
+        left_sum += left
+        right_sum += right
     tl.debug_barrier()  # the band's dS, stored by every thread, are read back by others
     grad_q = _add_table_rows(grad_q, band_rows, lse, Table, offs_m, offs_d, Lq, R, D, BLOCK_R, False, OPERAND, WIDEN,
                              IEEE)
