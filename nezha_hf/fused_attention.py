@@ -229,8 +229,9 @@ def _load_kernel():
 
 def product_routine(dtype: torch.dtype) -> str | None:
     """How the kernel multiplies the blocks of `dtype` inputs on this CPU: `"reduced-precision packed"` (bfloat16 or
-    float16 blocks through oneDNN's packed brgemm, float32 accumulation: where the CPU has AMX for that type) or
-    `"float32"` (everything else); None when the kernel is not built."""
+    float16 blocks through oneDNN's brgemm on packed operands, float32 accumulation: bfloat16 where the CPU has AMX or
+    AVX512-BF16, float16 where it has AMX-FP16, and oneDNN is on) or `"float32"` (everything else); None when the
+    kernel is not built."""
     kernel = fused_kernel()
     if kernel is None:
         return None
@@ -243,9 +244,8 @@ def product_routine(dtype: torch.dtype) -> str | None:
 def _forward(query, key, value, table, problem: AttentionProblem) -> tuple[torch.Tensor, torch.Tensor]:
     """`(output [batch, queries, heads, head_size], lse [batch, heads, queries])`; see `attention_ops.engine_op`.
 
-    bfloat16 and float16 inputs are multiplied in their own type (float32 accumulation) where oneDNN packs that type
-    for the CPU's tile instructions (AMX), and computed in float32 elsewhere, where that is faster
-    (`product_routine`, and the kernel source's header)."""
+    bfloat16 and float16 inputs are multiplied in their own type (float32 accumulation) where the CPU has instructions
+    for it, and computed in float32 elsewhere (`product_routine`, and the kernel source's header)."""
     kernel = fused_kernel()
     if kernel is None:
         raise RuntimeError("NEZHA's fused attention kernel is unavailable here (see the logged warning).")

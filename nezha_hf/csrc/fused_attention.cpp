@@ -19,14 +19,17 @@
 // The block products (q k^T, p v and those of the backward) go to the routines PyTorch's own CPU flash attention
 // uses, chosen per call by `products_for`:
 // - float32: `cpublas::brgemm` on float32 blocks (oneDNN's micro-kernel).
-// - bfloat16 / float16 where oneDNN can pack that type for its tile instructions (`cpublas::could_pack`: AMX,
-//   e.g. every Xeon since Sapphire Rapids): the products take the reduced-precision blocks themselves with float32
-//   accumulation through `cpublas::brgemm` on operands packed by `cpublas::pack` (`Packed`): keys and values once
-//   per call, the query blocks and their output gradients once per block. Scores,
-//   softmax, the relative terms and every accumulator stay float32; only the probabilities (and their gradients)
-//   are rounded to the input type before their products, as in PyTorch's kernel.
-// - bfloat16 / float16 elsewhere (AVX512-BF16 without AMX, other CPUs): converted to float32 and computed as float32,
-//   the faster choice there (benchmarks/results: the bfloat16 file measured on such a CPU).
+// - bfloat16 / float16 where the CPU multiplies that type itself: the products take the reduced-precision blocks with
+//   float32 accumulation through `cpublas::brgemm` on packed B operands (`Packed`): keys and values once per call, the
+//   query blocks and their output gradients once per block. Where oneDNN packs the type for its tile instructions
+//   (`cpublas::could_pack`: AMX, e.g. every Xeon since Sapphire Rapids) `cpublas::pack` packs them, as in PyTorch's
+//   kernel; bfloat16 on a CPU with AVX512-BF16 but no AMX (`bfloat16_pairs_multiply`: AMD Zen 4 and later, Cooper
+//   Lake) is packed here into the rows-in-pairs layout oneDNN's brgemm reads there (its `vdpbf16ps` products, about
+//   twice float32's speed: benchmarks/results/avx512-bf16/attention-bfloat16.md). Scores, softmax, the relative
+//   terms and every accumulator stay float32; only the probabilities (and their gradients) are rounded to the input
+//   type before their products, as in PyTorch's kernel.
+// - bfloat16 / float16 elsewhere (float16 without AMX-FP16, any type with oneDNN switched off, CPUs without either):
+//   converted to float32 and computed as float32.
 // Which one ran is counted (`routine_calls`), so tests can tell. The loader in fused_attention.py falls back to the
 // chunked engine if this file does not build or load.
 
@@ -60,8 +63,36 @@ std::array<std::atomic<int64_t>, kRoutines> routine_counts{};
 
 bool is_reduced(at::ScalarType type) { return type == at::kBFloat16 || type == at::kHalf; }
 
+// Whether oneDNN's brgemm multiplies bfloat16 blocks here without AMX: compiled for a CPU with AVX512-BF16 (its pair
+// products, `vdpbf16ps`), oneDNN switched on, and a 1 x 16 x 2 product in the pair layout right the first time it is
+// tried (PyTorch builds without oneDNN's micro-kernels refuse it).
+bool bfloat16_pairs_multiply() {
+#if defined(__AVX512BF16__)
+  if (!at::globalContext().userEnabledMkldnn()) return false;
+  static const bool works = [] {
+    try {
+      const std::array<at::BFloat16, 2> a = {1.0f, 2.0f};
+      std::array<at::BFloat16, 32> b;  // B[k][n] = (1, n) at b[2 n + k]
+      for (int n = 0; n < 16; ++n) b[2 * n] = 1.0f, b[2 * n + 1] = static_cast<float>(n);
+      std::array<float, 16> c{};
+      cpublas::brgemm(1, 16, 2, 2, 16, 16, false, a.data(), b.data(), c.data(), true);
+      cpublas::brgemm_release();
+      for (int n = 0; n < 16; ++n)
+        if (c[n] != 1.0f + 2.0f * n) return false;
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return works;
+#else
+  return false;
+#endif
+}
+
 Routine products_for(at::ScalarType type) {
-  return is_reduced(type) && cpublas::could_pack(type) ? kReducedPacked : kFloat32;
+  if (!is_reduced(type)) return kFloat32;
+  return cpublas::could_pack(type) || (type == at::kBFloat16 && bfloat16_pairs_multiply()) ? kReducedPacked : kFloat32;
 }
 
 // Row-major C[M, N] = A[M, K] @ B[K, N] (+ C when `accumulate`), float32, with leading dimensions (row strides):
@@ -94,7 +125,13 @@ void pack(const T* source, int64_t row, int64_t column, int64_t K, int64_t N, T*
     scratch.assign(Ke * padded, T(0));
     for (int64_t k = 0; k < K; ++k)
       for (int64_t c = 0; c < width; ++c) scratch[k * padded + c] = source[k * row + (j + c) * column];
-    cpublas::pack(Ke, padded, padded, padded, type_of<T>(), type_of<T>(), scratch.data(), out + j * Ke);
+    T* panel = out + j * Ke;
+    if (cpublas::could_pack(type_of<T>())) {
+      cpublas::pack(Ke, padded, padded, padded, type_of<T>(), type_of<T>(), scratch.data(), panel);
+    } else {  // AVX512-BF16 (`bfloat16_pairs_multiply`): rows in pairs, B[k][c] at panel[(k / 2) 2 padded + 2 c + k % 2]
+      for (int64_t k = 0; k < Ke; ++k)
+        for (int64_t c = 0; c < padded; ++c) panel[(k / 2) * 2 * padded + 2 * c + (k & 1)] = scratch[k * padded + c];
+    }
   }
 }
 
