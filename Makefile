@@ -64,10 +64,11 @@ test-fast: $(VENV)/.test
 mutations: $(VENV)/.test
 	$(PY) tests/mutations/run.py
 
-# Every file of benchmarks/results/, as docs/performance.md and docs/conversion.md quote them (about 35 minutes on 2
-# cores). Each names the CPU it ran on and its matmul throughput; 2 layers of base width keep the long inputs
-# affordable. 2,048-token serving runs alone, at batch 1: at batch 8 onnxruntime (L x L scores) was killed for
-# memory on a 24 GiB machine.
+# Every file of benchmarks/results/, as docs/performance.md and docs/conversion.md quote them (about 50 minutes on 2
+# cores). Each names the CPU it ran on and its matmul throughput, and the speed figures go to the folder of that kind
+# of CPU (benchmarks/results/amx/, avx512-bf16/, ...); 2 layers of base width keep the long inputs affordable.
+# 2,048-token serving runs alone, at batch 1: at batch 8 onnxruntime (L x L scores) was killed for memory on a 24 GiB
+# machine.
 BENCH := $(PY) benchmarks/attention.py --layers 2
 bench: $(VENV)/.test
 	$(BENCH) --lengths 512 2048 8192 --eager-up-to 512 --memory-lengths 8192 --output attention
@@ -75,6 +76,10 @@ bench: $(VENV)/.test
 	$(BENCH) --attention nezha_chunked --lengths 2048 8192 --eager-up-to 0 --memory-lengths --output attention-chunked
 	$(BENCH) --attention nezha_chunked --dtype bfloat16 --lengths 2048 8192 --eager-up-to 0 --memory-lengths \
 	  --output attention-chunked-bfloat16
+	$(BENCH) --attention nezha_three_regions --lengths 2048 8192 --eager-up-to 0 --memory-lengths \
+	  --output attention-three-regions
+	$(BENCH) --attention nezha_three_regions --dtype bfloat16 --lengths 2048 8192 --eager-up-to 0 --memory-lengths \
+	  --output attention-three-regions-bfloat16
 	$(BENCH) --dropout 0.1 --lengths 2048 4096 --eager-up-to 0 --memory-lengths 4096 --output attention-dropout
 	$(BENCH) --dropout 0.1 --dtype bfloat16 --lengths 2048 --eager-up-to 0 --memory-lengths \
 	  --output attention-dropout-bfloat16

@@ -20,8 +20,9 @@ default). Times are medians of `--repeats` runs, NEZHA and BERT alternating in o
 ratio is NEZHA / BERT. Peak memory is measured in a fresh process per configuration, median of
 `--memory-runs` processes: on the CPU the resident set high-water mark minus the resident set just
 before the pass; on a GPU the allocator's peak minus what was allocated before the pass. Writes
-`benchmarks/results/<output>.md`, `.json` and `.png` (tokens vs time ratio); `--output` defaults
-to `attention`.
+`benchmarks/results/<kind>/<output>.md`, `.json` and `.png` (tokens vs time ratio), `<kind>` being the
+machine's (`amx`, `avx512-bf16`, `cpu` or `gpu`: `machine.results_directory`); `--output` defaults to
+`attention`.
 
 Memory is the resident set the operating system sees, so it includes what glibc's malloc keeps
 after frees: which 24 MB activations land in its heap and how they fragment changes from one run
@@ -46,11 +47,10 @@ import torch
 from transformers import BertConfig, BertModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.machine import describe, summary  # noqa: E402
+from benchmarks.machine import describe, results_directory, summary  # noqa: E402
 from nezha_hf import NezhaConfig, NezhaModel  # noqa: E402
 from nezha_hf.relative_attention import recorded_attention_calls  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 BASE = dict(
     vocab_size=21128, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -184,7 +184,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory-lengths", type=int, nargs="*", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--memory-runs", type=int, default=3, help="fresh processes per memory cell (median)")
-    parser.add_argument("--output", default="attention", help="file name stem in benchmarks/results/")
+    parser.add_argument("--output", default="attention", help="file name stem in benchmarks/results/<machine kind>/")
     parser.add_argument("--eager-up-to", type=int, default=1024, help="also time the gather path up to this length")
     parser.add_argument("--no-train", action="store_true", help="forward only")
     parser.add_argument("--train-up-to", type=int, default=1 << 30, help="time forward+backward up to this length")
@@ -264,7 +264,7 @@ def accuracy(args) -> dict:
 
 
 def write_results(rows, memory, args, errors, machine, engines=()):
-    RESULTS.mkdir(exist_ok=True)
+    results = results_directory(machine)
     malloc = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     command = (f"MALLOC_MMAP_THRESHOLD_={malloc} " if malloc else "") + "python benchmarks/attention.py " + " ".join(sys.argv[1:])
     setting = (f"NEZHA attention {args.attention or 'default'}, {args.layers} layers, dropout {args.dropout}, "
@@ -307,8 +307,8 @@ def write_results(rows, memory, args, errors, machine, engines=()):
                   f"{e['max_abs']:.2e} |" for kind, e in errors.items()]
     table = "\n".join(lines) + "\n"
     print(table)
-    (RESULTS / f"{args.output}.md").write_text(table)
-    (RESULTS / f"{args.output}.json").write_text(json.dumps({"command": command, "machine": machine, "engines": engines,
+    (results / f"{args.output}.md").write_text(table)
+    (results / f"{args.output}.json").write_text(json.dumps({"command": command, "machine": machine, "engines": engines,
                                                              "time": rows,
                                                              "memory": memory, "accuracy": errors}, indent=1))
     try:
@@ -334,7 +334,7 @@ def write_results(rows, memory, args, errors, machine, engines=()):
     ax.set_title(f"NEZHA ({args.attention or 'default attention'}) vs BERT-SDPA, {args.device}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{args.output}.png", dpi=120)
+    fig.savefig(results / f"{args.output}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ batch 1, greedy decoding forced to produce exactly `--new-tokens` tokens. For ea
 and model: the time of `generate(max_new_tokens=1)` (reading the source: the prefill) and of
 `generate(max_new_tokens=N)`; decoding speed is `(N - 1) / (t_N - t_1)` tokens per second. NEZHA
 and BERT alternate; each number is the median of `--repeats` runs. BERT gets absolute position
-embeddings long enough for the longest input. Writes `benchmarks/results/generate.md` and `.json`.
+embeddings long enough for the longest input. Writes `benchmarks/results/<machine kind>/generate.md` and `.json` (`machine.results_directory`).
 """
 
 import argparse
@@ -23,10 +23,9 @@ from transformers import BertConfig, BertLMHeadModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.attention import BASE  # noqa: E402
-from benchmarks.machine import describe, summary  # noqa: E402
+from benchmarks.machine import describe, results_directory, summary  # noqa: E402
 from nezha_hf import NezhaConfig, NezhaForUniLM  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 SEP = 102
 
 
@@ -112,9 +111,9 @@ def main(argv=None):
     command = "python benchmarks/generate.py " + " ".join(sys.argv[1:] if argv is None else argv)
     table = markdown(rows, command.strip(), machine)
     print(table)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "generate.md").write_text(table)
-    (RESULTS / "generate.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
+    results = results_directory(machine)
+    (results / "generate.md").write_text(table)
+    (results / "generate.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ The text is English, long, and on every machine with Python: the reference manua
 (`pydoc_data.topics`). Six topics of at least 2,048 tokens are held out; the rest is the probes' and the
 pretraining's data. Each held-out topic is scored on its first 2,048 tokens in one input (positions below 512 and
 from 512 on) and on its first 512 alone, 15% of the tokens masked ([MASK]), three masks per topic, the same for every
-model. Writes `benchmarks/results/long-inputs.md` and `.json`.
+model. Writes `benchmarks/results/long-inputs.md` and `.json` (not in a machine's folder: losses, not speeds).
 """
 
 import argparse
@@ -31,11 +31,10 @@ from transformers import AutoModel, AutoTokenizer
 from transformers.models.bert.modeling_bert import BertPredictionHeadTransform
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.machine import describe, summary  # noqa: E402
+from benchmarks.machine import RESULTS, describe, summary  # noqa: E402
 from nezha_hf import NezhaForMaskedLM  # noqa: E402
 from nezha_hf.conversion import convert_bert, convert_bert_hierarchical  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 LONG, SHORT, HELD_OUT = 2048, 512, 6
 
 

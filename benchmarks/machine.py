@@ -1,10 +1,12 @@
 """The machine a benchmark ran on, as every results file names it.
 
 A speed ratio holds for the kind of CPU it was measured on: with Intel AMX, PyTorch's bfloat16 matrix products run
-about four times its float32 ones; with AVX512-BF16 alone, about 1.6 times. So each results file says which CPU it
-came from (model name, and which of `amx_bf16`, `amx_fp16`, `avx512_bf16`, `avx512_fp16` it has) and the machine's
-matrix-multiply throughput in the benchmark's dtype, measured in the same run, and how the fused kernel multiplies
-that dtype there (`nezha_hf.fused_attention.product_routine`).
+about six times its float32 ones; with AVX512-BF16 alone, about twice (docs/performance.md names the two machines).
+So each results file says which CPU it came from (model name, and which of `amx_bf16`, `amx_fp16`, `avx512_bf16`,
+`avx512_fp16` it has), the machine's matrix-multiply throughput in the benchmark's dtype, measured in the same run,
+and how the fused kernel multiplies that dtype there (`nezha_hf.fused_attention.product_routine`); the speed
+benchmarks write into a folder per kind of machine (`results_directory`), so an AMX machine's figures and an
+AVX512-BF16 machine's stand side by side.
 
     python benchmarks/machine.py --dtype bfloat16      # prints the description
 """
@@ -84,6 +86,27 @@ def describe(dtype: torch.dtype, device: str = "cpu") -> dict:
         "matmul_tflops": matmul_throughput(dtype, device),
         "kernel_products": product_routine(dtype) if device == "cpu" else None,
     }
+
+
+RESULTS = Path(__file__).parent / "results"
+# Kinds of machine whose speed ratios differ, the results folder of each; a CPU is the first kind whose flag it has.
+KINDS = {"amx": "amx_bf16", "avx512-bf16": "avx512_bf16"}
+
+
+def machine_kind(machine: dict) -> str:
+    """`"gpu"`; `"amx"` for a CPU with AMX (bfloat16 products about 6x float32's); `"avx512-bf16"` for AVX512-BF16
+    without AMX (about 2x); `"cpu"` for any other CPU."""
+    if machine.get("gpu"):
+        return "gpu"
+    return next((kind for kind, flag in KINDS.items() if flag in machine["flags"]), "cpu")
+
+
+def results_directory(machine: dict) -> Path:
+    """Where a speed benchmark run on `machine` writes: `benchmarks/results/<machine_kind>/`, so that one kind's
+    figures never replace another's."""
+    directory = RESULTS / machine_kind(machine)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
 
 
 def summary(machine: dict) -> str:

@@ -13,7 +13,7 @@ half its length. Rows:
   per head) on onnxruntime's CPU provider with its default threads.
 
 Each cell is the median of `--repeats` calls after one warm-up call; the rows alternate within a
-cell. Writes `benchmarks/results/<output>.md` and `.json` (default `serving`).
+cell. Writes `benchmarks/results/<machine kind>/<output>.md` and `.json` (default `serving`; `machine.results_directory`).
 """
 
 import argparse
@@ -28,11 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.attention import BASE  # noqa: E402
-from benchmarks.machine import describe, summary  # noqa: E402
+from benchmarks.machine import describe, results_directory, summary  # noqa: E402
 from nezha_hf import NezhaConfig, NezhaForSequenceClassification  # noqa: E402
 from nezha_hf.export import export_onnx  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 
 
 def padded_batch(batch: int, length: int) -> dict[str, torch.Tensor]:
@@ -58,7 +57,7 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", default="serving", help="file name stem in benchmarks/results/")
+    parser.add_argument("--output", default="serving", help="file name stem in benchmarks/results/<machine kind>/")
     parser.add_argument("--layers", type=int, default=12, help="layers of the model")
     args = parser.parse_args()
     import onnxruntime
@@ -100,7 +99,7 @@ def main():
 
 
 def write_results(rows, args, machine):
-    RESULTS.mkdir(exist_ok=True)
+    results = results_directory(machine)
     command = "python benchmarks/serving.py " + " ".join(sys.argv[1:])
     lines = [
         f"Command: `{command.strip()}` ({args.layers} layers, base-width NezhaForSequenceClassification, float32, "
@@ -119,8 +118,8 @@ def write_results(rows, args, machine):
             f"{r['compiled_max_difference']:.1e} / {r['onnxruntime_max_difference']:.1e} |"
         )
     table = "\n".join(lines) + "\n"
-    (RESULTS / f"{args.output}.md").write_text(table)
-    (RESULTS / f"{args.output}.json").write_text(json.dumps({"command": command, "machine": machine, "rows": rows}, indent=1))
+    (results / f"{args.output}.md").write_text(table)
+    (results / f"{args.output}.json").write_text(json.dumps({"command": command, "machine": machine, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

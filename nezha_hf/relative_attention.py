@@ -195,8 +195,8 @@ ENGINES = {
     Engine.FUSED: EngineSpec(
         "fused kernel",
         "Linear memory, the fastest on CPU: a compiled C++ kernel (`csrc/fused_attention.cpp`), flash attention with "
-        "the relative terms as per-row lookups and bucket sums; bfloat16 / float16 blocks multiplied in their own "
-        "type where the CPU has AMX.",
+        "the relative terms as per-row lookups and bucket sums; bfloat16 blocks multiplied in bfloat16 where the CPU "
+        "has AMX or AVX512-BF16 (float16: AMX-FP16).",
         _op_engine(fused_attention), _fused_unusable, Engine.TRITON,
     ),
     Engine.TRITON: EngineSpec(

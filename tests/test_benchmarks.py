@@ -1,13 +1,16 @@
 """Benchmark results say where they come from: the command that made them and the machine it ran on."""
 
+import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = sorted((ROOT / "benchmarks" / "results").glob("*.md"))
+sys.path.insert(0, str(ROOT))  # the benchmarks are scripts of the repository, not part of the package
+RESULTS = sorted((ROOT / "benchmarks" / "results").rglob("*.md"))
 
 
 @pytest.mark.parametrize("result", RESULTS, ids=lambda path: path.name)
@@ -23,10 +26,30 @@ def test_every_result_names_its_command_and_its_cpu(result):
     assert float(machine.group(machine.lastindex)) > 0
 
 
-def test_the_machine_description_is_measured():
-    import sys
+@pytest.mark.parametrize("result", [path for path in RESULTS if path.parent.name != "results"],
+                         ids=lambda path: f"{path.parent.name}/{path.name}")
+def test_a_result_lies_in_the_folder_of_its_kind_of_machine(result):
+    """Speed figures of an AMX machine and of an AVX512-BF16 machine differ: each lies in its kind's folder, which the
+    benchmarks choose from the machine they describe (`machine.results_directory`)."""
+    from benchmarks.machine import machine_kind
 
-    sys.path.insert(0, str(ROOT))
+    recorded = json.loads(result.with_suffix(".json").read_text())["machine"]
+    assert machine_kind(recorded) == result.parent.name
+
+
+def test_the_kind_of_machine_is_the_first_whose_flag_it_has(tmp_path, monkeypatch):
+    from benchmarks import machine
+
+    assert machine.machine_kind({"flags": ["amx_bf16", "avx512_bf16"]}) == "amx"
+    assert machine.machine_kind({"flags": ["avx512_bf16", "avx512_fp16"]}) == "avx512-bf16"
+    assert machine.machine_kind({"flags": []}) == "cpu"
+    assert machine.machine_kind({"flags": ["amx_bf16"], "gpu": "NVIDIA H100"}) == "gpu"
+    monkeypatch.setattr(machine, "RESULTS", tmp_path)
+    assert machine.results_directory({"flags": ["avx512_bf16"]}) == tmp_path / "avx512-bf16"
+    assert (tmp_path / "avx512-bf16").is_dir()
+
+
+def test_the_machine_description_is_measured():
     from benchmarks.machine import REDUCED_PRECISION_FLAGS, describe, summary
 
     machine = describe(torch.float32)
