@@ -444,6 +444,32 @@ def test_reduced_precision_is_multiplied_in_its_own_type_where_the_cpu_can(dtype
     torch.testing.assert_close(got.double(), want, atol=3e-2 if dtype == torch.bfloat16 else 5e-3, rtol=0)
 
 
+@pytest.mark.slow
+def test_the_bfloat16_products_do_not_depend_on_the_flags_the_kernel_is_built_with(tmp_path):
+    """A kernel compiled without AVX-512 code (the compiler's baseline, as MSVC builds it without /arch:AVX512) still
+    multiplies bfloat16 in bfloat16 where the CPU can, and right: oneDNN generates that code itself. In a fresh
+    process with a build folder of its own."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "from nezha_hf import fused_attention\n"
+            "fused_attention.kernel_flags = lambda family, machine=None: (['-O2', '-fopenmp'], ['-fopenmp'])\n"
+            "import reference, test_fused_attention as here\n"
+            "low, exact, mask, allowed, table = here.reduced_case('prefix', torch.bfloat16, length=200)\n"
+            "error = (here.kernel(*low, mask, 16).double() - reference.attention(*exact, 16, allowed, table=table)[0])\n"
+            "print(fused_attention.product_routine(torch.bfloat16), '|', here.cpu_multiplies(torch.bfloat16), '|',\n"
+            "      float(error.abs().max()))")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    routine, cpu_can, error = (part.strip() for part in done.stdout.strip().splitlines()[-1].split("|"))
+    assert routine == ("reduced-precision packed" if cpu_can == "True" else "float32")
+    assert float(error) < 3e-2
+    assert any((build / f"{build.name}.so").is_file() for build in tmp_path.iterdir())  # built with those flags
+
+
 @pytest.mark.parametrize("how", ["to", "autocast"])
 def test_bfloat16_models_run_the_kernel(how, attention_calls):
     config = NezhaConfig(vocab_size=50, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)

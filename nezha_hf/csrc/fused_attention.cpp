@@ -35,6 +35,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
@@ -63,13 +64,16 @@ std::array<std::atomic<int64_t>, kRoutines> routine_counts{};
 
 bool is_reduced(at::ScalarType type) { return type == at::kBFloat16 || type == at::kHalf; }
 
-// Whether oneDNN's brgemm multiplies bfloat16 blocks here without AMX: compiled for a CPU with AVX512-BF16 (its pair
-// products, `vdpbf16ps`), oneDNN switched on, and a 1 x 16 x 2 product in the pair layout right the first time it is
-// tried (PyTorch builds without oneDNN's micro-kernels refuse it).
+// Whether oneDNN's brgemm multiplies bfloat16 blocks here without AMX: the CPU has AVX512-BF16 (its pair products,
+// `vdpbf16ps`; asked at run time, since oneDNN generates its own code whatever flags compiled this file), oneDNN is
+// switched on, and a 1 x 16 x 2 product in the pair layout came out right the first time (PyTorch builds without
+// oneDNN's micro-kernels refuse it).
 bool bfloat16_pairs_multiply() {
-#if defined(__AVX512BF16__)
   if (!at::globalContext().userEnabledMkldnn()) return false;
   static const bool works = [] {
+    const auto capabilities = at::cpu::get_cpu_capabilities();
+    const auto flag = capabilities.find("avx512_bf16");
+    if (flag == capabilities.end() || !flag->second.toBool()) return false;
     try {
       const std::array<at::BFloat16, 2> a = {1.0f, 2.0f};
       std::array<at::BFloat16, 32> b;  // B[k][n] = (1, n) at b[2 n + k]
@@ -85,9 +89,6 @@ bool bfloat16_pairs_multiply() {
     }
   }();
   return works;
-#else
-  return false;
-#endif
 }
 
 Routine products_for(at::ScalarType type) {
