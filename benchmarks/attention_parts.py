@@ -5,7 +5,9 @@
 One attention layer's worth of heads (batch 1, 12 heads, head size 64, K = 64, float32, no mask).
 Each line is the median of `--repeats` runs of: PyTorch's SDPA (what BERT uses), the compiled
 kernel (the default), and for the PyTorch-only three-region path its two tails' fused-kernel
-calls, the band (all its chunks) and the whole function, forward and backward separately. The backward lines reuse the forward's saved state, as autograd does.
+calls, the band (all its chunks) and the whole function, forward and backward separately. The backward lines reuse the
+forward's saved state, as autograd does. The decode lines are one decoding step (one query against `--length` cached
+keys), from a cache laid out as transformers keeps it and from per-head views of `[batch, length, heads, head size]`.
 """
 
 import argparse
@@ -73,6 +75,19 @@ def main():
     def sdpa_forward_backward():
         torch.nn.functional.scaled_dot_product_attention(*leaves).backward(grad)
 
+    # A decoding step: one query at position L against L + 1 cached keys, from the cache transformers keeps
+    # ([batch, heads, length, head size]) and from per-head views of [batch, length, heads, head size] (rows of a
+    # head 3 KB apart).
+    step = AttentionProblem(ra.RelativeAttentionMask(causal=True, query_offset=length), scale)
+    step_query = torch.randn(1, heads, 1, size)
+    layouts = {"[B,H,L,d]": [torch.randn(1, heads, length + 1, size) for _ in range(2)],
+               "[B,L,H,d]": [torch.randn(1, length + 1, heads, size).transpose(1, 2) for _ in range(2)]}
+
+    def decoding_step(cache, engine):
+        if engine == "SDPA":
+            return lambda: torch.nn.functional.scaled_dot_product_attention(step_query, *cache)
+        return lambda: fused_attention.fused_attention(step_query, *cache, table, step)
+
     no_grad = torch.no_grad()
     cases = {
         ("forward", "SDPA"): no_grad(sdpa_forward),
@@ -85,6 +100,8 @@ def main():
         ("forward+backward", "SDPA"): sdpa_forward_backward,
         ("forward+backward", "compiled kernel (default)"): kernel_forward_backward,
         ("forward+backward", "three regions"): three_regions_forward_backward,
+        **{(f"decode {layout}", name): no_grad(decoding_step(cache, name))
+           for layout, cache in layouts.items() for name in ("SDPA", "compiled kernel (default)")},
     }
     samples = {case: [] for case in cases}
     for fn in cases.values():  # warm-up
@@ -99,7 +116,7 @@ def main():
 
     print(f"L = {length}, {heads} heads, head size {size}, K = {K}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; median of {args.repeats} (ms)")
-    for section in ("forward", "backward", "forward+backward"):
+    for section in ("forward", "backward", "forward+backward", *(f"decode {layout}" for layout in layouts)):
         reference = next(value for (part, name), value in ms.items() if part == section and name.startswith("SDPA"))
         for (part, name), value in sorted(ms.items(), key=lambda item: not item[0][1].startswith("SDPA")):
             if part == section:

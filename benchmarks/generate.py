@@ -4,11 +4,14 @@
     python benchmarks/generate.py --lengths 512 --new-tokens 16
 
 Base width (12 layers unless `--layers`, hidden 768, 12 heads, vocabulary 21,128; NEZHA with K = 64), float32,
-batch 1, greedy decoding forced to produce exactly `--new-tokens` tokens. For each source length
-and model: the time of `generate(max_new_tokens=1)` (reading the source: the prefill) and of
-`generate(max_new_tokens=N)`; decoding speed is `(N - 1) / (t_N - t_1)` tokens per second. NEZHA
-and BERT alternate; each number is the median of `--repeats` runs. BERT gets absolute position
-embeddings long enough for the longest input. Writes `benchmarks/results/<machine kind>/generate.md` and `.json` (`machine.results_directory`).
+batch 1, greedy decoding forced to produce exactly `--new-tokens` tokens. Each `generate` call is timed in two parts:
+the prefill (from the call to the end of the model's first forward pass, which reads the source) and the decoding
+(from there to the end of the call: N - 1 cached steps, so the speed is `(N - 1) / decoding time`). Timing both
+inside one call matters at long sources: a prefill of 8,192 tokens varies by more from call to call than all the
+decoding takes, so subtracting a separate prefill-only call's time does not measure decoding. NEZHA and BERT
+alternate; each number is the median of `--repeats` runs. BERT gets absolute position embeddings long enough for
+the longest input. Writes `benchmarks/results/<machine kind>/generate.md` and `.json`
+(`machine.results_directory`).
 """
 
 import argparse
@@ -38,16 +41,23 @@ def build(kind: str, max_length: int, layers: int = 12):
     return NezhaForUniLM._from_config(NezhaConfig(**sizes, max_relative_position=64)).eval()
 
 
-def time_generate(model, input_ids, new_tokens: int) -> float:
+def time_generate(model, input_ids, new_tokens: int) -> tuple[float, float]:
+    """`(prefill seconds, decoding seconds)` of one `generate` call: up to the end of the first forward pass, and
+    from there to the end."""
+    ends = []
+    hook = model.register_forward_hook(lambda module, args, output: ends.append(time.perf_counter()))
     start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, eos_token_id=SEP, pad_token_id=0, use_cache=True,
-        )
-    elapsed = time.perf_counter() - start
-    assert out.shape[1] == input_ids.shape[1] + new_tokens
-    return elapsed
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, do_sample=False, eos_token_id=SEP, pad_token_id=0, use_cache=True,
+            )
+    finally:
+        hook.remove()
+    end = time.perf_counter()
+    assert out.shape[1] == input_ids.shape[1] + new_tokens and len(ends) == new_tokens
+    return ends[0] - start, end - ends[0]
 
 
 def measure(length: int, new_tokens: int, repeats: int, layers: int = 12) -> dict:
@@ -56,17 +66,18 @@ def measure(length: int, new_tokens: int, repeats: int, layers: int = 12) -> dic
     input_ids[0, 0], input_ids[0, -1] = 101, SEP
     for model in models.values():  # warm-up
         time_generate(model, input_ids[:, :64], 2)
-    samples = {kind: {"prefill": [], "total": []} for kind in models}
+    samples = {kind: {"prefill": [], "decode": []} for kind in models}
     for _ in range(repeats):
         for kind, model in models.items():
-            samples[kind]["prefill"].append(time_generate(model, input_ids, 1))
-            samples[kind]["total"].append(time_generate(model, input_ids, new_tokens))
+            prefill, decode = time_generate(model, input_ids, new_tokens)
+            samples[kind]["prefill"].append(prefill)
+            samples[kind]["decode"].append(decode)
     row = {"source_tokens": length, "new_tokens": new_tokens, "layers": layers}
     for kind, times in samples.items():
-        prefill, total = statistics.median(times["prefill"]), statistics.median(times["total"])
+        prefill, decode = statistics.median(times["prefill"]), statistics.median(times["decode"])
         row[f"{kind}_prefill_s"] = prefill
-        row[f"{kind}_decode_tokens_per_s"] = (new_tokens - 1) / max(total - prefill, 1e-9)
-        row[f"{kind}_overall_tokens_per_s"] = new_tokens / total
+        row[f"{kind}_decode_tokens_per_s"] = (new_tokens - 1) / decode
+        row[f"{kind}_overall_tokens_per_s"] = new_tokens / (prefill + decode)
     row["decode_speed_ratio"] = row["nezha_decode_tokens_per_s"] / row["bert_decode_tokens_per_s"]
     row["prefill_time_ratio"] = row["nezha_prefill_s"] / row["bert_prefill_s"]
     return row

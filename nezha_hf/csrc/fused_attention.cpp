@@ -639,6 +639,21 @@ struct TableOperands {
 
 // Calls with at most this many queries (decoding from a cache) multiply the keys and values where they lie.
 constexpr int64_t kDirectQueries = 16;
+// How many rows ahead a decoding step asks for the keys and values it reads next: consecutive rows of one head lie
+// heads x head size apart (3 KB in a base model), too far for the CPU's own stride prefetcher to follow. 16 was the
+// fastest of 4, 8, 16 and 32 for a base model's step over 8,192 cached keys (benchmarks/attention_parts.py times one).
+constexpr int64_t kPrefetchRows = 16;
+
+// Asks the cache for the `bytes` from `address` (a hint: it never faults).
+inline void prefetch(const void* address, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64) {
+#if defined(_MSC_VER)
+    _mm_prefetch(static_cast<const char*>(address) + offset, _MM_HINT_T0);
+#else
+    __builtin_prefetch(static_cast<const char*>(address) + offset);
+#endif
+  }
+}
 
 // The keys and values of every head prepared for the forward's products, once per call: float32, K^T [B, H, d, Lk]
 // and the values as they are; reduced precision, the keys packed as panels and the values as blocks (`pack_rows`).
@@ -647,13 +662,27 @@ constexpr int64_t kDirectQueries = 16;
 // handful of products.
 template <typename T>
 struct ForwardOperands {
+  // The rows of a [B, H, L, d] tensor as they lie (unit stride: `rows_usable`), read once from the tensor: a decoding
+  // step takes a row per key, and `Tensor::data_ptr` checks the type on every call.
+  struct Rows {
+    const T* data;
+    int64_t H, batch_stride, head_stride, row_stride;
+    explicit Rows(const at::Tensor& t)
+        : data(t.data_ptr<T>()), H(t.size(1)), batch_stride(t.stride(0)), head_stride(t.stride(1)),
+          row_stride(t.stride(2)) {}
+    // Row n of head `bh`.
+    const T* operator()(int64_t bh, int64_t n) const {
+      return data + bh / H * batch_stride + bh % H * head_stride + n * row_stride;
+    }
+  };
+
   const Problem& p;
-  const at::Tensor &key, &value;
+  const Rows key_rows, value_rows;
   const bool direct;
   at::Tensor keys, values;
 
   ForwardOperands(const Problem& p, const at::Tensor& key, const at::Tensor& value)
-      : p(p), key(key), value(value), direct(p.Lq <= kDirectQueries) {
+      : p(p), key_rows(key), value_rows(value), direct(p.Lq <= kDirectQueries) {
     if (direct) return;
     if constexpr (std::is_same_v<T, float>) {
       keys = key.transpose(2, 3).contiguous();
@@ -663,19 +692,13 @@ struct ForwardOperands {
       at::parallel_for(0, p.B * p.H, 1, [&](int64_t begin, int64_t end) {
         std::vector<T> scratch;
         for (int64_t bh = begin; bh < end; ++bh) {
-          const int64_t b = bh / p.H, h = bh % p.H;
-          pack_rows(key.data_ptr<T>() + b * key.stride(0) + h * key.stride(1), key.stride(2), p.Lk, p.d, p.kv_block,
+          pack_rows(key_rows(bh, 0), key_rows.row_stride, p.Lk, p.d, p.kv_block,
                     keys.data_ptr<T>() + bh * panels_size(p.Lk, p.d), static_cast<T*>(nullptr), scratch);
-          pack_rows(value.data_ptr<T>() + b * value.stride(0) + h * value.stride(1), value.stride(2), p.Lk, p.d,
-                    p.kv_block, static_cast<T*>(nullptr), values.data_ptr<T>() + bh * blocks_size(p.Lk, p.d), scratch);
+          pack_rows(value_rows(bh, 0), value_rows.row_stride, p.Lk, p.d, p.kv_block, static_cast<T*>(nullptr),
+                    values.data_ptr<T>() + bh * blocks_size(p.Lk, p.d), scratch);
         }
       });
     }
-  }
-
-  // Row n of head `bh` of the keys or values as they lie (unit stride: `rows_usable`).
-  const T* row(const at::Tensor& t, int64_t bh, int64_t n) const {
-    return t.data_ptr<T>() + bh / p.H * t.stride(0) + bh % p.H * t.stride(1) + n * t.stride(2);
   }
 
   // scores[qb, :] = Q[qb, d] K[n : n + kb]^T of head `bh`.
@@ -685,7 +708,8 @@ struct ForwardOperands {
       for (int64_t r = 0; r < qb; ++r) {
         const T* q = queries + r * ld_queries;
         for (int64_t c = 0; c < kb; ++c) {
-          const T* k = row(key, bh, n + c);
+          const T* k = key_rows(bh, n + c);
+          if (r == 0 && n + c + kPrefetchRows < p.Lk) prefetch(key_rows(bh, n + c + kPrefetchRows), p.d * sizeof(T));
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t x = 0; x < p.d; ++x) dot += static_cast<float>(q[x]) * static_cast<float>(k[x]);
@@ -708,13 +732,14 @@ struct ForwardOperands {
         float* a = acc + r * ld_acc;
         for (int64_t c = 0; c < kb; ++c) {
           const float weight = static_cast<float>(probs[r * ld_probs + c]);
-          const T* v = row(value, bh, n + c);
+          const T* v = value_rows(bh, n + c);
+          if (r == 0 && n + c + kPrefetchRows < p.Lk) prefetch(value_rows(bh, n + c + kPrefetchRows), p.d * sizeof(T));
 #pragma omp simd
           for (int64_t x = 0; x < p.d; ++x) a[x] += weight * static_cast<float>(v[x]);
         }
       }
     } else if constexpr (std::is_same_v<T, float>) {
-      gemm(qb, p.d, kb, probs, ld_probs, row(value, bh, n), value.stride(2), acc, ld_acc, true);
+      gemm(qb, p.d, kb, probs, ld_probs, value_rows(bh, n), value_rows.row_stride, acc, ld_acc, true);
     } else {
       row_block(values.data_ptr<T>() + bh * blocks_size(p.Lk, p.d), p.Lk, p.d, p.kv_block, n)
           .multiply(qb, probs, ld_probs, 0, p.d, acc, ld_acc, true);
