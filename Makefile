@@ -94,6 +94,8 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/serving.py --layers 2 --repeats 2 --lengths 128 512 --output serving
 	$(PY) benchmarks/serving.py --layers 2 --repeats 2 --lengths 2048 --batches 1 --output serving-2048
 	$(PY) benchmarks/long_inputs.py --pretrain-steps 100
+	-$(PY) benchmarks/kernel_profile.py --dtype bfloat16 --lengths 512 2048 8192  # needs Linux perf; make goes on without it
+	-$(PY) benchmarks/kernel_profile.py --dtype float32 --lengths 512 2048 8192
 
 # After `make test` passes on newer releases: record them as the versions to install (torch stays pinned above).
 constraints: $(VENV)/.test

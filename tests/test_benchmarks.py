@@ -58,3 +58,23 @@ def test_the_machine_description_is_measured():
     assert summary(machine).startswith("CPU: ")
     on_a_gpu = summary({**machine, "gpu": "NVIDIA H100 80GB HBM3 (compute capability 9.0)", "kernel_products": None})
     assert on_a_gpu.startswith("GPU: NVIDIA H100") and "TFLOP/s" in on_a_gpu
+
+
+def test_the_kernel_profile_tells_products_from_an_engines_own_passes():
+    """`kernel_profile.py` splits perf samples by the code they fall in: a sample in the wrong part would move time
+    between the products and the passes, the comparison an AMX machine is to be profiled for."""
+    from benchmarks.kernel_profile import ENGINES, SAMPLE, engine_library, part_of
+
+    nezha, sdpa = (engine_library(engine) for engine in ENGINES)
+    kernel = "/root/.cache/torch_extensions/nezha_hf_fused_attention_0123/nezha_hf_fused_attention_0123.so"
+    torch_cpu = "/venv/lib/python3.11/site-packages/torch/lib/libtorch_cpu.so"
+    line = "     7fab713006b9 [unknown] (/tmp/perf-31645.map)"
+    assert part_of(*SAMPLE.match(line).groups(), nezha) == "products"  # oneDNN's generated brgemm
+    assert part_of("[unknown]", "[JIT] tid 31645", nezha) == "products"
+    assert part_of("mkl_blas_def_sgemm_kernel_0_zen", torch_cpu, sdpa) == "products"
+    assert part_of("(anonymous namespace)::forward_impl<float>", kernel, nezha) == "own passes"
+    assert part_of("at::native::(anonymous namespace)::_exp_reduce_sum_fusion_kernel<float>", torch_cpu, sdpa) == \
+        "own passes"
+    assert part_of("at::native::(anonymous namespace)::_exp_reduce_sum_fusion_kernel<float>", torch_cpu, nezha) == "rest"
+    assert part_of("[unknown]", "/venv/lib/python3.11/site-packages/torch/lib/libgomp.so.1", sdpa) == "rest"
+    assert part_of("malloc", "/usr/lib/x86_64-linux-gnu/libc.so.6", nezha) == "rest"

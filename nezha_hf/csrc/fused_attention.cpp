@@ -115,24 +115,70 @@ at::ScalarType type_of() {
   return std::is_same_v<T, at::BFloat16> ? at::kBFloat16 : at::kHalf;
 }
 
-// Packs the B operand [K, N], B[k][n] = source[k * row + n * column], for the tile instructions into `out`: panels of
+// How many rows ahead packing and decoding ask for the rows they read next: consecutive rows of one head lie heads x
+// head size apart (3 KB in a base model), too far for the CPU's own stride prefetcher to follow. 16 was the fastest of
+// 4, 8, 16 and 32 for a base model's decoding step over 8,192 cached keys (benchmarks/attention_parts.py times one).
+constexpr int64_t kPrefetchRows = 16;
+
+// Asks the cache for the `bytes` from `address` (a hint: it never faults; nothing where the compiler has no way to ask).
+inline void prefetch(const void* address, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64) {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(static_cast<const char*>(address) + offset);
+#elif defined(_M_X64) || defined(_M_IX86)  // MSVC on x86
+    _mm_prefetch(static_cast<const char*>(address) + offset, _MM_HINT_T0);
+#endif
+  }
+}
+
+// Packs the B operand [K, N], B[k][n] = source[k * row + n * column], for the block products into `out`: panels of
 // `kPanel` columns, each `even(K)` rows (zero past K) by `panel_width` columns (zero past N), panel j at
-// `out + j * even(K)`. `scratch` holds one unpacked panel.
+// `out + j * even(K)`. Where oneDNN packs the type (AMX) it does, from an unpacked panel in `scratch`; elsewhere
+// (`bfloat16_pairs_multiply`) the panel is written here in oneDNN's rows-in-pairs layout, B[k][c] at
+// panel[(k / 2) 2 padded + 2 c + k % 2], straight from the source rows, asking for the rows `kPrefetchRows` ahead:
+// one head's rows lie far apart, and waiting for each made packing about 5% of a bfloat16 forward at 2,048 tokens.
 template <typename T>
 void pack(const T* source, int64_t row, int64_t column, int64_t K, int64_t N, T* out, std::vector<T>& scratch) {
   const int64_t Ke = even(K);
+  const bool tiles = cpublas::could_pack(type_of<T>());
   for (int64_t j = 0; j < N; j += kPanel) {
     const int64_t width = std::min(kPanel, N - j), padded = panel_width(N, j);
-    scratch.assign(Ke * padded, T(0));
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t c = 0; c < width; ++c) scratch[k * padded + c] = source[k * row + (j + c) * column];
+    const T* columns = source + j * column;
     T* panel = out + j * Ke;
-    if (cpublas::could_pack(type_of<T>())) {
+    if (tiles) {
+      scratch.assign(Ke * padded, T(0));
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t c = 0; c < width; ++c) scratch[k * padded + c] = columns[k * row + c * column];
       cpublas::pack(Ke, padded, padded, padded, type_of<T>(), type_of<T>(), scratch.data(), panel);
-    } else {  // AVX512-BF16 (`bfloat16_pairs_multiply`): rows in pairs, B[k][c] at panel[(k / 2) 2 padded + 2 c + k % 2]
-      for (int64_t k = 0; k < Ke; ++k)
-        for (int64_t c = 0; c < padded; ++c) panel[(k / 2) * 2 * padded + 2 * c + (k & 1)] = scratch[k * padded + c];
+      continue;
     }
+    if (row == 1) {  // a pair of rows is two neighbours in the source (keys transposed): one 32-bit copy per pair
+      for (int64_t c = 0; c < width; ++c) {
+        if (j + c + kPrefetchRows < N) prefetch(columns + (c + kPrefetchRows) * column, K * sizeof(T));
+        for (int64_t k = 0; k + 1 < K; k += 2) std::memcpy(panel + k * padded + 2 * c, columns + c * column + k, 2 * sizeof(T));
+      }
+    } else {
+      for (int64_t k = 0; k + 1 < K; k += 2) {
+        const T* first = columns + k * row;
+        const T* second = first + row;
+        if (k + kPrefetchRows + 1 < K) {
+          prefetch(first + kPrefetchRows * row, width * sizeof(T));
+          prefetch(second + kPrefetchRows * row, width * sizeof(T));
+        }
+        T* pairs = panel + k * padded;
+        for (int64_t c = 0; c < width; ++c) {
+          pairs[2 * c] = first[c * column];
+          pairs[2 * c + 1] = second[c * column];
+        }
+      }
+    }
+    if (K % 2)  // the last row's pair partner is 0
+      for (int64_t c = 0; c < width; ++c) {
+        panel[(K - 1) * padded + 2 * c] = columns[(K - 1) * row + c * column];
+        panel[(K - 1) * padded + 2 * c + 1] = T(0);
+      }
+    for (int64_t k = 0; k < Ke; k += 2)  // columns past N
+      std::fill(panel + k * padded + 2 * width, panel + (k + 2) * padded, T(0));
   }
 }
 
@@ -639,22 +685,6 @@ struct TableOperands {
 
 // Calls with at most this many queries (decoding from a cache) multiply the keys and values where they lie.
 constexpr int64_t kDirectQueries = 16;
-// How many rows ahead a decoding step asks for the keys and values it reads next: consecutive rows of one head lie
-// heads x head size apart (3 KB in a base model), too far for the CPU's own stride prefetcher to follow. 16 was the
-// fastest of 4, 8, 16 and 32 for a base model's step over 8,192 cached keys (benchmarks/attention_parts.py times one).
-constexpr int64_t kPrefetchRows = 16;
-
-// Asks the cache for the `bytes` from `address` (a hint: it never faults; nothing where the compiler has no way to ask).
-inline void prefetch(const void* address, int64_t bytes) {
-  for (int64_t offset = 0; offset < bytes; offset += 64) {
-#if defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(static_cast<const char*>(address) + offset);
-#elif defined(_M_X64) || defined(_M_IX86)  // MSVC on x86
-    _mm_prefetch(static_cast<const char*>(address) + offset, _MM_HINT_T0);
-#endif
-  }
-}
-
 // The keys and values of every head prepared for the forward's products, once per call: float32, K^T [B, H, d, Lk]
 // and the values as they are; reduced precision, the keys packed as panels and the values as blocks (`pack_rows`).
 // A call with few queries (`kDirectQueries`, decoding) prepares nothing: it reads the keys and values row by row
