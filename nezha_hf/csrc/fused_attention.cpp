@@ -668,14 +668,12 @@ struct TableOperands {
     }
   }
 
-  // acc[qb, :d] += bucket[qb, R] T; reduced precision rounds the masses into `rounded` (`even(R)` wide) first.
+  // acc[qb, :d] += bucket[qb, R] T; reduced precision rounds the masses into `rounded` (`even(R)` wide, its padding
+  // column zero as allocated: only the first R columns are written) first.
   void add_value_term(int64_t qb, const float* bucket, T* rounded, float* acc, int64_t ld_acc) const {
     if constexpr (reduced) {
       const int64_t width = even(R);
-      for (int64_t r = 0; r < qb; ++r) {
-        convert(bucket + r * R, rounded + r * width, R);
-        std::fill(rounded + r * width + R, rounded + (r + 1) * width, T(0));
-      }
+      for (int64_t r = 0; r < qb; ++r) convert(bucket + r * R, rounded + r * width, R);
       row_block(block.data(), R, d, even(R), 0).multiply(qb, rounded, width, 0, d, acc, ld_acc, true);
     } else {
       gemm(qb, d, R, bucket, R, table.data_ptr<float>(), d, acc, ld_acc, true);
