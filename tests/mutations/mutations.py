@@ -8,15 +8,6 @@ Add an entry whenever a bug slips past the tests: first the entry (it survives),
 from dataclasses import dataclass, field
 
 
-# Code the kernel runs only on some CPUs (`fused_attention.cpp`'s `products_for`): a bug planted there behaves like the
-# original elsewhere, so it can be caught only on such a CPU. Each names the /proc/cpuinfo flags it takes.
-CPU_KINDS = {
-    "AMX": lambda flags: "amx_bf16" in flags,
-    "AVX512-BF16 without AMX": lambda flags: "avx512_bf16" in flags and "amx_bf16" not in flags,
-    "AMX or AVX512-BF16": lambda flags: "amx_bf16" in flags or "avx512_bf16" in flags,
-}
-
-
 @dataclass(frozen=True)
 class Mutation:
     name: str
@@ -24,7 +15,9 @@ class Mutation:
     original: str
     mutant: str
     tests: list[str] = field(default_factory=list)
-    cpu: str = ""  # a key of CPU_KINDS: planted only on such a CPU (the run says which it left for another)
+    # Code the kernel runs only on some kinds of CPU (`fused_attention.cpp`'s `products_for`) behaves like the original
+    # elsewhere: the kinds (`benchmarks/machine.py`'s `machine_kind`) where the mutation is planted; empty: everywhere.
+    cpu: tuple[str, ...] = ()
 
 
 ATTENTION_TESTS = ["tests/test_relative_attention.py", "tests/test_modeling_nezha.py", "-m", "not slow"]
@@ -127,31 +120,31 @@ MUTATIONS = [
     # --- the kernel's reduced-precision products ---
     Mutation("kernel multiplies reduced precision in float32 where the CPU has AMX", "nezha_hf/csrc/fused_attention.cpp",
              "return cpublas::could_pack(type) || (type == at::kBFloat16 && bfloat16_pairs_multiply()) ? kReducedPacked",
-             "return (type == at::kBFloat16 && bfloat16_pairs_multiply()) ? kReducedPacked", KERNEL_TESTS, cpu="AMX"),
+             "return (type == at::kBFloat16 && bfloat16_pairs_multiply()) ? kReducedPacked", KERNEL_TESTS, cpu=("amx",)),
     Mutation("kernel multiplies bfloat16 in float32 where the CPU has AVX512-BF16 but no AMX",
              "nezha_hf/csrc/fused_attention.cpp",
              "return cpublas::could_pack(type) || (type == at::kBFloat16 && bfloat16_pairs_multiply()) ? kReducedPacked",
-             "return cpublas::could_pack(type) ? kReducedPacked", KERNEL_TESTS, cpu="AVX512-BF16 without AMX"),
+             "return cpublas::could_pack(type) ? kReducedPacked", KERNEL_TESTS, cpu=("avx512-bf16",)),
     Mutation("kernel asks its compile flags, not the CPU, whether AVX512-BF16 is there", "nezha_hf/csrc/fused_attention.cpp",
              "    if (flag == capabilities.end() || !flag->second.toBool()) return false;\n",
              "#if !defined(__AVX512BF16__)\n    return false;\n#endif\n",
-             ["tests/test_fused_attention.py", "-k", "do_not_depend_on_the_flags"], cpu="AVX512-BF16 without AMX"),
+             ["tests/test_fused_attention.py", "-k", "do_not_depend_on_the_flags"], cpu=("avx512-bf16",)),
     Mutation("kernel's bfloat16 pairs of rows interleaved the wrong way round", "nezha_hf/csrc/fused_attention.cpp",
              "          pairs[2 * c] = first[c * column];\n          pairs[2 * c + 1] = second[c * column];",
              "          pairs[2 * c] = second[c * column];\n          pairs[2 * c + 1] = first[c * column];", KERNEL_TESTS,
-             cpu="AVX512-BF16 without AMX"),
+             cpu=("avx512-bf16",)),
     Mutation("kernel's bfloat16 keys packed in pairs starting one dimension late", "nezha_hf/csrc/fused_attention.cpp",
              "std::memcpy(panel + k * padded + 2 * c, columns + c * column + k, 2 * sizeof(T));",
              "std::memcpy(panel + k * padded + 2 * c, columns + c * column + (k + 1) % K, 2 * sizeof(T));",
-             KERNEL_TESTS, cpu="AVX512-BF16 without AMX"),
+             KERNEL_TESTS, cpu=("avx512-bf16",)),
     Mutation("kernel's packed value product reads probabilities past the keys a row sees",
              "nezha_hf/csrc/fused_attention.cpp",
              "            std::fill(kept + kb, kept + even(value_keys), T(0));\n",
-             "", KERNEL_TESTS, cpu="AMX or AVX512-BF16"),
+             "", KERNEL_TESTS, cpu=("amx", "avx512-bf16")),
     Mutation("kernel's packed key block panels start one panel late", "nezha_hf/csrc/fused_attention.cpp",
              "cpublas::brgemm(M, width, Ke, lda, width, ldc, accumulate, A, data + j * Ke, C + (j - first), true);",
              "cpublas::brgemm(M, width, Ke, lda, width, ldc, accumulate, A, data + (j + kPanel * (j > first)) * Ke, "
-             "C + (j - first), true);", KERNEL_TESTS, cpu="AMX or AVX512-BF16"),
+             "C + (j - first), true);", KERNEL_TESTS, cpu=("amx", "avx512-bf16")),
     # --- the UniLM head and generation ---
     Mutation("UniLM head drops its token types", "nezha_hf/modeling_nezha.py",
              "            attention_mask=attention_mask,\n            token_type_ids=token_type_ids,",

@@ -7,7 +7,7 @@
 First the selected tests run on the unchanged copy (they must pass, or a "caught" bug would mean
 nothing); then each mutation is applied alone, its tests run with `-x`, and the file is restored. A
 mutation is caught when a test fails (or the run exceeds `--timeout`); it survives when they all
-pass. A mutation of code that runs only on some CPUs (`Mutation.cpu`: AMX, or AVX512-BF16 without it) is
+pass. A mutation of code that runs only on some kinds of CPU (`Mutation.cpu`: AMX, or AVX512-BF16 without it) is
 planted only on such a CPU; elsewhere it behaves like the original, so the run lists it as left for
 another CPU instead. Prints one line per mutation, a summary, and writes the report to
 `tests/mutations/last-run.txt`. Exit status: 0 when every mutation planted was caught, 1 otherwise.
@@ -23,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from mutations import CPU_KINDS, MUTATIONS
+from mutations import MUTATIONS
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from benchmarks.machine import cpu_flags  # noqa: E402
+from benchmarks.machine import cpu_flags, machine_kind  # noqa: E402
 REPORT = Path(__file__).with_name("last-run.txt")
 IGNORED = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build", "demo-output", "benchmarks")
 
@@ -50,6 +50,11 @@ def run_tests(copy: Path, tests: list[str], timeout: float, environment: dict) -
     return "error", f"pytest exited {done.returncode}: " + " | ".join(tail), seconds
 
 
+def left_for_another_cpu(mutations, kind: str) -> list:
+    """The mutations not planted on a CPU of `kind` (`benchmarks.machine.machine_kind`): those of code it never runs."""
+    return [mutation for mutation in mutations if mutation.cpu and kind not in mutation.cpu]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-k", dest="keyword", default="", help="only mutations whose name contains this")
@@ -64,8 +69,8 @@ def main(argv=None) -> int:
     if not selected:
         print(f"No mutation name contains {args.keyword!r}.", file=sys.stderr)
         return 1
-    flags = set(cpu_flags())
-    elsewhere = [m for m in selected if m.cpu and not CPU_KINDS[m.cpu](flags)]
+    kind = machine_kind({"flags": cpu_flags()})
+    elsewhere = left_for_another_cpu(selected, kind)
     selected = [m for m in selected if m not in elsewhere]
 
     with tempfile.TemporaryDirectory(prefix="nezha-mutations-") as scratch:
@@ -109,13 +114,12 @@ def main(argv=None) -> int:
             lines.append(line)
 
     for mutation in elsewhere:
-        line = f"{'other CPU':8} {0:6} s  {mutation.name}  [{mutation.file}]  needs a CPU with {mutation.cpu}"
+        line = f"{'other CPU':8} {0:6} s  {mutation.name}  [{mutation.file}]  needs a CPU of kind {' or '.join(mutation.cpu)}"
         print(line)
         lines.append(line)
     summary = (f"{len(selected)} mutations, {len(selected) - len(survivors)} caught, {len(survivors)} not caught"
                + (": " + "; ".join(survivors) if survivors else "")
-               + (f"; {len(elsewhere)} left for another CPU (this one's flags: {', '.join(sorted(flags)) or 'none'})"
-                  if elsewhere else ""))
+               + (f"; {len(elsewhere)} left for another CPU (this one is of kind {kind})" if elsewhere else ""))
     print(summary)
     if not args.keyword:
         REPORT.write_text(f"# python tests/mutations/run.py, {time.strftime('%Y-%m-%d')}\n" + "\n".join(lines)
