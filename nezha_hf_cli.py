@@ -124,7 +124,8 @@ def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser
                       help="instead of NEZHA: a BERT of the same head whose learned positions are extended "
                            "hierarchically (no training; loads with transformers alone)")
     bert.add_argument("--alpha", type=_number(float, 0.0, 1.0, high_open=True),
-                      help="with --hierarchical-positions: the decomposition's alpha, in (0, 1), not 0.5 (default: 0.4)")
+                      help="with --hierarchical-positions: the decomposition's alpha, in [0.05, 0.45] or [0.55, 0.95] "
+                           "(default: 0.4)")
     bert.add_argument("--max-length", type=COUNT,
                       help="with --hierarchical-positions: positions to write, more than the BERT's and at most their "
                            "square (default: that square, at most 16,384)")
@@ -181,6 +182,8 @@ def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser
     summarize.add_argument("--output", type=Path,
                            help="JSONL (one {id, summary, extracted} per input) or .txt; default: standard output")
     summarize.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    summarize.add_argument("--no-resume", action="store_true",
+                           help="start over, deleting the finished batches an earlier run kept beside --output")
     summarize.add_argument("--extract-only", action="store_true", help="output the extracted sentences")
     summarize.add_argument("--batch-size", type=COUNT, default=4, help="judgments generated together")
     summarize.add_argument("--threshold", type=PROBABILITY,
@@ -225,6 +228,9 @@ def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser
     onnx.add_argument("output", help="the .onnx file to write; for a summariser, the folder to write")
     onnx.add_argument("--atol", type=POSITIVE, default=1e-4, help="largest allowed |onnxruntime - PyTorch|")
     onnx.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    onnx.add_argument("--greedy", action="store_true",
+                      help="for a summariser that decodes with beams: export it decoding greedily (an exported "
+                           "summariser has no beam search, so its summaries can differ from the trained one's)")
 
     launch = command(sub, "accelerate-config", "print the path of an `accelerate launch` config installed with nezha_hf",
                      _examples('accelerate launch --config_file "$(nezha-hf accelerate-config one-machine)" \\',
@@ -264,10 +270,12 @@ def _read_inputs(paths, max_characters=None):
     return judgments
 
 
+SUMMARY_SUFFIXES = (".jsonl", ".json", ".txt")  # what `summarize --output` writes: JSONL, or text for .txt
+
+
 def _summarize(args) -> None:
     import json
     import shutil
-    from dataclasses import asdict
 
     from nezha_hf.checkpoints import RunRecord, model_folder
     from nezha_hf.distributed import claimed_by_main, processes, run_batches
@@ -278,14 +286,15 @@ def _summarize(args) -> None:
     model_folder(args.model, "summarizer.json")
     if args.output:
         check_destination(args.output, [args.model, *args.inputs], args.overwrite, kind="file")
+        if args.output.suffix.lower() not in SUMMARY_SUFFIXES:
+            raise ValueError(f"--output {args.output}: summaries are written as JSONL (.jsonl, .json) or text (.txt)")
     judgments = _read_inputs(args.inputs, args.max_characters)
-    settings = {key: value for key, value in (("threshold", args.threshold), ("token_budget", args.token_budget))
-                if value is not None}
+    settings = {key: value for key, value in (("threshold", args.threshold), ("token_budget", args.token_budget),
+                                              ("num_beams", args.num_beams)) if value is not None}
     summarizer = load_summarizer(args.model, **settings)
-    options = {"num_beams": args.num_beams} if args.num_beams else {}
+    options = {"max_new_tokens": args.max_new_tokens}
     if args.no_copy_constraint:
         options["copy_constraint"] = False
-    options["max_new_tokens"] = args.max_new_tokens
 
     def summarize(start, stop):
         return summarizer.summarize(judgments[start:stop], extract_only=args.extract_only, batch_size=args.batch_size,
@@ -293,14 +302,15 @@ def _summarize(args) -> None:
 
     # Finished batches are kept beside the output: a rerun after a kill goes on from there.
     journal = args.output.with_name(f".{args.output.name}.progress") if args.output else None
-    record = asdict(RunRecord.create("summarize", args.model, args.inputs, {
-        **summarizer.settings(), **options, "extract_only": args.extract_only, "batch_size": args.batch_size}))
+    record = RunRecord.create("summarize", args.model, args.inputs, {
+        **summarizer.settings(), **options, "extract_only": args.extract_only, "batch_size": args.batch_size})
     with claimed_by_main(state, *([args.output] if args.output else [])):
-        results = run_batches(state, len(judgments), args.batch_size, summarize, journal, record, show_progress=True,
+        results = run_batches(state, len(judgments), args.batch_size, summarize, journal, record,
+                              keys=[j.id for j in judgments], resume=not args.no_resume, show_progress=True,
                               unit="judgments")
         if not state.is_main_process:
             return
-        if args.output and args.output.suffix == ".txt":
+        if args.output and args.output.suffix.lower() == ".txt":
             text = "\n\n".join(f"{r['id']}\n{r['summary']}" for r in results) + "\n"
         else:
             text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
@@ -409,7 +419,10 @@ def _export(args) -> None:
     from nezha_hf.export import export_onnx, export_summarizer
 
     if (Path(args.model) / "summarizer.json").is_file():
-        report = export_summarizer(args.model, args.output, atol=args.atol, overwrite=args.overwrite)
+        report = export_summarizer(args.model, args.output, atol=args.atol, overwrite=args.overwrite,
+                                   greedy=args.greedy)
+    elif args.greedy:
+        raise ValueError(f"--greedy is for summarisers; {args.model} has no summarizer.json")
     else:
         report = export_onnx(args.model, args.output, atol=args.atol, overwrite=args.overwrite)
     print(report.summary())

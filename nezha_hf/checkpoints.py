@@ -186,7 +186,7 @@ class RunRecord:
     def difference(self, other: "RunRecord") -> str | None:
         """What differs from `other`, in words (None if nothing does)."""
         if self.command != other.command:
-            return f"they are {other.command} checkpoints"
+            return f"that run was {other.command}, this one is {self.command}"
         if self.base_content != other.base_content:
             return f"the base model differs (those started from {other.base}, this run from {self.base})"
         if self.data_content != other.data_content:

@@ -4,11 +4,15 @@ import functools
 import math
 
 import transformers
+from huggingface_hub import EvalResult
 from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassError
 from packaging.version import Version
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 # The oldest transformers this code runs on (it names the KV cache `cache`, as 5.24 does); pyproject.toml's floor,
 # which a test keeps equal. Remote code installs nothing, so an older transformers is refused here, in words,
@@ -17,6 +21,66 @@ MINIMUM_TRANSFORMERS = "5.24"
 if Version(transformers.__version__) < Version(MINIMUM_TRANSFORMERS):
     raise ImportError(f"NEZHA needs transformers>={MINIMUM_TRANSFORMERS}; this is {transformers.__version__}: "
                       f"pip install -U 'transformers>={MINIMUM_TRANSFORMERS}'")
+
+
+# The longest relative distance `K` a config may ask for. The published checkpoints use 64 (Chinese) and 127
+# (English); distances beyond the longest input carry nothing, and every engine holds `[.., length, 2K + 1]` terms per
+# call, so a `K` in the millions (10^9 in a downloaded config.json) would only exhaust memory before the first token.
+MAX_RELATIVE_POSITION = 16_384
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: below it LayerNorm's epsilon fades to 0
+
+# The model-card templates (`model_cards/<kind>.md`) a config's `nezha_card["kind"]` may name, and the other
+# `nezha_card` settings with the JSON types they may have. `nezha_card` comes from a checkpoint's config.json, so it
+# is data from whoever published the checkpoint: anything else in it is dropped where the config is read.
+CARD_KINDS = ("converted", "continued-pretraining", "classifier", "summarizer")
+CARD_TEXT_SETTINGS = ("model_name", "repo_id", "license", "base_model", "pipeline_tag", "task_description",
+                      "training_summary", "evaluation_summary", "extra")
+CARD_LIST_SETTINGS = ("language", "datasets", "tags")  # lists of strings (a single string too, but for tags)
+
+
+def checked_card_settings(card) -> dict:
+    """The usable part of a config's `nezha_card` (model-card settings, see `nezha_hf.hub.build_model_card`): a kind
+    from `CARD_KINDS`, texts that are strings, `language` / `datasets` (a string or a list of strings), `tags` (a list
+    of strings) and `eval_results` entries that are `huggingface_hub.EvalResult` fields. Anything else is dropped with
+    one warning naming it, never used as a path or a template."""
+    if card is None:
+        return {}
+    if not isinstance(card, dict):
+        logger.warning(f"Ignoring nezha_card: it is a {type(card).__name__}, not a dict of model-card settings.")
+        return {}
+    kept, dropped = {}, []
+    for name, value in card.items():
+        if name == "kind":
+            usable = value in CARD_KINDS
+        elif name in CARD_TEXT_SETTINGS:
+            usable = isinstance(value, str)
+        elif name in CARD_LIST_SETTINGS:
+            usable = (isinstance(value, str) and name != "tags") or (
+                isinstance(value, list) and all(isinstance(v, str) for v in value))
+        elif name == "eval_results":
+            usable = isinstance(value, list) and all(map(_is_eval_result, value))
+        else:
+            usable = False
+        if usable:
+            kept[name] = value
+        else:
+            dropped.append(f"{name}={value!r}"[:80])
+    if dropped:
+        logger.warning(
+            f"Ignoring nezha_card settings that are not model-card settings of nezha_hf: {', '.join(dropped)} (a card "
+            f"kind is one of {', '.join(CARD_KINDS)}).")
+    return kept
+
+
+def _is_eval_result(item) -> bool:
+    """Whether `item` (from a config file) builds a `huggingface_hub.EvalResult` with text where it needs text."""
+    if not isinstance(item, dict):
+        return False
+    try:
+        EvalResult(**item)
+    except (TypeError, ValueError):
+        return False
+    return all(isinstance(item.get(name), str) for name in ("task_type", "dataset_type", "dataset_name", "metric_type"))
 
 
 @strict(accept_kwargs=True)
@@ -34,7 +98,7 @@ class NezhaConfig(PreTrainedConfig):
         hidden_dropout_prob, attention_probs_dropout_prob, type_vocab_size, initializer_range,
         layer_norm_eps, classifier_dropout: as in `BertConfig`.
         max_relative_position: `K`, the distance beyond which relative positions are clipped
-            (64 for the Chinese checkpoints). The relative table has `2K + 1` rows.
+            (64 for the Chinese checkpoints), at most `MAX_RELATIVE_POSITION`. The relative table has `2K + 1` rows.
         max_position_embeddings: read from and written back to `config.json` unchanged, because
             transformers 4.x sized its position buffers with it; NEZHA here has no absolute positions,
             so it limits nothing. It is kept as `v4_max_position_embeddings`, not under its own name,
@@ -52,6 +116,9 @@ class NezhaConfig(PreTrainedConfig):
             copied span on an n-gram of the source.
         copy_loss_weight: weight of the copy-tag loss added to the language-model loss (SPACES
             used 2).
+        nezha_card (optional): model-card settings for `save_pretrained` / `push_to_hub` (see
+            `nezha_hf.hub.build_model_card`); read as data: a card kind outside `CARD_KINDS` and settings of the
+            wrong type are dropped with a warning (`checked_card_settings`).
 
     Example:
 
@@ -102,6 +169,8 @@ class NezhaConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         self.v4_max_position_embeddings = kwargs.pop("max_position_embeddings", None)
+        if "nezha_card" in kwargs:
+            kwargs["nezha_card"] = checked_card_settings(kwargs["nezha_card"])
         # Old releases spell the classes `NeZha*`; the classes here are `Nezha*`.
         if self.architectures:
             self.architectures = [name.replace("NeZha", "Nezha") for name in self.architectures]
@@ -114,13 +183,21 @@ class NezhaConfig(PreTrainedConfig):
                      "type_vocab_size", "max_relative_position"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.max_relative_position > MAX_RELATIVE_POSITION:
+            raise ValueError(f"max_relative_position must be at most {MAX_RELATIVE_POSITION:,} (the published "
+                             f"checkpoints use 64 and 127), got {self.max_relative_position:,}.")
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            for token in value if isinstance(value, list) else [value]:
+                if token is not None and not 0 <= token < self.vocab_size:
+                    raise ValueError(f"{name} must lie in [0, vocab_size={self.vocab_size}), got {value}.")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < 1:
                 raise ValueError(f"{name} must be a probability in [0, 1), got {value}.")
-        if not 0 < self.layer_norm_eps < math.inf:
-            raise ValueError(f"layer_norm_eps must be positive and finite (0 divides by zero on constant inputs), "
-                             f"got {self.layer_norm_eps}.")
+        if not FLOAT32_TINY <= self.layer_norm_eps < math.inf:
+            raise ValueError(f"layer_norm_eps must be finite and at least {FLOAT32_TINY:.3g} (0, or a value float32 "
+                             f"rounds towards 0, divides by zero on constant inputs), got {self.layer_norm_eps}.")
         if not 0 <= self.initializer_range < math.inf:
             raise ValueError(f"initializer_range must be finite and non-negative, got {self.initializer_range}.")
         if self.hidden_size % self.num_attention_heads != 0:
@@ -173,4 +250,4 @@ def _value_errors(init):
 NezhaConfig.__init__ = _value_errors(NezhaConfig.__init__)
 
 
-__all__ = ["NezhaConfig", "NezhaConfigError"]
+__all__ = ["CARD_KINDS", "MAX_RELATIVE_POSITION", "NezhaConfig", "NezhaConfigError", "checked_card_settings"]

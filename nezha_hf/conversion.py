@@ -21,7 +21,7 @@ import json
 import pickle
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -69,6 +69,28 @@ BERT_ONLY_CONFIG = {
     "pooler_type": "Google BERT metadata",
     "use_relative_position": "always true in NEZHA",
 }
+# Config keys that tell a loader to fetch and run code (`trust_remote_code`): never carried into an output. (With
+# `remote_code=True` the converter writes an `auto_map` of its own, naming nezha_hf's files it copies beside.)
+LOADER_CODE_CONFIG = {
+    "auto_map": "names code for transformers to fetch and run (trust_remote_code): not carried",
+    "custom_pipelines": "names pipeline code for transformers to fetch and run (trust_remote_code): not carried",
+}
+# Config keys the converter writes itself.
+REWRITTEN_CONFIG = {
+    "model_type": "written anew for the output",
+    "architectures": "written anew for the output",
+    "transformers_version": "written anew for the output",
+    "_name_or_path": "where the source was loaded from; a Hub id becomes the model card's base_model",
+    "torch_dtype": "the weights keep their own dtype",
+    "dtype": "the weights keep their own dtype",
+    "nezha_card": "the source's model-card settings: the converter writes its own",
+}
+# What a converted NEZHA config is built from: NezhaConfig's settings, `max_position_embeddings` (kept for
+# transformers 4.x, see NezhaConfig) and `num_labels` (transformers turns it into id2label).
+NEZHA_SETTINGS = {f.name for f in fields(NezhaConfig)} - set(REWRITTEN_CONFIG) | {
+    "max_position_embeddings", "num_labels"}
+BERT_SETTINGS = {f.name for f in fields(transformers.BertConfig)} - set(REWRITTEN_CONFIG) | {
+    "num_labels", "position_embedding_type"}
 BERT_TO_NEZHA_CLASS = {bert: head.model_class.__name__ for head in NEZHA_HEADS for bert in head.bert_classes}
 # The masked-LM decoder and its source when tied (the same in every head that has one).
 TIED_DECODER = NezhaForMaskedLM._tied_weights_keys
@@ -239,18 +261,28 @@ def _architecture(config_dict: dict, names: set[str], requested: str | None) -> 
     return "NezhaModel"
 
 
-def nezha_config_from_bert(config_dict: dict, architecture: str, report: ConversionReport, **overrides) -> NezhaConfig:
-    """Translate a BERT (or old NEZHA) config dict; BERT-only fields are listed in the report."""
+def carried_settings(config_dict: dict, settings: set[str], report: ConversionReport,
+                     reasons: dict[str, str] | None = None) -> dict:
+    """The keys of a source config that are `settings` of the output's config class; every other key is listed in
+    `report.config_dropped` with why (`reasons`, else the loader-code, rewritten and unknown-key reasons). A source
+    config is data from whoever published it: nothing it holds is carried without being known."""
     values = {}
     for key, value in config_dict.items():
-        if key in BERT_ONLY_CONFIG:
-            if key == "position_embedding_type" and value not in ("absolute", None):
-                raise ConversionError(f"position_embedding_type={value!r}: only BERTs with absolute positions convert.")
-            report.config_dropped[key] = BERT_ONLY_CONFIG[key]
-        elif key in ("model_type", "architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype"):
-            continue
-        else:
+        if key in settings:
             values[key] = value
+        else:
+            why = {**LOADER_CODE_CONFIG, **REWRITTEN_CONFIG, **(reasons or {})}.get(key)
+            report.config_dropped[key] = why or "not a setting of the output's config class"
+    return values
+
+
+def nezha_config_from_bert(config_dict: dict, architecture: str, report: ConversionReport, **overrides) -> NezhaConfig:
+    """Translate a BERT (or old NEZHA) config dict into a `NezhaConfig` of NEZHA's own settings; every other key
+    (BERT-only fields, loader-code keys such as `auto_map`, unknown keys) is listed in the report with why."""
+    if config_dict.get("position_embedding_type") not in ("absolute", None):
+        raise ConversionError(f"position_embedding_type={config_dict['position_embedding_type']!r}: only BERTs with "
+                              "absolute positions convert.")
+    values = carried_settings(config_dict, NEZHA_SETTINGS, report, BERT_ONLY_CONFIG)
     values.update({key: value for key, value in overrides.items() if value is not None})
     values["architectures"] = [architecture]
     return NezhaConfig(**values)
@@ -340,7 +372,8 @@ def _copy_tokenizer(source_directory: Path | None, output: Path, report: Convers
                     model_max_length: int = UNLIMITED_MODEL_MAX_LENGTH, why: str = "NEZHA has no length cap",
                     only_raise: bool = True):
     """Copy (or write, from `vocab_file`) the tokenizer into `output`, its `model_max_length` raised to
-    `model_max_length` (or, with `only_raise=False`, set to it), each change noted in `report` with `why`."""
+    `model_max_length` (or, with `only_raise=False`, set to it), each change noted in `report` with `why`; keys of
+    its config that name code for a loader to fetch (`LOADER_CODE_CONFIG`) are dropped and reported."""
     if vocab_file is not None:
         from transformers import BertTokenizerFast
 
@@ -355,11 +388,18 @@ def _copy_tokenizer(source_directory: Path | None, output: Path, report: Convers
     config_path = output / "tokenizer_config.json"
     if config_path.exists():
         tokenizer_config = json.loads(config_path.read_text(encoding="utf-8"))
+        changed = False
+        for key in LOADER_CODE_CONFIG.keys() & tokenizer_config.keys():
+            del tokenizer_config[key]
+            report.config_dropped[f"{config_path.name}: {key}"] = LOADER_CODE_CONFIG[key]
+            changed = True
         old = tokenizer_config.get("model_max_length")
         if (old is not None and old < model_max_length) if only_raise else old != model_max_length:
             tokenizer_config["model_max_length"] = model_max_length
-            config_path.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
             report.notes.append(f"tokenizer model_max_length {old} set to {model_max_length}: {why}")
+            changed = True
+        if changed:
+            config_path.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _write_and_verify(mapped, config: NezhaConfig, output: Path, report: ConversionReport) -> None:
@@ -413,6 +453,12 @@ def _convert_state(
     return report
 
 
+def _check_options(max_relative_position: int | None) -> None:
+    """A `ValueError` for a `max_relative_position` NezhaConfig refuses, before any checkpoint is read."""
+    if max_relative_position is not None:
+        NezhaConfig(max_relative_position=max_relative_position)
+
+
 def _read_config(path: Path) -> dict:
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
@@ -449,6 +495,7 @@ def convert_bert(
     """
     source = Path(source)
     output = check_destination(output, [source], overwrite)
+    _check_options(max_relative_position)
     state = read_pytorch_checkpoint(source)
     config_dict = _read_config(source / "config.json")
     report = ConversionReport(str(source), str(output), "huggingface-pytorch", "")
@@ -471,8 +518,11 @@ def hierarchical_positions(table: torch.Tensor, length: int, alpha: float = HIER
     `alpha * u[i // n] + (1 - alpha) * u[i % n]`. Computed in float64, returned in the table's dtype; the first n
     rows are the table's own, copied."""
     n = table.shape[0]
-    if not 0 < alpha < 1 or alpha == 0.5:
-        raise ValueError(f"alpha must be in (0, 1) and not 0.5 (positions a*n+b and b*n+a would coincide); got {alpha}")
+    # Positions a*n+b and b*n+a differ by (2 alpha - 1)(u[a] - u[b]) and the block index weighs alpha: near 0.5 they
+    # (nearly) coincide, near 0 positions repeat every n, near 1 `u` (divided by 1 - alpha) blows up.
+    if not (0.05 <= alpha <= 0.45 or 0.55 <= alpha <= 0.95):
+        raise ValueError(f"alpha must lie in [0.05, 0.45] or [0.55, 0.95] (near 0.5 positions a*n+b and b*n+a nearly "
+                         f"coincide, near 0 they repeat every {n}, near 1 the table blows up); got {alpha}")
     if not n < length <= n * n:
         raise ValueError(f"The length must be more than the {n} learned positions and at most {n}^2 = {n * n:,}; "
                          f"got {length}")
@@ -521,7 +571,8 @@ def convert_bert_hierarchical(
     report.mapped = {key: key for key in state}
     report.notes.append(f"{name}: {n} learned positions extended to {length:,} (hierarchical, alpha {alpha:g}); the "
                         f"first {n} copied unchanged")
-    config_dict["max_position_embeddings"] = length
+    config_dict = {**carried_settings(config_dict, BERT_SETTINGS, report, BERT_ONLY_CONFIG),
+                   "model_type": "bert", "architectures": [architecture], "max_position_embeddings": length}
     with staged_folder(output, overwrite) as work:
         _copy_tokenizer(source, work, report, model_max_length=length, why="the model's new length",
                         only_raise=False)
@@ -591,6 +642,7 @@ def convert_tf(
     """
     sources = [Path(checkpoint).parent, config_file, *([vocab_file] if vocab_file is not None else [])]
     output = check_destination(output, sources, overwrite)
+    _check_options(max_relative_position)
     report = ConversionReport(str(checkpoint), str(output), "tensorflow", "")
     state, tf_names = read_tf_checkpoint(checkpoint, report)
     config_dict = _read_config(Path(config_file))

@@ -22,6 +22,7 @@ import re
 import shutil
 import warnings
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -108,22 +109,25 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def run_batches(state, count: int, batch_size: int, work, journal=None, record: dict | None = None,
-                show_progress: bool = False, unit: str = "items") -> list | None:
+def run_batches(state, count: int, batch_size: int, work, journal=None, record=None, keys: list[str] | None = None,
+                resume: bool = True, show_progress: bool = False, unit: str = "items") -> list | None:
     """`work(start, stop)` (a list of JSON-able results, one per item) for each batch `[start, stop)` of `count` items,
     the batches shared out among the processes; returns every result in item order on the main process, None on the
     others. Batches are the same whatever the number of processes, so results are too.
 
     With `journal` (a folder beside the output being made), each finished batch is appended there at once, one JSONL
-    file per process; a rerun with the same `record` (what the results depend on) skips the batches already there,
-    whatever its number of processes; a journal of another record is discarded. The caller removes it when done.
+    file per process, each result with its item's key (`keys`, e.g. a judgment's id). A rerun with the same `record`
+    (a `checkpoints.RunRecord`: what the results depend on) skips the batches already there, whatever its number of
+    processes, and checks that every result it reuses is the one of the item it claims. A journal holding results of
+    another record is refused (a `ValueError` naming what differs), never deleted, unless `resume=False`, which
+    starts over. The caller removes the journal when done.
     """
     batches = [(start, min(start + batch_size, count)) for start in range(0, count, batch_size)]
     done = {}
     if journal is not None:
         journal = Path(journal)
-        on_main(state, lambda: _open_journal(journal, record))
-        done = _read_journal(journal)
+        on_main(state, lambda: _open_journal(journal, record, resume))
+        done = _read_journal(journal, count, keys)
         if done and state.is_main_process:
             logger.warning(f"{len(done)} of {count} {unit} already done ({journal}): going on from there.")
     mine = [b for b in batches if any(i not in done for i in range(*b))][state.process_index :: state.num_processes]
@@ -131,7 +135,8 @@ def run_batches(state, count: int, batch_size: int, work, journal=None, record: 
     log = open(journal / f"done-{state.process_index}.jsonl", "a", encoding="utf-8") if journal is not None else None
     try:
         for start, stop in tqdm(mine, desc="batches", disable=not (show_progress and state.is_main_process)):
-            results = [{"index": start + offset, "result": result} for offset, result in enumerate(work(start, stop))]
+            results = [{"index": index, "key": keys[index] if keys else None, "result": result}
+                       for index, result in enumerate(work(start, stop), start=start)]
             if log is not None:
                 log.write("".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in results))
                 log.flush()
@@ -151,12 +156,15 @@ def run_batches(state, count: int, batch_size: int, work, journal=None, record: 
     return [done[i] for i in range(count)]
 
 
-JOURNAL_FILES = re.compile(r"record\.json|done-\d+\.jsonl")
+JOURNAL_FILES = re.compile(r"record\.json(\.partial)?|done-\d+\.jsonl")
+JOURNAL_RECORD = "record.json"
 
 
-def _open_journal(journal: Path, record: dict | None) -> None:
-    """Keep a journal of the same record, with any line a kill cut short removed; start one otherwise (one line says
-    why). What this tool did not write (a link, a file, a folder with other files) is refused, never removed."""
+def _open_journal(journal: Path, record, resume: bool) -> None:
+    """Keep a journal of the same record, with any line a kill cut short removed, or start one where there is none
+    (or, with `resume=False`, in place of the old one). Results of another record, or of an unreadable one, are
+    refused with one line naming the difference and the way out, never deleted. What this tool did not write (a
+    link, a file, a folder with other files) is refused and left as it is."""
     if journal.is_symlink() or (journal.exists() and not journal.is_dir()):
         raise FileExistsError(f"{journal} is not a progress journal of nezha-hf (it is a link or a file): move it away.")
     if journal.is_dir():
@@ -164,33 +172,52 @@ def _open_journal(journal: Path, record: dict | None) -> None:
         if foreign:
             raise FileExistsError(f"{journal} holds files nezha-hf did not write ({', '.join(foreign[:3])}): move them "
                                   "away, or the folder.")
-        saved = journal / "record.json"
-        try:
-            same = json.loads(saved.read_text(encoding="utf-8")) == record
-        except (OSError, ValueError):  # none, cut short, not text: not a journal to go on from
-            same = False
-        if not same:
-            logger.warning(f"Discarding {journal}: its results are of an earlier run with other inputs or settings.")
+        if not resume:
             shutil.rmtree(journal)
+        elif any(part.stat().st_size for part in journal.glob("done-*.jsonl")):
+            difference = _journal_difference(journal, record)
+            if difference:
+                raise ValueError(f"{journal} holds the finished batches of another run: {difference}. Rerun as that "
+                                 "run was to go on from them, or pass --no-resume (resume=False) to start over, which "
+                                 "deletes them.")
     journal.mkdir(exist_ok=True)
     for part in journal.glob("done-*.jsonl"):
         text = part.read_bytes()
         if text and not text.endswith(b"\n"):
             part.write_bytes(text[: text.rfind(b"\n") + 1])
-    (journal / "record.json").write_text(json.dumps(record), encoding="utf-8")
+    # Written beside and renamed in: a kill mid-write leaves the old record, never a cut one.
+    partial = journal / f"{JOURNAL_RECORD}.partial"
+    partial.write_text(json.dumps(asdict(record)), encoding="utf-8")
+    os.replace(partial, journal / JOURNAL_RECORD)
 
 
-def _read_journal(journal: Path) -> dict:
-    """The results a journal holds by item, or a `ValueError` naming the damaged file and line and what to do."""
+def _journal_difference(journal: Path, record) -> str | None:
+    """How the run that wrote `journal` differs from `record` (in words), or None if it is the same run."""
+    try:
+        saved = type(record)(**json.loads((journal / JOURNAL_RECORD).read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):  # none, cut short, not text, another format
+        return f"its {JOURNAL_RECORD}, which says which run, is missing or unreadable"
+    return record.difference(saved)
+
+
+def _read_journal(journal: Path, count: int, keys: list[str] | None) -> dict:
+    """The results a journal holds by item; a `ValueError` naming the file and line, and what to do, for a damaged
+    line or a result that is not of the item it claims (an index outside the run, another key)."""
     done = {}
     for part in sorted(journal.glob("done-*.jsonl")):
         for number, line in enumerate(part.read_bytes().splitlines(), start=1):
             try:
                 entry = json.loads(line.decode("utf-8"))
-                done.setdefault(int(entry["index"]), entry["result"])
-            except (UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
-                raise ValueError(f"The progress journal {part} is damaged at line {number} ({type(error).__name__}): "
-                                 f"delete {journal} to start over.") from None
+                index = entry["index"]
+                if not isinstance(index, int) or not 0 <= index < count:
+                    raise IndexError(f"item {index!r} of {count}")
+                if keys is not None and entry["key"] != keys[index]:
+                    raise KeyError(f"item {index} is {keys[index]!r}, the line says {entry['key']!r}")
+                done.setdefault(index, entry["result"])
+            except (UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError) as error:
+                raise ValueError(f"The progress journal {part} is damaged at line {number} ({type(error).__name__}"
+                                 f"{': ' + str(error) if isinstance(error, (IndexError, KeyError)) else ''}): "
+                                 f"delete {journal}, or pass --no-resume, to start over.") from None
     return done
 
 

@@ -110,7 +110,7 @@ def export_onnx(model_or_path, output: str | os.PathLike, atol: float = 1e-4, ov
         An `OnnxExport` with what was written and the largest difference measured.
     """
     output = Path(output)
-    if output.suffix != ".onnx":
+    if output.suffix.lower() != ".onnx":
         raise ValueError(f"The ONNX file's name should end in .onnx, got {output}.")
     sources = [] if isinstance(model_or_path, NezhaPreTrainedModel) else [model_or_path]
     check_destination(output, sources, overwrite=overwrite, kind="file")
@@ -265,7 +265,9 @@ class ExportedGenerator:
 
 def check_export(folder: Path) -> None:
     """An error naming what a folder `ExportedModel.save_pretrained` wrote lacks (its manifest, a program file it
-    names, its config), before transformers would look the folder up on the model hub."""
+    names, its config), before transformers would look the folder up on the model hub. The manifest is data from
+    whoever made the folder: it must name ONNX programs (what `export_summarizer` writes; other formats can run code
+    when loaded) by plain file names inside the folder."""
     from transformers.exporters.auto import get_exporter_class
 
     manifest_path = folder / "export.json"
@@ -277,6 +279,13 @@ def check_export(folder: Path) -> None:
         raise FileNotFoundError(f"{manifest_path} is missing: export the summariser again.") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{manifest_path} is damaged ({type(error).__name__}): export the summariser again.") from None
+    if manifest["export_format"] != "onnx":
+        raise ValueError(f"{manifest_path} names {manifest['export_format']!r} programs; an exported summariser holds "
+                         "ONNX programs (nezha-hf export onnx).")
+    outside = [name for name in files if Path(name).name != name or name in ("", ".", "..")]
+    if outside:
+        raise ValueError(f"{manifest_path} names files outside its folder ({', '.join(map(repr, outside[:3]))}): "
+                         "export the summariser again.")
     for name in [*files, "config.json"]:
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{folder / name} is missing: export the summariser again.")
@@ -284,13 +293,17 @@ def check_export(folder: Path) -> None:
 
 def load_exported_summarizer(directory, **settings) -> "Summarizer":
     """The summariser `export_summarizer` wrote, running on onnxruntime: `.summarize(judgments)` as usual (greedy).
-    `settings` override those of its `summarizer.json`. A missing or damaged part is an error naming it."""
+    `settings` override those of its `summarizer.json`; more than one beam is refused (an exported generator decodes
+    greedily). A missing or damaged part is an error naming it."""
     require_extra("onnx", "Running an exported summariser")
     from transformers import AutoTokenizer
     from transformers.exporters import ExportedModel
 
     directory = Path(directory)
     saved = {**summarizer_settings(directory), **settings}
+    if saved.get("num_beams", 1) != 1:
+        raise ValueError(f"{directory} is an exported summariser, which decodes greedily: it cannot use "
+                         f"{saved['num_beams']} beams (pass 1, or run the trained summariser).")
     for part in (EXTRACTOR_DIR, GENERATOR_DIR):
         check_export(directory / part)
     summarizer = Summarizer(ExportedExtractor(ExportedModel.from_pretrained(directory / EXTRACTOR_DIR)),
@@ -328,12 +341,17 @@ class SummarizerExport:
                 "PyTorch generate()'s.")
 
 
-def export_summarizer(directory, output, atol: float = 1e-4, overwrite: bool = False) -> SummarizerExport:
+def export_summarizer(directory, output, atol: float = 1e-4, overwrite: bool = False,
+                      greedy: bool = False) -> SummarizerExport:
     """Export a summariser folder (from `train-summarizer`) to ONNX: the extractor with transformers'
     `OnnxExporter`, the generator with its `export_for_generation` (dynamic shapes and cache), the tokenizer and
     settings beside them. Verified before it is put in place at `output`: on the real judgments shipped with the
     package, the extraction probabilities within `atol` and `VERIFY_NEW_TOKENS` greedily generated tokens equal
-    to PyTorch `generate()`'s. `load_exported_summarizer(output)` runs it."""
+    to PyTorch `generate()`'s. `load_exported_summarizer(output)` runs it.
+
+    The exported generator decodes greedily (one beam). A summariser that decodes with more beams (the default of
+    `train-summarizer` is 3) would write other summaries once exported, so it is refused unless `greedy=True`
+    (`--greedy`) accepts greedy decoding for the export."""
     from transformers.exporters.configs import OnnxConfig
     from transformers.exporters.exporter_onnx import OnnxExporter
 
@@ -344,6 +362,10 @@ def export_summarizer(directory, output, atol: float = 1e-4, overwrite: bool = F
 
     directory = model_folder(directory, "summarizer.json")
     output = check_destination(output, [directory], overwrite)
+    beams = summarizer_settings(directory).get("num_beams", 1)
+    if beams != 1 and not greedy:
+        raise ValueError(f"{directory} decodes with {beams} beams, but an exported summariser decodes greedily and "
+                         "would write other summaries: pass --greedy (greedy=True) to export it decoding greedily.")
     require_extra("onnx", "ONNX export")
     summarizer = Summarizer.from_pretrained(directory)
     summarizer.generator.config.use_cache = True  # decoding steps take a cache, whatever the saved config says

@@ -27,7 +27,7 @@ from transformers.generation import (
 )
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .relative_attention import values_known
+from .relative_attention import tracing, values_known
 
 COPY_TAGS = ("generated", "copy-start", "copy-continue")
 # transformers' default length when a call gives none: this many new tokens.
@@ -39,6 +39,30 @@ def cache_length(cache: Cache | None) -> int | torch.Tensor:
     traced code keeps the tensor (its value changes from one decoding step to the next)."""
     length = cache.get_seq_length() if cache is not None else 0
     return int(length) if isinstance(length, torch.Tensor) and values_known(length) else length
+
+
+def check_cache_fits(cache: Cache, key: torch.Tensor, layer_idx: int, num_layers: int) -> None:
+    """A `ValueError` naming what does not match when `cache` (the self-attention cache a layer is about to extend)
+    was made by another model or for another batch: the number of layers it holds (`num_layers` in this model), or
+    the batch size, heads or head size of its keys at `layer_idx` against this layer's new `key` (`[batch, heads,
+    length, head_size]`). Shapes only; nothing is checked while tracing (compile, export), where shapes are the
+    trace's."""
+    if tracing() or not cache.layers:
+        return
+    if layer_idx == 0 and cache.get_seq_length() and len(cache.layers) != num_layers:
+        raise ValueError(f"The cache holds {len(cache.layers)} layers but this model has {num_layers}: it was made "
+                         "by another model. Pass a cache this model returned (or none).")
+    layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
+    cached = getattr(layer, "keys", None) if getattr(layer, "is_initialized", False) else None
+    if not isinstance(cached, torch.Tensor) or cached.dim() != 4 or not cached.numel():
+        return
+    names = {0: "batch size", 1: "heads", 3: "head size"}
+    differ = [f"{name} {cached.shape[dim]} (this call: {key.shape[dim]})" for dim, name in names.items()
+              if cached.shape[dim] != key.shape[dim]]
+    if differ:
+        raise ValueError(f"The cache's keys at layer {layer_idx} do not fit this model and input: "
+                         f"{', '.join(differ)}. It was made by another model or for another batch; pass a cache this "
+                         "model returned for these inputs (or none).")
 
 
 class CopySpanLogitsProcessor(LogitsProcessor):
@@ -146,6 +170,7 @@ class NezhaUniLMGenerationMixin(GenerationMixin):
                 length of the `cache` passed in); an assistant model receives it from the main
                 model's `generate`.
         """
+        self._check_special_ids(kwargs)
         prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         if kwargs.get("token_type_ids") is None and prompt is not None:
             kwargs["token_type_ids"] = torch.zeros(prompt.shape[:2], dtype=torch.long, device=prompt.device)
@@ -167,6 +192,19 @@ class NezhaUniLMGenerationMixin(GenerationMixin):
         finally:
             if hook is not None:
                 hook.remove()
+
+    def _check_special_ids(self, kwargs: dict) -> None:
+        """A `ValueError` for a padding, start or end id outside the vocabulary, whether the call or a generation
+        config (a checkpoint's `generation_config.json`) gives it: an end id the model can never produce would let
+        every summary run to the length limit without a word."""
+        configs = [c for c in (kwargs.get("generation_config"), self.generation_config) if c is not None]
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+            value = kwargs.get(name, next((getattr(c, name) for c in configs if getattr(c, name, None) is not None),
+                                          None))
+            for token in value if isinstance(value, list) else [value]:
+                if token is not None and not 0 <= token < self.config.vocab_size:
+                    raise ValueError(f"{name} {value} lies outside the vocabulary [0, {self.config.vocab_size}) "
+                                     "(given to generate, or in the model's generation_config.json).")
 
     def _length_given(self, kwargs: dict) -> bool:
         """Whether the call or a generation config sets a length. Without one, transformers would cap the

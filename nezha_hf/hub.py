@@ -2,8 +2,9 @@
 
 - `build_model_card` / `write_model_card`: a `README.md` with YAML metadata (`library_name`,
   `tags` with `nezha`, `pipeline_tag`, `language`, `license`, `base_model`, evaluation results),
-  from the templates in `model_cards/`, through `huggingface_hub.ModelCard`. Every NEZHA model's
-  `save_pretrained` and `push_to_hub` call it.
+  from the templates in `model_cards/` (a kind from `CARD_KINDS` names one; rendered in Jinja2's sandbox with the
+  card's data only), as a `huggingface_hub.ModelCard`. Every NEZHA model's `save_pretrained` and `push_to_hub`
+  call it.
 - `export_remote_code`: make a checkpoint folder loadable with `trust_remote_code=True` by people
   who do not install nezha_hf: the modeling file and every module it imports are copied beside the
   weights and `config.json` gets an `auto_map` entry for every Auto class.
@@ -20,8 +21,10 @@ from importlib import resources
 from pathlib import Path
 
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers.dynamic_module_utils import get_relative_import_files
 
+from .configuration_nezha import CARD_KINDS
 from .modeling_nezha import NEZHA_HEADS, nezha_head
 from .safe_output import staged_file, staged_files_into, write_text_atomically
 
@@ -36,11 +39,19 @@ TASK_DESCRIPTIONS = {
 
 
 def template_path(kind: str) -> Path:
-    """The template file for `kind`: converted, continued-pretraining, classifier or summarizer."""
-    path = resources.files("nezha_hf.model_cards") / f"{kind}.md"
-    if not path.is_file():
-        raise ValueError(f"No model-card template {kind!r}; see model_cards/README.md for the list.")
-    return Path(str(path))
+    """The template file for `kind`, one of `CARD_KINDS` (converted, continued-pretraining, classifier, summarizer):
+    a name, never a path."""
+    if kind not in CARD_KINDS:
+        raise ValueError(f"No model-card template {kind!r}: the kinds are {', '.join(CARD_KINDS)} "
+                         "(model_cards/README.md).")
+    return Path(str(resources.files("nezha_hf.model_cards") / f"{kind}.md"))
+
+
+def render_card_template(template: str, **data) -> str:
+    """`template` (Jinja2) filled with `data` and nothing else, in Jinja2's immutable sandbox: a template reaches no
+    Python internals (attribute walks to `__globals__` and the like are a `jinja2.exceptions.SecurityError`) and
+    changes nothing it is given."""
+    return ImmutableSandboxedEnvironment().from_string(template).render(**data)
 
 
 def build_model_card(architecture: str, settings: dict | None = None) -> ModelCard:
@@ -81,7 +92,8 @@ def build_model_card(architecture: str, settings: dict | None = None) -> ModelCa
     }
     if settings:
         raise ValueError(f"Unknown model-card settings: {sorted(settings)}.")
-    card = ModelCard.from_template(card_data, template_path=str(template_path(kind)), **texts)
+    template = template_path(kind).read_text(encoding="utf-8")
+    card = ModelCard(render_card_template(template, card_data=card_data.to_yaml(), **texts))
     card.text = card.text.rstrip() + f"\n\n{CARD_MARKER}\n"
     return card
 
@@ -174,6 +186,7 @@ __all__ = [
     "export_remote_code",
     "push_model_to_hub",
     "remote_code_files",
+    "render_card_template",
     "save_model",
     "template_path",
     "write_model_card",

@@ -47,7 +47,7 @@ from transformers.utils.generic import can_return_tuple, merge_with_config_defau
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_nezha import NezhaConfig
-from .generation_nezha import COPY_TAGS, NezhaUniLMGenerationMixin, cache_length
+from .generation_nezha import COPY_TAGS, NezhaUniLMGenerationMixin, cache_length, check_cache_fits
 from .relative_attention import (
     Engine,
     RelativeAttentionMask,
@@ -179,6 +179,7 @@ class NezhaSelfAttention(nn.Module):
             value_layer = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
             if cache is not None:
                 self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+                check_cache_fits(self_cache, key_layer, self.layer_idx, self.config.num_hidden_layers)
                 key_layer, value_layer = self_cache.update(key_layer, value_layer, self.layer_idx)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(

@@ -154,6 +154,11 @@ class Summarizer:
     token_budget: int = 1000
     num_beams: int = 3  # beam search by default; an exported summariser decodes greedily (1)
 
+    def __post_init__(self):
+        problem = settings_problem(self.settings())
+        if problem:
+            raise ValueError(f"Summarizer: {problem}.")
+
     @classmethod
     def from_pretrained(cls, directory: str | Path, **settings) -> "Summarizer":
         """Load the summariser folder `train-summarizer` wrote: the models `extractor/` and `generator/`, their
@@ -246,7 +251,30 @@ def summarizer_settings(directory: Path) -> dict:
         raise ValueError(f"{path} is damaged ({type(error).__name__}): write the summariser again.") from None
     if not isinstance(settings, dict):
         raise ValueError(f"{path} is damaged (not a JSON object): write the summariser again.")
+    problem = settings_problem(settings)
+    if problem:
+        raise ValueError(f"{path}: {problem}. Correct the file, or write the summariser again.")
     return settings
+
+
+SETTINGS = ("threshold", "token_budget", "num_beams")  # what `Summarizer.settings` (summarizer.json) holds
+
+
+def settings_problem(settings: dict) -> str | None:
+    """What is wrong with summariser settings (`summarizer.json`, or `Summarizer`'s fields), or None: the same rules
+    as `nezha-hf summarize`'s options. `threshold` a probability in [0, 1]; `token_budget` and `num_beams` whole
+    numbers of at least 1; no other keys."""
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        return f"unknown settings {', '.join(unknown)} (a summariser has {', '.join(SETTINGS)})"
+    threshold = settings.get("threshold", 0.5)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
+        return f"threshold must be a probability in [0, 1], got {threshold!r}"
+    for name in ("token_budget", "num_beams"):
+        value = settings.get(name, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{name} must be a whole number of at least 1, got {value!r}"
+    return None
 
 
 def extractor_from(base_model) -> NezhaForSentenceExtraction:

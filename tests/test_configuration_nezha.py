@@ -16,7 +16,9 @@ import nezha_hf
     (dict(num_hidden_layers=-1), "num_hidden_layers"),  # was a 0-layer model
     (dict(hidden_size=-32, num_attention_heads=4), "hidden_size must be at least 1"),
     (dict(intermediate_size=0), "intermediate_size"),
-    (dict(layer_norm_eps=0.0), "layer_norm_eps must be positive"),  # was NaN outputs
+    (dict(layer_norm_eps=0.0), "layer_norm_eps must be finite and at least"),  # was NaN outputs
+    (dict(layer_norm_eps=1e-46), "layer_norm_eps must be finite and at least"),  # 0 in float32: NaN outputs
+    (dict(layer_norm_eps=1e-39), "layer_norm_eps must be finite and at least"),  # a float32 subnormal
     (dict(attention_probs_dropout_prob=1.0), "attention_probs_dropout_prob"),
     (dict(hidden_dropout_prob=-0.1), "hidden_dropout_prob"),
     (dict(classifier_dropout=1.5), "classifier_dropout"),

@@ -450,10 +450,12 @@ def test_hierarchical_positions_extend_a_bert_that_transformers_alone_loads(tmp_
 def test_hierarchical_options_are_checked_in_one_line(tmp_path, run_cli):
     save_layout(small_bert(), tmp_path / "bert", "safetensors")
     source, out = tmp_path / "bert", tmp_path / "long"
-    for alpha in ("0", "0.5"):
+    # Round four: not only 0.5 but the range around it (and near 0 and 1), where positions (nearly) coincide.
+    for alpha in ("0", "1e-9", "0.04", "0.46", "0.5", "0.5000001", "0.54", "0.96", "0.999999"):
         done = run_cli("convert", "bert", source, out, "--hierarchical-positions", "--alpha", alpha)
-        assert done.returncode == 2 and "alpha must be in (0, 1)" in done.stderr, done.stderr
+        assert done.returncode == 2 and "alpha must lie in [0.05, 0.45] or [0.55, 0.95]" in done.stderr, done.stderr
     assert run_cli("convert", "bert", source, out, "--hierarchical-positions", "--alpha", "1").returncode == 2
+    assert not out.exists()
     for length in ("64", "4097"):
         done = run_cli("convert", "bert", source, out, "--hierarchical-positions", "--max-length", length)
         assert done.returncode == 2 and "at most 64^2 = 4,096" in done.stderr, done.stderr

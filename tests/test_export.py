@@ -184,7 +184,11 @@ def test_a_summariser_exports_whole_and_runs_on_onnxruntime(tmp_path, run_cli):
     from nezha_hf.summarization import Summarizer
 
     summarizer_pipeline(tmp_path, quick=True)
-    done = run_cli("export", "onnx", tmp_path / "toy-summarizer", tmp_path / "onnx")
+    # It decodes with 3 beams; exported, it would decode greedily: refused before any work unless --greedy says so.
+    refused = run_cli("export", "onnx", tmp_path / "toy-summarizer", tmp_path / "onnx")
+    assert refused.returncode == 2 and "3 beams" in refused.stderr and "--greedy" in refused.stderr, refused.stderr
+    assert not (tmp_path / "onnx").exists()
+    done = run_cli("export", "onnx", tmp_path / "toy-summarizer", tmp_path / "onnx", "--greedy")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "greedy summaries" in done.stdout
     judgments = read_judgments([EXAMPLES])
@@ -194,10 +198,36 @@ def test_a_summariser_exports_whole_and_runs_on_onnxruntime(tmp_path, run_cli):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     # `summarize` takes the exported folder as it takes a trained one (it said it "needs extractor/ and generator/
     # model folders", which it has)
-    done = run_cli("summarize", tmp_path / "onnx", EXAMPLES, "--max-new-tokens", "30", "--num-beams", "1")
+    beams = run_cli("summarize", tmp_path / "onnx", EXAMPLES, "--max-new-tokens", "30", "--num-beams", "3")
+    assert beams.returncode == 2 and "greedily" in beams.stderr, beams.stderr  # before any judgment is read
+    done = run_cli("summarize", tmp_path / "onnx", EXAMPLES, "--max-new-tokens", "30")
     assert done.returncode == 0, done.stderr[-2000:]
     assert [json.loads(line)["summary"] for line in done.stdout.splitlines()] == [r["summary"] for r in expected]
     assert_damage_is_named(tmp_path / "onnx", run_cli)
+    assert_foreign_manifests_are_refused(tmp_path / "onnx", run_cli)
+
+
+def assert_foreign_manifests_are_refused(exported, run_cli):
+    """Round four: an exported folder's `export.json` is data from whoever made it; one naming a program outside the
+    folder, or a format whose loading runs code, is one line naming the manifest, before anything is read."""
+    from nezha_hf.demo import EXAMPLES
+
+    manifest = json.loads((exported / "generator" / "export.json").read_text())
+    component = next(iter(manifest["components"]))
+    outside = exported.parent / "outside.onnx"
+    shutil.copy(exported / "generator" / manifest["components"][component]["file"], outside)
+    changes = {"outside": {"components": {**manifest["components"], component: {
+                   **manifest["components"][component], "file": f"../../{outside.name}"}}},
+               "absolute": {"components": {**manifest["components"], component: {
+                   **manifest["components"][component], "file": str(outside)}}},
+               "format": {"export_format": "dynamo"}}
+    for name, change in changes.items():
+        damaged = exported.with_name("damaged")
+        shutil.copytree(exported, damaged)
+        (damaged / "generator" / "export.json").write_text(json.dumps({**manifest, **change}))
+        done = run_cli("summarize", damaged, EXAMPLES, "--max-new-tokens", "4")
+        assert done.returncode == 2 and "export.json" in done.stderr.strip().splitlines()[-1], (name, done.stderr)
+        shutil.rmtree(damaged)
 
 
 def assert_damage_is_named(exported, run_cli):

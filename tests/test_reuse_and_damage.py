@@ -71,14 +71,19 @@ def ids(path):
 @pytest.mark.slow
 def test_a_rerun_with_the_inputs_in_another_order_does_not_mix_their_results(tmp_path, tokenizer):
     """Killed `summarize a b`, rerun as `summarize b a`: the journal was reused by position, the output held a's
-    judgments twice and b's not at all, and it said "wrote 8 summaries"."""
+    judgments twice and b's not at all, and it said "wrote 8 summaries". (Round four: the journal of the other order
+    is refused, not discarded; --no-resume starts over.)"""
     model = summarizer_folder(tmp_path / "s", tokenizer)
     a, b = judgments_file(tmp_path / "a.jsonl", "a", 40), judgments_file(tmp_path / "b.jsonl", "b", 40, seed=1)
     output = tmp_path / "o.jsonl"
-    killed_summarize(model, [a, b], output)
-    done = summarize(model, [b, a], output)
+    journal = killed_summarize(model, [a, b], output)
+    (tmp_path / ".o.jsonl.lock").unlink(missing_ok=True)  # the killed run's; the next run removes it
+    before = snapshot(journal)
+    one_line_failure(summarize(model, [b, a], output), str(journal), "another order", "--no-resume")
+    assert snapshot(journal) == before and not output.exists()
+    done = summarize(model, [b, a], output, "--no-resume")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "Discarding" in done.stderr and "already done" not in done.stderr
+    assert "already done" not in done.stderr
     reference = summarize(model, [b, a], tmp_path / "reference.jsonl")
     assert ids(output) == [f"b{i}" for i in range(40)] + [f"a{i}" for i in range(40)]
     assert output.read_bytes() == (tmp_path / "reference.jsonl").read_bytes()
@@ -88,19 +93,39 @@ def test_a_rerun_with_the_inputs_in_another_order_does_not_mix_their_results(tmp
 @pytest.mark.slow
 def test_a_changed_generation_config_is_not_the_same_work(tmp_path, tokenizer):
     """The run record fingerprinted the weights and config.json only: after `generator/generation_config.json`
-    changed, the journal's summaries (of the old settings) came back in the output."""
+    changed, the journal's summaries (of the old settings) came back in the output. (Round four: refused, not
+    discarded.)"""
     model = summarizer_folder(tmp_path / "s", tokenizer)
     data = judgments_file(tmp_path / "d.jsonl", "d", 80)
     output = tmp_path / "o.jsonl"
-    killed_summarize(model, [data], output)
+    journal = killed_summarize(model, [data], output)
     settings_file = model / "generator" / "generation_config.json"
     settings = json.loads(settings_file.read_text())
     settings_file.write_text(json.dumps({**settings, "repetition_penalty": 5.0}))
-    done = summarize(model, [data], output)
+    before = snapshot(journal)
+    one_line_failure(summarize(model, [data], output), str(journal), "base model differs", "--no-resume")
+    assert snapshot(journal) == before
+    done = summarize(model, [data], output, "--no-resume")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "Discarding" in done.stderr and "already done" not in done.stderr
     summarize(model, [data], tmp_path / "reference.jsonl")
     assert output.read_bytes() == (tmp_path / "reference.jsonl").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_rerun_with_one_setting_changed_keeps_the_journal(tmp_path, tokenizer):
+    """Round four: a rerun with one setting changed deleted the earlier run's journal of finished batches, with a
+    warning only. It is now refused with one line naming the setting, and the journal is left byte for byte."""
+    model = summarizer_folder(tmp_path / "s", tokenizer)
+    data = judgments_file(tmp_path / "d.jsonl", "d", 80)
+    output = tmp_path / "o.jsonl"
+    journal = killed_summarize(model, [data], output)
+    (tmp_path / ".o.jsonl.lock").unlink(missing_ok=True)
+    before = snapshot(journal)
+    one_line_failure(summarize(model, [data], output, "--max-new-tokens", "30"), str(journal),
+                     "max_new_tokens 40 then, 30 now", "--no-resume")
+    assert snapshot(journal) == before and not output.exists()
+    done = summarize(model, [data], output)  # as the killed run was: goes on from its batches
+    assert done.returncode == 0 and "already done" in done.stderr, done.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -142,7 +167,9 @@ def test_a_journal_that_is_a_link_or_holds_other_files_is_refused_untouched(tmp_
     assert (journal / "notes.txt").read_text() == "mine" and not output.exists()
 
 
-def test_a_journal_cut_in_its_record_starts_over_with_one_line(tmp_path, tokenizer, run_cli, caplog):
+def test_a_journal_cut_in_its_record_is_refused_until_no_resume(tmp_path, tokenizer, run_cli):
+    """Round three started over, deleting such a journal; round four: results whose record cannot be read may be any
+    run's, so they are refused (one line, nothing touched) until --no-resume says to start over."""
     model = summarizer_folder(tmp_path / "s", tokenizer)
     data = judgments_file(tmp_path / "d.jsonl", "d", 2)
     output = tmp_path / "o.jsonl"
@@ -150,9 +177,27 @@ def test_a_journal_cut_in_its_record_starts_over_with_one_line(tmp_path, tokeniz
     journal.mkdir()
     (journal / "record.json").write_bytes(b'{"command": "summ')
     (journal / "done-0.jsonl").write_bytes(b"\xff\xfe not the results of this run\n")
+    before = snapshot(journal)
+    one_line_failure(run_cli("summarize", model, data, "--output", output, *SUMMARIZE), str(journal),
+                     "unreadable", "--no-resume")
+    assert snapshot(journal) == before and not output.exists()
+    done = run_cli("summarize", model, data, "--output", output, *SUMMARIZE, "--no-resume")
+    assert done.returncode == 0, done.stderr
+    assert ids(output) == ["d0", "d1"] and not journal.exists()
+
+
+def test_a_journal_without_results_is_reused_whatever_its_record(tmp_path, tokenizer, run_cli):
+    """Nothing to lose: a journal a kill left before its first batch (a record, no results) does not stop a rerun
+    with other settings."""
+    model = summarizer_folder(tmp_path / "s", tokenizer)
+    data = judgments_file(tmp_path / "d.jsonl", "d", 2)
+    output = tmp_path / "o.jsonl"
+    journal = tmp_path / ".o.jsonl.progress"
+    journal.mkdir()
+    (journal / "record.json").write_text('{"command": "summarize"}')
+    (journal / "done-0.jsonl").write_bytes(b"")
     done = run_cli("summarize", model, data, "--output", output, *SUMMARIZE)
     assert done.returncode == 0, done.stderr
-    assert "Discarding" in caplog.text
     assert ids(output) == ["d0", "d1"] and not journal.exists()
 
 

@@ -20,6 +20,7 @@ class Mutation:
     cpu: tuple[str, ...] = ()
 
 
+UNTRUSTED_TESTS = ["tests/test_untrusted_checkpoints.py"]
 ATTENTION_TESTS = ["tests/test_relative_attention.py", "tests/test_modeling_nezha.py", "-m", "not slow"]
 KERNEL_TESTS = ["tests/test_fused_attention.py", "-m", "not slow"]
 CHUNKED_TESTS = ["tests/test_chunked_attention.py", "-m", "not slow"]
@@ -218,7 +219,7 @@ MUTATIONS = [
              "            load_optimizer_distributed(self.model, self.optimizer, os.path.join(checkpoint, OPTIMIZER_DCP))\n",
              "            pass\n", ["tests/test_distributed.py", "-k", "killed"]),
     Mutation("a rerun of summarize does again what the killed run wrote", "nezha_hf/distributed.py",
-             "        done = _read_journal(journal)\n", "        done = {}\n",
+             "        done = _read_journal(journal, count, keys)\n", "        done = {}\n",
              ["tests/test_distributed.py", "-k", "summarize"]),
     # --- what a reuse is keyed on (issue 36) ---
     Mutation("the run record fingerprints the weights only", "nezha_hf/checkpoints.py",
@@ -291,6 +292,31 @@ MUTATIONS = [
              "start = tl.maximum(block * BLOCK_N - offset, 0) // BLOCK_M * BLOCK_M + BLOCK_M", TRITON_TESTS),
     Mutation("triton: a failing kernel is raised instead of giving way", "nezha_hf/relative_attention.py",
              "    except EngineUnavailable:", "    except ZeroDivisionError:", TRITON_TESTS),
+    # --- a downloaded checkpoint is untrusted input (issue 46) ---
+    Mutation("a card kind names any file", "nezha_hf/hub.py", "    if kind not in CARD_KINDS:\n", "    if False:\n",
+             UNTRUSTED_TESTS),
+    Mutation("card templates render without the sandbox", "nezha_hf/hub.py",
+             "ImmutableSandboxedEnvironment().from_string", "__import__('jinja2').Environment().from_string",
+             UNTRUSTED_TESTS),
+    Mutation("a config's card settings are kept unchecked", "nezha_hf/configuration_nezha.py",
+             '            kwargs["nezha_card"] = checked_card_settings(kwargs["nezha_card"])', "            pass",
+             UNTRUSTED_TESTS),
+    Mutation("converters carry every source config key", "nezha_hf/conversion.py",
+             "        if key in settings:\n            values[key] = value", "        if True:\n            values[key] = value",
+             UNTRUSTED_TESTS),
+    Mutation("a journal of other settings is taken", "nezha_hf/distributed.py",
+             "            if difference:\n                raise", "            if False:\n                raise",
+             UNTRUSTED_TESTS),
+    Mutation("a journal result is taken for any item", "nezha_hf/distributed.py",
+             "if keys is not None and entry[\"key\"] != keys[index]:", "if False:", UNTRUSTED_TESTS),
+    Mutation("summarizer.json is taken unchecked", "nezha_hf/summarization.py",
+             "    problem = settings_problem(settings)\n    if problem:\n        raise ValueError(f\"{path}",
+             "    problem = None\n    if problem:\n        raise ValueError(f\"{path}", UNTRUSTED_TESTS),
+    Mutation("max_relative_position is unbounded", "nezha_hf/configuration_nezha.py",
+             "        if self.max_relative_position > MAX_RELATIVE_POSITION:", "        if False:", UNTRUSTED_TESTS),
+    Mutation("a cache of another model is taken", "nezha_hf/generation_nezha.py",
+             "    if differ:\n        raise ValueError(f\"The cache's keys", "    if False:\n        raise ValueError(f\"The cache's keys",
+             UNTRUSTED_TESTS),
     # --- export ---
     Mutation("exporting a model object switches the caller's model to the L x L gather path", "nezha_hf/export.py",
              "_from_config(copy.deepcopy(model_or_path.config), ", "_from_config(model_or_path.config, ",

@@ -1,0 +1,371 @@
+"""A downloaded checkpoint is untrusted input (issue 46): nothing read from it becomes a path, a template or code, and
+every value is checked where it is read (the config, `summarizer.json`, a journal, a cache handed to the model)."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from helpers import VOCAB, make_tokenizer, save_layout, small_bert, tiny_config
+from transformers import DynamicCache
+
+from nezha_hf import NezhaConfig, NezhaForMaskedLM, NezhaForUniLM, NezhaModel, hub
+from nezha_hf.configuration_nezha import CARD_KINDS, MAX_RELATIVE_POSITION, NezhaConfigError
+from nezha_hf.conversion import ConversionError, convert_bert, convert_bert_hierarchical, convert_legacy_nezha
+
+# A template that, rendered by a Jinja2 without a sandbox, creates a file (the path filled in per test).
+CODE_TEMPLATE = ("---\n{{ card_data }}\n---\n"
+                 "{{ cycler.__init__.__globals__.os.system('touch %s') }}"
+                 "{{ lipsum.__globals__['os'].system('touch %s') }}\n")
+
+
+def hostile_checkpoint(folder: Path, evidence: Path, kind: str) -> Path:
+    """A NEZHA checkpoint that ships `card.md`, a template running code, and points its card kind at it."""
+    NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)).save_pretrained(folder, model_card=False)
+    (folder / "card.md").write_text(CODE_TEMPLATE % (evidence, evidence), encoding="utf-8")
+    config = json.loads((folder / "config.json").read_text())
+    config["nezha_card"] = {"kind": kind}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def kinds_pointing_at(folder: Path) -> list[str]:
+    """The ways a kind can name `folder/card.md`: absolute, `../` repeated from the templates' folder, with the
+    suffix spelled, with backslashes."""
+    depth = len(Path(hub.__file__).resolve().parents) + 2
+    relative = "../" * depth + str((folder / "card").resolve()).lstrip("/")
+    return [str(folder / "card"), relative, str(folder / "card.md")[:-3], relative.replace("/", "\\")]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_a_checkpoint_cannot_choose_a_card_template_that_runs_code(tmp_path, index, caplog):
+    evidence = tmp_path / "evidence"
+    source = hostile_checkpoint(tmp_path / "hostile", evidence, kinds_pointing_at(tmp_path / "hostile")[index])
+    model = NezhaForMaskedLM.from_pretrained(source)
+    model.save_pretrained(tmp_path / "saved")
+    assert not evidence.exists(), "the checkpoint's template ran code"
+    card = (tmp_path / "saved" / "README.md").read_text(encoding="utf-8")
+    assert "os.system" not in card and "NEZHA" in card  # the package's own template for the head
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert "kind" not in (saved.get("nezha_card") or {}), "the unknown kind was carried on"
+
+
+def test_the_card_kind_is_a_name_from_a_fixed_set():
+    assert set(CARD_KINDS) == {"converted", "continued-pretraining", "classifier", "summarizer"}
+    with pytest.raises(ValueError, match="model-card template"):
+        hub.build_model_card("NezhaForMaskedLM", {"kind": "../README"})
+    with pytest.raises(ValueError, match="model-card template"):
+        hub.build_model_card("NezhaForMaskedLM", {"kind": "/etc/passwd"})
+    for kind in CARD_KINDS:
+        assert "NEZHA" in str(hub.build_model_card("NezhaForMaskedLM", {"kind": kind}))
+
+
+def test_card_texts_render_as_data_in_a_sandbox(tmp_path):
+    """A card's texts are inserted as they are (not templates themselves), and a template can reach nothing but its
+    data: the sandbox refuses attribute walks to Python internals."""
+    evidence = tmp_path / "evidence"
+    text = "{{ cycler.__init__.__globals__.os.system('touch %s') }}" % evidence
+    card = str(hub.build_model_card("NezhaForMaskedLM", {"extra": text, "training_summary": text}))
+    assert not evidence.exists() and text in card
+    with pytest.raises(Exception, match="unsafe|not safely|access"):
+        hub.render_card_template(CODE_TEMPLATE % (evidence, evidence), card_data="a: 1")
+    assert not evidence.exists()
+
+
+@pytest.mark.parametrize("card", [
+    {"kind": 3}, {"kind": None, "license": ["x"]}, {"tags": "nezha"}, {"eval_results": [{"task_type": 1}]},
+    {"unknown": "x"}, "converted", ["kind"],
+])
+def test_malformed_card_settings_in_a_config_are_dropped_with_a_warning(card, caplog):
+    config = NezhaConfig(**tiny_config().to_dict(), nezha_card=card)
+    kept = config.nezha_card
+    assert isinstance(kept, dict)
+    assert all(isinstance(value, (str, list)) for value in kept.values())
+    assert "nezha_card" in caplog.text
+
+
+# --- converters: loader-code keys and unknown keys ----------------------------------------------------------------
+
+LOADER_CODE = {"auto_map": {"AutoModel": "evil.Model"}, "custom_pipelines": {"evil": {"impl": "evil.Pipe"}}}
+
+
+def _poisoned_bert(tmp_path):
+    source = tmp_path / "source"
+    save_layout(small_bert(transformers.BertForMaskedLM), source, "safetensors")
+    config = json.loads((source / "config.json").read_text())
+    config.update(LOADER_CODE, made_up_setting=7, nezha_card={"kind": "../../card"})
+    (source / "config.json").write_text(json.dumps(config))
+    make_tokenizer(source)
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "auto_map": {
+        "AutoTokenizer": ["evil.Tokenizer", None]}}))
+    return source
+
+
+@pytest.mark.parametrize("convert", ["bert", "nezha", "hierarchical", "bert --remote-code"])
+def test_converters_carry_no_loader_code_keys_and_report_every_key_they_drop(tmp_path, convert):
+    source = _poisoned_bert(tmp_path)
+    output = tmp_path / "out"
+    if convert == "hierarchical":
+        report = convert_bert_hierarchical(source, output, max_length=128)
+    elif convert == "nezha":
+        report = convert_legacy_nezha(source, output)
+    else:
+        report = convert_bert(source, output, remote_code=convert.endswith("--remote-code"))
+    written = json.loads((output / "config.json").read_text())
+    assert "custom_pipelines" not in written and "made_up_setting" not in written
+    if convert.endswith("--remote-code"):
+        assert written["auto_map"]["AutoModel"].startswith("modeling_nezha."), "only nezha_hf's own auto_map"
+    else:
+        assert "auto_map" not in written
+    for key in ("auto_map", "custom_pipelines", "made_up_setting"):
+        assert key in report.config_dropped, f"{key} not in the report"
+    assert "code" in report.config_dropped["auto_map"] and "code" in report.config_dropped["custom_pipelines"]
+    assert "auto_map" in report.summary() and "custom_pipelines" in report.summary()
+    assert "auto_map" not in json.loads((output / "tokenizer_config.json").read_text())
+    assert "code" in report.config_dropped["tokenizer_config.json: auto_map"]
+    saved_report = json.loads((output / "conversion_report.json").read_text())
+    assert set(saved_report["config_dropped"]) >= {"auto_map", "custom_pipelines", "made_up_setting"}
+
+
+# --- config values checked where they are read ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [MAX_RELATIVE_POSITION + 1, 10**6, 10**9, 2**63 - 1])
+def test_max_relative_position_is_bounded(value):
+    with pytest.raises(NezhaConfigError, match="max_relative_position"):
+        tiny_config(max_relative_position=value)
+
+
+def test_max_relative_position_at_the_bound_builds(tmp_path):
+    assert tiny_config(max_relative_position=MAX_RELATIVE_POSITION).max_relative_position == MAX_RELATIVE_POSITION
+
+
+def test_an_oversized_max_relative_position_in_a_config_file_is_refused_before_any_table(tmp_path):
+    NezhaModel(tiny_config()).save_pretrained(tmp_path / "m", model_card=False)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["max_relative_position"] = 10**9
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="max_relative_position"):
+        NezhaModel.from_pretrained(tmp_path / "m")
+
+
+@pytest.mark.parametrize("field,value", [("pad_token_id", 99), ("pad_token_id", -1), ("bos_token_id", 500),
+                                         ("eos_token_id", [3, 99]), ("eos_token_id", -2)])
+def test_special_token_ids_lie_inside_the_vocabulary(field, value):
+    with pytest.raises(NezhaConfigError, match=field):
+        tiny_config(**{field: value})
+
+
+def test_convert_refuses_an_oversized_max_relative_position_before_reading_weights(tmp_path, monkeypatch):
+    source = tmp_path / "source"
+    save_layout(small_bert(transformers.BertForMaskedLM), source, "safetensors")
+    from nezha_hf import conversion
+
+    monkeypatch.setattr(conversion, "read_pytorch_checkpoint", lambda *a: pytest.fail("weights read first"))
+    with pytest.raises(ValueError, match="max_relative_position"):
+        convert_bert(source, tmp_path / "out", max_relative_position=10**9)
+
+
+# --- caches handed to forward / generate ----------------------------------------------------------------------------
+
+
+def _decoder(**overrides):
+    torch.manual_seed(0)
+    return NezhaModel(tiny_config(is_decoder=True, **overrides)).eval()
+
+
+def _filled_cache(model, batch=2, length=5):
+    ids = torch.randint(5, 90, (batch, length))
+    return model(ids, use_cache=True).cache
+
+
+@pytest.mark.parametrize("other,what", [
+    (dict(num_attention_heads=2), "heads"),
+    (dict(hidden_size=64, num_attention_heads=4), "head size"),
+    (dict(num_hidden_layers=1), "layers"),
+    (dict(num_hidden_layers=3), "layers"),
+    ("batch", "batch"),
+])
+def test_a_cache_of_another_model_is_one_value_error(other, what):
+    model = _decoder()
+    if other == "batch":
+        cache = _filled_cache(model, batch=3)
+    else:
+        cache = _filled_cache(_decoder(**other))
+    with pytest.raises(ValueError, match=what):
+        model(torch.randint(5, 90, (2, 1)), cache=cache, use_cache=True)
+
+
+def test_a_cache_of_the_same_model_still_continues_exactly():
+    model = _decoder()
+    ids = torch.randint(5, 90, (2, 6))
+    whole = model(ids).last_hidden_state
+    cache = model(ids[:, :5], use_cache=True).cache
+    step = model(ids[:, 5:], cache=cache, use_cache=True).last_hidden_state
+    torch.testing.assert_close(step, whole[:, 5:], atol=1e-5, rtol=0)
+
+
+def test_generate_with_a_foreign_cache_is_one_value_error():
+    torch.manual_seed(0)
+    model = NezhaForUniLM(tiny_config(vocab_size=VOCAB)).eval()
+    other = NezhaForUniLM(tiny_config(vocab_size=VOCAB, num_attention_heads=2)).eval()
+    ids = torch.randint(5, VOCAB, (1, 6))
+    cache = other(ids, use_cache=True).cache
+    with pytest.raises(ValueError, match="heads"):
+        model.generate(ids, cache=cache, max_new_tokens=2)
+
+
+# --- journals: results are reused only as the results of the items they claim ----------------------------------------
+
+
+def _journal_run(tmp_path, settings, keys, stop_after=None, resume=True):
+    """`run_batches` over 6 items in batches of 2 with a journal; the work fails after `stop_after` batches (a kill)."""
+    from nezha_hf.checkpoints import RunRecord
+    from nezha_hf.distributed import processes, run_batches
+
+    data = tmp_path / "data.txt"
+    data.write_text("six items")
+    calls = []
+
+    def work(start, stop):
+        if stop_after is not None and len(calls) == stop_after:
+            raise KeyboardInterrupt
+        calls.append(start)
+        return [f"result of {keys[i]}" for i in range(start, stop)]
+
+    record = RunRecord.create("summarize", tmp_path / "model", [data], settings)
+    return run_batches(processes(), 6, 2, work, tmp_path / ".out.progress", record, keys=keys, resume=resume), calls
+
+
+@pytest.fixture
+def interrupted_journal(tmp_path):
+    (tmp_path / "model").mkdir()
+    keys = [f"j{i}" for i in range(6)]
+    with pytest.raises(KeyboardInterrupt):
+        _journal_run(tmp_path, {"beams": 3}, keys, stop_after=2)
+    return tmp_path / ".out.progress", keys
+
+
+@pytest.mark.parametrize("changed", [{"beams": 1}, {"beams": 3, "threshold": 0.4}, {}])
+def test_a_journal_of_other_settings_is_refused_and_kept(tmp_path, interrupted_journal, changed):
+    journal, keys = interrupted_journal
+    before = {p.name: p.read_bytes() for p in journal.iterdir()}
+    with pytest.raises(ValueError, match="settings differ") as refused:
+        _journal_run(tmp_path, changed, keys)
+    assert "--no-resume" in str(refused.value)
+    assert {p.name: p.read_bytes() for p in journal.iterdir()} == before
+    results, calls = _journal_run(tmp_path, changed, keys, resume=False)  # starting over, on request
+    assert calls == [0, 2, 4] and results == [f"result of {k}" for k in keys]
+
+
+def test_the_same_run_goes_on_from_its_journal(tmp_path, interrupted_journal):
+    journal, keys = interrupted_journal
+    results, calls = _journal_run(tmp_path, {"beams": 3}, keys)
+    assert calls == [4] and results == [f"result of {k}" for k in keys]
+
+
+@pytest.mark.parametrize("damage", ["key", "index", "index-type"])
+def test_a_journal_result_that_is_not_of_its_item_is_named(tmp_path, interrupted_journal, damage):
+    journal, keys = interrupted_journal
+    part = journal / "done-0.jsonl"
+    lines = [json.loads(line) for line in part.read_text().splitlines()]
+    lines[1] = {**lines[1], **{"key": {"key": "j5"}, "index": {"index": 17}, "index-type": {"index": "1"}}[damage]}
+    part.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ValueError, match=f"{part}.*line 2"):
+        _journal_run(tmp_path, {"beams": 3}, keys)
+
+
+# --- summarizer.json: the same rules as the options ----------------------------------------------------------------
+
+
+def _summarizer_folder(tmp_path, tokenizer):
+    from nezha_hf import NezhaForSentenceExtraction
+    from nezha_hf.summarization import Summarizer
+
+    torch.manual_seed(0)
+    config = tiny_config(vocab_size=VOCAB)
+    folder = tmp_path / "summarizer"
+    Summarizer(NezhaForSentenceExtraction(config), NezhaForUniLM(config), tokenizer).save_pretrained(folder)
+    return folder
+
+
+BAD_SETTINGS = [("threshold", 2), ("threshold", -0.01), ("threshold", math.nan), ("threshold", math.inf),
+                ("threshold", "0.5"), ("threshold", True), ("token_budget", -5), ("token_budget", 0),
+                ("token_budget", 2.5), ("num_beams", 0), ("num_beams", -1), ("num_beams", 1.0), ("num_beams", None),
+                ("beams", 3)]
+
+
+@pytest.mark.parametrize("name,value", BAD_SETTINGS)
+def test_summarizer_json_is_checked_where_it_is_loaded(tmp_path, tokenizer, name, value):
+    from nezha_hf.export import load_summarizer
+
+    folder = _summarizer_folder(tmp_path, tokenizer)
+    settings = json.loads((folder / "summarizer.json").read_text())
+    (folder / "summarizer.json").write_text(json.dumps({**settings, name: value}))
+    with pytest.raises(ValueError, match=f"summarizer.json: .*{name}"):
+        load_summarizer(folder)
+
+
+def test_summarizer_json_refused_on_the_command_line_in_one_line(tmp_path, tokenizer, run_cli):
+    from test_nothing_lost import one_line_failure
+
+    folder = _summarizer_folder(tmp_path, tokenizer)
+    (folder / "summarizer.json").write_text(json.dumps({"threshold": 0.5, "token_budget": 100, "num_beams": 0}))
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"id": "a", "text": "原告诉称。被告辩称。"}, ensure_ascii=False) + "\n")
+    one_line_failure(run_cli("summarize", folder, data, "--extract-only"), "summarizer.json", "num_beams")
+
+
+def test_summarizer_settings_are_checked_when_constructed(tokenizer):
+    from nezha_hf import NezhaForSentenceExtraction
+    from nezha_hf.summarization import Summarizer
+
+    config = tiny_config(vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="threshold"):
+        Summarizer(NezhaForSentenceExtraction(config), NezhaForUniLM(config), tokenizer, threshold=math.nan)
+
+
+@pytest.mark.parametrize("name,value", [("eos_token_id", VOCAB), ("eos_token_id", [3, 10**6]), ("pad_token_id", -1),
+                                        ("bos_token_id", 2**40)])
+def test_generation_ids_outside_the_vocabulary_are_refused(tmp_path, name, value):
+    """A generator whose generation_config.json ends summaries at an id the model can never produce ran every summary
+    to the length limit."""
+    torch.manual_seed(0)
+    NezhaForUniLM(tiny_config(vocab_size=VOCAB)).save_pretrained(tmp_path / "g", model_card=False)
+    settings = json.loads((tmp_path / "g" / "generation_config.json").read_text())
+    (tmp_path / "g" / "generation_config.json").write_text(json.dumps({**settings, name: value}))
+    model = NezhaForUniLM.from_pretrained(tmp_path / "g").eval()
+    with pytest.raises(ValueError, match=name):
+        model.generate(torch.randint(5, VOCAB, (1, 6)), max_new_tokens=2)
+    with pytest.raises(ValueError, match=name):
+        NezhaForUniLM(tiny_config(vocab_size=VOCAB)).eval().generate(torch.randint(5, VOCAB, (1, 6)),
+                                                                      max_new_tokens=2, **{name: value})
+
+
+# --- output kinds by suffix, whatever its case -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,text", [("s.TXT", True), ("s.Txt", True), ("s.JSONL", False), ("s.json", False)])
+def test_summaries_are_written_by_suffix_whatever_its_case(tmp_path, tokenizer, run_cli, name, text):
+    """`--output S.TXT` was written as JSONL: the kind of output was decided by a case-sensitive suffix."""
+    folder = _summarizer_folder(tmp_path, tokenizer)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"id": "a", "text": "原告诉称。被告辩称。"}, ensure_ascii=False) + "\n")
+    done = run_cli("summarize", folder, data, "--extract-only", "--output", tmp_path / name)
+    assert done.returncode == 0, done.stderr
+    written = (tmp_path / name).read_text(encoding="utf-8")
+    assert written.startswith("a\n") if text else json.loads(written.splitlines()[0])["id"] == "a"
+
+
+@pytest.mark.parametrize("name", ["s.csv", "s", "s.onnx"])
+def test_an_unknown_summary_suffix_is_refused_before_any_work(tmp_path, tokenizer, run_cli, name):
+    from test_nothing_lost import one_line_failure
+
+    folder = _summarizer_folder(tmp_path, tokenizer)
+    one_line_failure(run_cli("summarize", folder, tmp_path / "missing.jsonl", "--output", tmp_path / name), "--output",
+                     ".jsonl")
+    assert not (tmp_path / name).exists()
