@@ -78,3 +78,57 @@ def test_the_kernel_profile_tells_products_from_an_engines_own_passes():
     assert part_of("at::native::(anonymous namespace)::_exp_reduce_sum_fusion_kernel<float>", torch_cpu, nezha) == "rest"
     assert part_of("[unknown]", "/venv/lib/python3.11/site-packages/torch/lib/libgomp.so.1", sdpa) == "rest"
     assert part_of("malloc", "/usr/lib/x86_64-linux-gnu/libc.so.6", nezha) == "rest"
+
+
+# --- the GPU check's setup: a checkout on PYTHONPATH, never pip-installed -------------------------------------------
+
+
+def uninstalled_environment(folder: Path) -> dict:
+    """Environment variables under which `python -S` sees this Python's packages but no installed nezha_hf, and the
+    checkout on PYTHONPATH: the GPU machine's situation (its packages cannot be changed; nezha_hf comes as a folder).
+    Every entry of site-packages is linked into `folder` except nezha_hf's own (metadata, editable-install finder)."""
+    import os
+    import sysconfig
+
+    folder.mkdir()
+    site = Path(sysconfig.get_paths()["purelib"])
+    for entry in site.iterdir():
+        if not re.match(r"(__editable__.*)?nezha_hf", entry.name, flags=re.I) and entry.suffix != ".pth":
+            (folder / entry.name).symlink_to(entry)
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{folder}"}
+
+
+def test_a_checkout_that_was_never_installed_imports_and_names_its_version(tmp_path):
+    """`import nezha_hf` from a checkout on PYTHONPATH, with no nezha_hf metadata anywhere, reads pyproject.toml's
+    version (it raised PackageNotFoundError), and so does `nezha_hf_cli.py --version`."""
+    import subprocess
+    import tomllib
+
+    expected = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    environment = uninstalled_environment(tmp_path / "site")
+    probe = ("import importlib.metadata as m, sys\n"
+             "try:\n    m.version('nezha_hf'); print('installed')\nexcept m.PackageNotFoundError:\n    print('none')\n"
+             "import nezha_hf\nprint(nezha_hf.__version__)\nprint(nezha_hf.__file__)\n")
+    done = subprocess.run([sys.executable, "-S", "-c", probe], env=environment, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["none", expected, str(ROOT / "nezha_hf" / "__init__.py")]
+    cli = subprocess.run([sys.executable, "-S", str(ROOT / "nezha_hf_cli.py"), "--version"], env=environment,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert (cli.returncode, cli.stdout.strip()) == (0, f"nezha-hf {expected}"), cli.stderr[-2000:]
+
+
+def test_a_copy_with_neither_pyproject_nor_metadata_says_its_version_is_unknown(tmp_path):
+    """The last resort is a version that says so, not an exception; a pyproject.toml of another project is not read."""
+    import subprocess
+
+    environment = uninstalled_environment(tmp_path / "site")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "pyproject.toml").write_text('[project]\nname = "other"\nversion = "9.9"\n')
+    probe = ("from pathlib import Path\nfrom nezha_hf.version import package_version\n"
+             f"print(package_version(Path({str(tmp_path / 'copy' / 'nezha_hf')!r})))\n"
+             f"print(package_version(Path({str(tmp_path / 'other' / 'nezha_hf')!r})))\n")
+    done = subprocess.run([sys.executable, "-S", "-c", probe], env=environment, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["0+unknown", "0+unknown"]
