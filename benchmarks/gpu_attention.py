@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.rehearsal import rehearsing  # noqa: E402
+from benchmarks.gpu_script import rehearsing, write_staged  # noqa: E402
 
 rehearsing(sys.argv)  # before anything imports Triton
 
@@ -150,8 +150,8 @@ def main(argv=None) -> int:
              "written once) over its time.", "", *table(rows)]
     text = "\n".join(lines) + "\n"
     print(text)
-    gpu_ops.write_staged(results / f"{args.output}.md", text)
-    gpu_ops.write_staged(results / f"{args.output}.json", json.dumps(
+    write_staged(results / f"{args.output}.md", text)
+    write_staged(results / f"{args.output}.json", json.dumps(
         {"command": command.strip(), "machine": machine, "sizes": sizes, "rows": rows}, indent=1))
     return 0
 

@@ -22,8 +22,8 @@ catch a wrong kernel, not a rounding: 1e-5 in float32, 3e-2 in bfloat16, 4e-3 in
 SDPA's own error in each dtype (no mask and causal, against SDPA in float64) is measured on the same kind of inputs
 and reported beside NEZHA's: the issue's accuracy target is NEZHA's error no worse than SDPA's.
 
-Cases run in `--workers` processes (compiling Triton's kernels for each set of switches takes most of the time, and
-compiles in parallel). Writes `gpu-correctness.md` and `.json` to `--results` (default: the machine's folder,
+Cases run in `--workers` processes, a fresh one per case (compiling Triton's kernels for each set of switches takes
+most of the time, and compiles in parallel; a kernel that faults or fails to compile spoils only its own case). Writes `gpu-correctness.md` and `.json` to `--results` (default: the machine's folder,
 benchmarks/results/gpu/), rewritten as cases finish; exits 1 listing the failed cases, 2 when it cannot run at all.
 """
 
@@ -38,7 +38,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.rehearsal import rehearsing  # noqa: E402
+from benchmarks.gpu_script import rehearsing, write_staged  # noqa: E402
 
 rehearsing(sys.argv)  # before anything imports Triton
 
@@ -217,8 +217,10 @@ def sdpa_case(outcome, sizes, device, dtype, backends):
         outcome.notes.append(f"{prefix or 'no mask, '}SDPA backend {backend}")
 
 
-def run_case(case: Case, sizes: Sizes, device: str, backends) -> Outcome:
-    """One case; an exception is its failure (one line), not the end of the run."""
+def run_case(case: Case, sizes: Sizes, device: str, any_backend: bool) -> Outcome:
+    """One case (SDPA pinned to FlashAttention unless `any_backend`); an exception is its failure (one line), not the
+    end of the run."""
+    backends = gpu_ops.ANY_BACKEND if any_backend else gpu_ops.FLASH
     outcome = Outcome(case.name, case.kind, case.dtype)
     dtype, start = DTYPES[case.dtype], time.perf_counter()
     try:
@@ -269,8 +271,8 @@ def report(outcomes: list[Outcome], machine: dict, command: str, results: Path, 
                   "no worse than SDPA's):", "", "| dtype | quantity | NEZHA | SDPA | ratio |", "|---|---|---|---|---|"]
         lines += [f"| {row['dtype']} | {row['quantity']} | {row['nezha']:.2e} | {row['sdpa']:.2e} | {row['ratio']:.2f} |"
                   for row in comparison]
-    gpu_ops.write_staged(results / "gpu-correctness.md", "\n".join(lines) + "\n")
-    gpu_ops.write_staged(results / "gpu-correctness.json", json.dumps(
+    write_staged(results / "gpu-correctness.md", "\n".join(lines) + "\n")
+    write_staged(results / "gpu-correctness.json", json.dumps(
         {"command": command, "machine": machine, "complete": complete, "cases": [asdict(o) for o in by_case],
          "against_sdpa": comparison}, indent=1))
 
@@ -296,7 +298,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rehearse", action="store_true", help="on the CPU under Triton's interpreter, tiny sizes")
     parser.add_argument("--results", type=Path, help="folder to write to (default: the machine's results folder)")
     parser.add_argument("--workers", type=int, default=None,
-                        help="processes the cases run in (default: 12 on a GPU, 1 rehearsing)")
+                        help="processes the cases run in, a fresh one per case (default: 12 on a GPU, 2 rehearsing); "
+                             "1: every case in this process")
     parser.add_argument("--cases", nargs="*", help="only the cases whose name contains one of these")
     args = parser.parse_args(argv)
     try:
@@ -305,9 +308,7 @@ def main(argv=None) -> int:
         print(f"gpu_correctness.py: {error}", file=sys.stderr)
         return 2
     sizes = REHEARSAL_SIZES if args.rehearse else GPU_SIZES
-    # Rehearsing, the CPU's SDPA has no FlashAttention dropout kernel: the SDPA cases take any backend (and say which).
-    backends = gpu_ops.ANY_BACKEND if args.rehearse else gpu_ops.FLASH
-    workers = args.workers or (1 if args.rehearse else 12)
+    workers = args.workers or (2 if args.rehearse else 12)
     machine = describe(torch.bfloat16, device)
     results = args.results or results_directory(machine)
     results.mkdir(parents=True, exist_ok=True)
@@ -325,11 +326,19 @@ def main(argv=None) -> int:
 
     if workers == 1:
         for case in selected:
-            finished(run_case(case, sizes, device, backends))
+            finished(run_case(case, sizes, device, args.rehearse))
     else:
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            for future in as_completed([pool.submit(run_case, case, sizes, device, backends) for case in selected]):
-                finished(future.result())
+        # A process per case: a kernel that faults leaves its CUDA context unusable, and a kernel that fails to compile
+        # leaves the engine unusable in its process; neither may spill into the next case.
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
+            # Rehearsing, SDPA takes any backend the CPU has (and the results say which).
+            futures = {pool.submit(run_case, case, sizes, device, args.rehearse): case for case in selected}
+            for future in as_completed(futures):
+                try:
+                    finished(future.result())
+                except Exception as error:  # its process died (a crash in a kernel)
+                    case = futures[future]
+                    finished(Outcome(case.name, case.kind, case.dtype, failure=f"its process failed: {error!r}"))
     failed = [outcome for outcome in outcomes if outcome.failure]
     for outcome in failed:
         print(f"gpu_correctness.py: {outcome.case} failed: {outcome.failure}", file=sys.stderr)

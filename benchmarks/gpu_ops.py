@@ -4,12 +4,11 @@
 NEZHA's op is `nezha_hf.triton_attention.triton_attention(query, key, value, table, problem)`: inputs `[batch, heads,
 length, head_size]`, output `[batch, queries, heads, head_size]`. SDPA takes the same tensors and returns `[batch,
 heads, queries, head_size]`. On the CPU (`--rehearse`) the Triton kernels run under Triton's interpreter, which a script
-switches on before it imports this module (`benchmarks/rehearsal.py`).
+switches on before it imports this module (`benchmarks/gpu_script.py`).
 """
 
 import contextlib
 import math
-import os
 import statistics
 import sys
 import time
@@ -235,10 +234,3 @@ def reference_attention(query, key, value, K, allowed, offset, table, keep=None,
     output, _ = reference.attention(query, key, value, K, allowed, query_offset=offset, table=table.double(), keep=keep,
                                     dropout=dropout)
     return output
-
-
-def write_staged(path: Path, text: str) -> None:
-    """Write `path` whole or not at all: staged beside it, then renamed over it."""
-    staged = path.with_name(f".{path.name}.tmp")
-    staged.write_text(text, encoding="utf-8")
-    os.replace(staged, path)
