@@ -73,7 +73,7 @@ def steps(rehearse: bool, work: Path) -> list[Step]:
               "--accuracy-length", "32", "--memory-lengths"] if rehearse else
              ["--device", "cuda", "--layers", "12", "--lengths", "2048", "--repeats", "5", "--accuracy-length", "512",
               "--memory-lengths", "2048", "--memory-runs", "1"])
-    scale = 3 if rehearse else 1
+    scale = 4 if rehearse else 1
     return [
         Step("environment", ["benchmarks/gpu_environment.py", *mode, *results], 60 * scale),
         Step("correctness", ["benchmarks/gpu_correctness.py", *mode, *results], 170 * scale),

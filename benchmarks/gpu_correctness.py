@@ -89,13 +89,12 @@ class Case:
 
 @dataclass
 class Outcome:
-    """What a case measured: relative errors by quantity, the bound they must keep, and why it failed ("" if not)."""
+    """What a case measured: relative errors by quantity, and why it failed ("" if not)."""
 
     case: str
     kind: str
     dtype: str
     errors: dict = field(default_factory=dict)
-    bound: float | None = None
     failure: str = ""
     notes: list = field(default_factory=list)
     seconds: float = 0.0
@@ -110,15 +109,13 @@ def cases() -> list[Case]:
     return list(dict.fromkeys(ordered))
 
 
-def compare(outcome: Outcome, got: dict, expected: dict, bound: float | None) -> None:
-    """Record each quantity's relative error and fail the case on the first over its bound (gradients: the bound
-    times GRADIENT_SLACK)."""
+def compare(outcome: Outcome, got: dict, expected: dict) -> None:
+    """Record each quantity's relative error and fail the case on the first over its dtype's bound (gradients: the
+    bound times GRADIENT_SLACK)."""
     for name, value in got.items():
         outcome.errors[name] = gpu_ops.relative_error(value, expected[name])
-    if bound is None:
-        return
     for name, error in outcome.errors.items():
-        limit = bound * (1 if name == "output" else GRADIENT_SLACK)
+        limit = BOUNDS[outcome.dtype] * (1 if name == "output" else GRADIENT_SLACK)
         if not error <= limit:  # NaN, or an unwritten (NaN-filled) element: infinite
             what = "has NaN or unwritten elements" if math.isinf(error) else f"relative error {error:.2e} > {limit:.0e}"
             outcome.failure = outcome.failure or f"{name} {what}"
@@ -155,7 +152,7 @@ def against_reference(outcome, sizes, device, dtype, queries, keys, mask_kind, o
             got.update(zip(("grad_query", "grad_key", "grad_value"),
                            torch.autograd.grad(output, leaves, grad.to(dtype))))
         wanted.update(zip(("grad_query", "grad_key", "grad_value"), torch.autograd.grad(expected, exact, grad)))
-    compare(outcome, got, wanted, BOUNDS[outcome.dtype])
+    compare(outcome, got, wanted)
 
 
 def kernel_keep_mask(query, key, table, problem) -> torch.Tensor:

@@ -198,7 +198,7 @@ def test_the_op_benchmark_fails_in_one_line_when_nezha_triton_does_not_run(trito
 
 
 @pytest.mark.slow
-def test_the_op_benchmark_rehearsed_times_every_case_against_sdpa(tmp_path):
+def test_the_op_benchmark_rehearsed_times_every_case_against_sdpa(unmeasured_machine, tmp_path):
     from benchmarks import gpu_attention
 
     assert gpu_attention.main(["--rehearse", "--dtypes", "float16", "--lengths", "16", "--cache", "24", "--results",
@@ -216,7 +216,7 @@ def test_the_op_benchmark_rehearsed_times_every_case_against_sdpa(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_correctness_half_rehearsed_passes_every_case(tmp_path):
+def test_the_correctness_half_rehearsed_passes_every_case(unmeasured_machine, tmp_path):
     """Every mask, dtype, decoding, dropout, TF32 and launch case against the float64 formula, under the
     interpreter: what the GPU run checks, at the interpreter's sizes (about a minute)."""
     from benchmarks import gpu_correctness
