@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= .ci/constraints.txt
 INSTALL := $(PY) -m pip install --quiet $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS))
 
-.PHONY: demo test test-main test-fast test-pythons mutations bench constraints clean
+.PHONY: demo test test-main test-fast test-pythons mutations bench constraints clean gpu-prepare gpu-rehearse
 
 # Besides 3.11 (the environment above; the oldest Python pyproject.toml claims, as transformers 5.21 and later need
 # it), the newest: `make test` runs the fast test set on each in an environment of its own (.venv-3.13). torch 2.13.0
@@ -96,6 +96,20 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/long_inputs.py --pretrain-steps 100
 	-$(PY) benchmarks/kernel_profile.py --dtype bfloat16 --lengths 512 2048 8192  # needs Linux perf; make goes on without it
 	-$(PY) benchmarks/kernel_profile.py --dtype float32 --lengths 512 2048 8192
+
+# The GPU check (benchmarks/gpu_check.py, one device run; docs/performance.md has the call) runs on a machine with no
+# package index, Python 3.12 and transformers 5.17. What it lacks travels in .gpu/ (ignored by git; the device call
+# carries it): the wheel of the transformers .ci/constraints.txt names. Its requirements are met there
+# (huggingface_hub >= 1.31: 1.33; tokenizers 0.23: 0.23.2; safetensors >= 0.8: 0.8.0), which the check verifies first.
+GPU_WHEELS := .gpu/wheels
+gpu-prepare:
+	mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --dest $(GPU_WHEELS) \
+	  "transformers==$$(sed -n 's/^transformers==//p' .ci/constraints.txt)"
+
+# The GPU check rehearsed on this machine: Triton's interpreter, tiny sizes, the wheel installed as on the GPU machine.
+gpu-rehearse: $(VENV)/.test gpu-prepare
+	$(PY) benchmarks/gpu_check.py --rehearse
 
 # After `make test` passes on newer releases: record them as the versions to install (torch stays pinned above).
 constraints: $(VENV)/.test

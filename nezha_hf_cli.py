@@ -19,10 +19,10 @@ package loads PyTorch and transformers, which a command only does when it runs.
 """
 
 import argparse
+import importlib.util
 import math
 import signal
 import sys
-from importlib.metadata import version
 from pathlib import Path
 
 
@@ -44,6 +44,17 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if action.default in (None, False, [], argparse.SUPPRESS) or "default" in text or not action.option_strings:
             return text
         return f"{text} (default: {action.default})"
+
+
+def _package_version() -> str:
+    """nezha_hf's version by `nezha_hf/version.py`, loaded from the package folder without importing the package
+    (which loads PyTorch): pyproject.toml's in a checkout, else the installed metadata's."""
+    package = importlib.util.find_spec("nezha_hf")
+    spec = importlib.util.spec_from_file_location("nezha_hf_version",
+                                                  Path(package.submodule_search_locations[0]) / "version.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.package_version()
 
 
 def _number(kind, low=None, high=None, high_open=False):
@@ -97,7 +108,7 @@ def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser
     # --debug after the command too; its default there is "not given", so as not to undo one given before it.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of a failure")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version('nezha_hf')}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
 
     def command(subparsers, name, help, example, parent=""):

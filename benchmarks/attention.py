@@ -14,15 +14,19 @@ Every results file starts with the machine it ran on (`benchmarks/machine.py`: C
 flags, or with `--device cuda` the GPU, and the matrix-multiply throughput in `--dtype` on that device, measured in the
 same run) and the NEZHA engines that ran; the forward table also gives each model's share of that throughput (model
 FLOPs per layer: `2 * weights * L + 4 * L^2 * hidden`).
-`--dropout P` sets attention and hidden dropout to P in both models (BERT-SDPA then leaves its
+`--dropout P` sets attention and hidden dropout to P in both models (on the CPU BERT-SDPA then leaves its
 flash kernel for the math path); NEZHA runs the implementation `--attention` (default: the
 default). Times are medians of `--repeats` runs, NEZHA and BERT alternating in one process; the
-ratio is NEZHA / BERT. Peak memory is measured in a fresh process per configuration, median of
+ratio is NEZHA / BERT. The engine `--attention` names (on a GPU without it, the Triton kernel) must be the one
+that ran, by the engine's own record, or the run ends with that one line before it times anything.
+On a GPU each pass is timed with CUDA events and BERT-SDPA runs under `sdpa_kernel(SDPBackend.FLASH_ATTENTION)` in
+bfloat16 and float16 (FlashAttention takes no float32; there SDPA chooses). Peak memory is measured in a fresh process per configuration, median of
 `--memory-runs` processes: on the CPU the resident set high-water mark minus the resident set just
-before the pass; on a GPU the allocator's peak minus what was allocated before the pass. Writes
+before the pass; on a GPU the allocator's peak minus what was allocated before the pass, warmed up at the
+pass's length first (Triton autotunes once per length: its autotuning and buffers stay out of it). Writes
 `benchmarks/results/<kind>/<output>.md`, `.json` and `.png` (tokens vs time ratio), `<kind>` being the
-machine's (`amx`, `avx512-bf16`, `cpu` or `gpu`: `machine.results_directory`); `--output` defaults to
-`attention`.
+machine's (`amx`, `avx512-bf16`, `cpu` or `gpu`: `machine.results_directory`) unless `--results` names a
+folder; `--output` defaults to `attention`.
 
 Memory is the resident set the operating system sees, so it includes what glibc's malloc keeps
 after frees: which 24 MB activations land in its heap and how they fragment changes from one run
@@ -34,6 +38,7 @@ the profiled pass is slower, memory is unaffected).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -44,12 +49,13 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import BertConfig, BertModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.machine import describe, results_directory, summary  # noqa: E402
 from nezha_hf import NezhaConfig, NezhaModel  # noqa: E402
-from nezha_hf.relative_attention import recorded_attention_calls  # noqa: E402
+from nezha_hf.relative_attention import Engine, recorded_attention_calls  # noqa: E402
 
 BASE = dict(
     vocab_size=21128, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
@@ -78,16 +84,60 @@ def synchronize(device: str) -> None:
         getattr(torch, torch.device(device).type).synchronize()
 
 
-def run_once(model, input_ids, train: bool) -> float:
-    start = time.perf_counter()
+def sdpa_backend(kind: str, device: str, dtype: str):
+    """The context a model's pass runs in: BERT-SDPA on a GPU in bfloat16 or float16 pinned to FlashAttention (what
+    NEZHA is measured against; a refusal is an error, not another backend); anything else as it is."""
+    if kind == "bert" and torch.device(device).type == "cuda" and dtype in ("bfloat16", "float16"):
+        return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+    return contextlib.nullcontext()
+
+
+def one_pass(model, input_ids, train: bool) -> None:
     if train:
         model.zero_grad(set_to_none=True)
         model(input_ids).last_hidden_state.float().pow(2).mean().backward()
     else:
         with torch.no_grad():
             model(input_ids)
+
+
+def run_once(model, input_ids, train: bool) -> float:
+    """Seconds of one pass: on a GPU between two CUDA events, elsewhere by `perf_counter` after synchronising."""
+    if input_ids.device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        one_pass(model, input_ids, train)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    start = time.perf_counter()
+    one_pass(model, input_ids, train)
     synchronize(str(input_ids.device))
     return time.perf_counter() - start
+
+
+# The exit status of a memory process whose NEZHA did not run the required engine.
+ENGINE_DID_NOT_RUN = 3
+
+
+def required_engine(attention: str | None, device: str) -> Engine | None:
+    """The engine NEZHA's attention must run for the figures to be what they say: the one `--attention` names; on a
+    GPU without it the Triton kernel (the default engine's choice there); None on the CPU without it (the default
+    falls back by length and build, and the results name what ran)."""
+    if attention:
+        return Engine(attention)
+    return None if device == "cpu" else Engine.TRITON
+
+
+def engine_problem(calls, attention: str | None, device: str) -> str | None:
+    """Why the figures would mislead, by the engine's own record of the `calls`: NEZHA's attention did not run
+    `required_engine`; None when it did."""
+    required, ran = required_engine(attention, device), {call.ran for call in calls}
+    if required is None or ran == {required}:
+        return None
+    engines = " and ".join(sorted(engine.label for engine in ran))
+    why = "; ".join(sorted({call.why for call in calls if call.why})) or "no reason recorded"
+    return f"{required.value} did not run on {device}: the {engines} engine ran instead ({why})"
 
 
 def forward_flops(length: int, layers: int) -> float:
@@ -105,14 +155,18 @@ def time_models(kinds, length, train, repeats, args, engines: set):
     input_ids = torch.randint(1, 21128, (1, length), device=args.device)
     with recorded_attention_calls() as calls:  # warm-up
         run_once(models["nezha"], input_ids, train)
+    if problem := engine_problem(calls, args.attention, args.device):
+        raise SystemExit(f"attention.py: {problem}")
     engines.update(call.ran.label for call in calls)
     for kind, model in models.items():
         if kind != "nezha":
-            run_once(model, input_ids, train)
+            with sdpa_backend(kind, args.device, args.dtype):
+                run_once(model, input_ids, train)
     samples = {kind: [] for kind in kinds}
     for _ in range(repeats):
         for kind, model in models.items():
-            samples[kind].append(run_once(model, input_ids, train))
+            with sdpa_backend(kind, args.device, args.dtype):
+                samples[kind].append(run_once(model, input_ids, train))
     return {kind: statistics.median(values) for kind, values in samples.items()}
 
 
@@ -134,7 +188,8 @@ def tensor_peak_mb(model, input_ids, train: bool) -> float:
 def peak_memory_mb(kind, length, train, args) -> float:
     """Extra memory of one pass, in a fresh process.
 
-    The model is built (which loads the compiled kernel) and run once on 16 tokens, so that
+    The model is built (which loads the compiled kernel) and run once on 16 tokens (on a GPU at the
+    pass's length, so that Triton's autotuning and its buffers are done with), so that
     one-time work of the first call (thread pools, lazy imports) is not counted as memory of the
     pass; that run's gradients are then freed, so that the pass's own `zero_grad` does not free
     them inside the measurement (BERT's are 48 MB larger: position embeddings for 16,384 tokens).
@@ -154,7 +209,12 @@ def status(field):
 device = {args.device!r}
 model = b.build({kind!r}, {args.dropout!r}, {args.layers!r}, {args.attention!r}, device, {args.dtype!r}).train({train!r})
 ids = torch.randint(1, 21128, (1, {length}), device=device)
-b.run_once(model, ids[:, :16], {train!r})
+b.sdpa_backend({kind!r}, device, {args.dtype!r}).__enter__()  # BERT-SDPA's backend for the rest of the process
+with b.recorded_attention_calls() as calls:
+    b.run_once(model, ids[:, :16] if device == 'cpu' else ids, {train!r})
+if device != 'cpu' and {kind!r} == 'nezha' and (problem := b.engine_problem(calls, {args.attention!r}, device)):
+    print(problem, file=sys.stderr)
+    sys.exit(b.ENGINE_DID_NOT_RUN)
 model.zero_grad(set_to_none=True)  # the warm-up's gradients are not part of the pass
 if device == 'cpu' and {args.memory_method!r} == 'tensors':
     print(b.tensor_peak_mb(model, ids, {train!r}))
@@ -171,6 +231,8 @@ else:
     print((accelerator.max_memory_allocated() - before) / 2**20)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if result.returncode == ENGINE_DID_NOT_RUN:
+        raise SystemExit(f"attention.py: {result.stderr.strip().splitlines()[-1]}")
     if result.returncode != 0:
         print(f"memory run failed ({kind}, {length}, train={train}): {result.stderr[-500:]}", flush=True)
         return float("nan")
@@ -185,6 +247,7 @@ def main():
     parser.add_argument("--memory-lengths", type=int, nargs="*", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--memory-runs", type=int, default=3, help="fresh processes per memory cell (median)")
     parser.add_argument("--output", default="attention", help="file name stem in benchmarks/results/<machine kind>/")
+    parser.add_argument("--results", type=Path, help="folder to write to (default: benchmarks/results/<machine kind>/)")
     parser.add_argument("--eager-up-to", type=int, default=1024, help="also time the gather path up to this length")
     parser.add_argument("--no-train", action="store_true", help="forward only")
     parser.add_argument("--train-up-to", type=int, default=1 << 30, help="time forward+backward up to this length")
@@ -255,7 +318,8 @@ def accuracy(args) -> dict:
         with torch.no_grad():
             expected = build(reference_kind, 0.0, args.layers, None, "cpu", "float64")(input_ids).last_hidden_state
             model = build(kind, 0.0, args.layers, args.attention, args.device, args.dtype)
-            got = model(input_ids.to(args.device)).last_hidden_state.double().cpu()
+            with sdpa_backend(kind, args.device, args.dtype):
+                got = model(input_ids.to(args.device)).last_hidden_state.double().cpu()
         errors[kind] = {"relative": float((got - expected).norm() / expected.norm()),
                         "max_abs": float((got - expected).abs().max())}
         print(f"accuracy {kind} {args.dtype}: relative {errors[kind]['relative']:.2e}, "
@@ -264,7 +328,8 @@ def accuracy(args) -> dict:
 
 
 def write_results(rows, memory, args, errors, machine, engines=()):
-    results = results_directory(machine)
+    results = args.results or results_directory(machine)
+    results.mkdir(parents=True, exist_ok=True)
     malloc = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     command = (f"MALLOC_MMAP_THRESHOLD_={malloc} " if malloc else "") + "python benchmarks/attention.py " + " ".join(sys.argv[1:])
     setting = (f"NEZHA attention {args.attention or 'default'}, {args.layers} layers, dropout {args.dropout}, "

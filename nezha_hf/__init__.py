@@ -5,8 +5,6 @@
 checkpoint of any published layout.
 """
 
-from importlib.metadata import version
-
 import transformers
 
 from . import hub, modeling_nezha
@@ -14,8 +12,9 @@ from .configuration_nezha import NezhaConfig
 from .modeling_nezha import *  # noqa: F403  (the classes and the heads table; see modeling_nezha.__all__)
 from .pipelines import register_pipelines
 from .relative_attention import Engine, RelativeAttentionMask, recorded_attention_calls
+from .version import package_version
 
-__version__ = version("nezha_hf")  # written once, in pyproject.toml
+__version__ = package_version()  # written once, in pyproject.toml
 
 transformers.AutoConfig.register("nezha", NezhaConfig, exist_ok=True)
 for _head in modeling_nezha.NEZHA_HEADS:

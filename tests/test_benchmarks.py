@@ -3,6 +3,8 @@
 import json
 import re
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,303 @@ def test_the_kernel_profile_tells_products_from_an_engines_own_passes():
     assert part_of("at::native::(anonymous namespace)::_exp_reduce_sum_fusion_kernel<float>", torch_cpu, nezha) == "rest"
     assert part_of("[unknown]", "/venv/lib/python3.11/site-packages/torch/lib/libgomp.so.1", sdpa) == "rest"
     assert part_of("malloc", "/usr/lib/x86_64-linux-gnu/libc.so.6", nezha) == "rest"
+
+
+# --- the GPU check's setup: a checkout on PYTHONPATH, never pip-installed -------------------------------------------
+
+
+def uninstalled_environment(folder: Path) -> dict:
+    """Environment variables under which `python -S` sees this Python's packages but no installed nezha_hf, and the
+    checkout on PYTHONPATH: the GPU machine's situation (its packages cannot be changed; nezha_hf comes as a folder).
+    Every entry of site-packages is linked into `folder` except nezha_hf's own (metadata, editable-install finder)."""
+    import os
+    import sysconfig
+
+    folder.mkdir()
+    site = Path(sysconfig.get_paths()["purelib"])
+    for entry in site.iterdir():
+        if not re.match(r"(__editable__.*)?nezha_hf", entry.name, flags=re.I) and entry.suffix != ".pth":
+            (folder / entry.name).symlink_to(entry)
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{folder}"}
+
+
+def test_a_checkout_that_was_never_installed_imports_and_names_its_version(tmp_path):
+    """`import nezha_hf` from a checkout on PYTHONPATH, with no nezha_hf metadata anywhere, reads pyproject.toml's
+    version (it raised PackageNotFoundError), and so does `nezha_hf_cli.py --version`."""
+    import subprocess
+    import tomllib
+
+    expected = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    environment = uninstalled_environment(tmp_path / "site")
+    probe = ("import importlib.metadata as m, sys\n"
+             "try:\n    m.version('nezha_hf'); print('installed')\nexcept m.PackageNotFoundError:\n    print('none')\n"
+             "import nezha_hf\nprint(nezha_hf.__version__)\nprint(nezha_hf.__file__)\n")
+    done = subprocess.run([sys.executable, "-S", "-c", probe], env=environment, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["none", expected, str(ROOT / "nezha_hf" / "__init__.py")]
+    cli = subprocess.run([sys.executable, "-S", str(ROOT / "nezha_hf_cli.py"), "--version"], env=environment,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert (cli.returncode, cli.stdout.strip()) == (0, f"nezha-hf {expected}"), cli.stderr[-2000:]
+
+
+def test_a_copy_with_neither_pyproject_nor_metadata_says_its_version_is_unknown(tmp_path):
+    """The last resort is a version that says so, not an exception; a pyproject.toml of another project is not read."""
+    import subprocess
+
+    environment = uninstalled_environment(tmp_path / "site")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "pyproject.toml").write_text('[project]\nname = "other"\nversion = "9.9"\n')
+    probe = ("from pathlib import Path\nfrom nezha_hf.version import package_version\n"
+             f"print(package_version(Path({str(tmp_path / 'copy' / 'nezha_hf')!r})))\n"
+             f"print(package_version(Path({str(tmp_path / 'other' / 'nezha_hf')!r})))\n")
+    done = subprocess.run([sys.executable, "-S", "-c", probe], env=environment, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["0+unknown", "0+unknown"]
+
+
+# --- the GPU check (benchmarks/gpu_check.py and its steps), rehearsed on the CPU under Triton's interpreter ---------
+
+
+@pytest.fixture
+def unmeasured_machine(monkeypatch):
+    """The machine described without timing its matrix products (seconds on 2 cores; not what these tests check)."""
+    from benchmarks import machine
+
+    monkeypatch.setattr(machine, "matmul_throughput", lambda *args, **kwargs: 1.0)
+
+
+@pytest.fixture
+def triton_unusable(monkeypatch):
+    """The Triton engine unusable, as after kernels that failed to compile: `nezha_triton` falls back to the chunked
+    engine (what a GPU run must never time as if it were Triton's)."""
+    import dataclasses
+
+    from nezha_hf import relative_attention as ra
+
+    spec = dataclasses.replace(ra.ENGINES[ra.Engine.TRITON], unusable=lambda situation: "simulated: kernels failed")
+    monkeypatch.setitem(ra.ENGINES, ra.Engine.TRITON, spec)
+
+
+def test_the_model_benchmark_fails_in_one_line_when_the_engine_it_names_did_not_run(triton_unusable, unmeasured_machine,
+                                                                                     monkeypatch, tmp_path, capsys):
+    """`attention.py --attention nezha_triton` timed the chunked engine and printed its ratio; now it ends with the
+    engine's record in one line before timing anything (on a GPU the same holds without `--attention`)."""
+    from benchmarks import attention, machine
+
+    monkeypatch.setattr(machine, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["attention.py", "--attention", "nezha_triton", "--layers", "1", "--lengths",
+                                      "16", "--no-train", "--memory-lengths", "--eager-up-to", "0", "--repeats", "1"])
+    with pytest.raises(SystemExit) as ended:
+        attention.main()
+    assert str(ended.value) == ("attention.py: nezha_triton did not run on cpu: the chunked engine ran instead "
+                                "(simulated: kernels failed)")
+    assert "ratio" not in capsys.readouterr().out and not list(tmp_path.rglob("*.md"))
+
+
+def test_the_model_benchmark_requires_the_triton_engine_on_a_gpu_and_the_named_one_anywhere():
+    from benchmarks.attention import required_engine
+    from nezha_hf.relative_attention import Engine
+
+    assert required_engine(None, "cuda") is Engine.TRITON
+    assert required_engine(None, "cpu") is None  # the CPU default falls back by length and build, as documented
+    assert required_engine("nezha_chunked", "cuda") is Engine.CHUNKED
+
+
+def test_the_op_benchmark_fails_in_one_line_when_nezha_triton_does_not_run(triton_unusable, unmeasured_machine, tmp_path,
+                                                                             capsys):
+    from benchmarks import gpu_attention
+
+    code = gpu_attention.main(["--rehearse", "--dtypes", "bfloat16", "--lengths", "16", "--cache", "0", "--results",
+                               str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert err.splitlines() == ["gpu_attention.py: nezha_triton did not run the bfloat16 forward at 16 keys: the "
+                                "chunked engine ran instead (simulated: kernels failed)"]
+    assert "ratio" not in out and not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_the_op_benchmark_rehearsed_times_every_case_against_sdpa(unmeasured_machine, tmp_path):
+    from benchmarks import gpu_attention
+
+    assert gpu_attention.main(["--rehearse", "--dtypes", "float16", "--lengths", "16", "--cache", "24", "--results",
+                               str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gpu-attention.json").read_text())
+    assert [(row["case"], row["queries"], row["keys"]) for row in result["rows"]] == [
+        ("forward", 16, 16), ("forward+backward", 16, 16), ("forward+backward, dropout", 16, 16),
+        ("decoding step", 1, 24)]
+    for row in result["rows"]:
+        assert row["ratio"] == pytest.approx(row["nezha_ms"] / row["sdpa_ms"]) and row["sdpa_backend"]
+        assert row["target"] is None  # the issue's targets are for a GPU, not a rehearsal
+    forward = result["rows"][0]
+    assert forward["nezha_tflops"] == pytest.approx(4 * 1 * 2 * 16 * 16 * 16 / (forward["nezha_ms"] * 1e-3) / 1e12)
+    assert (tmp_path / "gpu-attention.md").read_text().startswith("Command: `python benchmarks/gpu_attention.py ")
+
+
+@pytest.mark.slow
+def test_the_correctness_half_rehearsed_passes_every_case(unmeasured_machine, tmp_path):
+    """Every mask, dtype, decoding, dropout, TF32 and launch case against the float64 formula, under the
+    interpreter: what the GPU run checks, at the interpreter's sizes (about a minute)."""
+    from benchmarks import gpu_correctness
+
+    assert gpu_correctness.main(["--rehearse", "--workers", "1", "--results", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gpu-correctness.json").read_text())
+    assert result["complete"] and len(result["cases"]) == len(gpu_correctness.cases()) == 26
+    assert not [case["case"] for case in result["cases"] if case["failure"]]
+    assert {row["dtype"] for row in result["against_sdpa"]} == {"bfloat16", "float16"}
+
+
+@pytest.mark.slow
+def test_the_correctness_cases_run_each_in_a_process_of_its_own(unmeasured_machine, tmp_path):
+    """As on a GPU (12 processes), rehearsed with 2: a case and its arguments reach a fresh process and come back."""
+    from benchmarks import gpu_correctness
+
+    assert gpu_correctness.main(["--rehearse", "--workers", "2", "--results", str(tmp_path), "--cases",
+                                 "float32 decode", "float32 sdpa"]) == 0
+    cases = json.loads((tmp_path / "gpu-correctness.json").read_text())["cases"]
+    assert [(case["case"], case["failure"]) for case in cases] == [("float32 decode", ""), ("float32 sdpa", "")]
+
+
+def sabotaged(monkeypatch, change):
+    """The Triton op with `change(output, query, key, value, table, problem)` applied to what it computes."""
+    from benchmarks import gpu_ops
+
+    real = gpu_ops.triton_attention
+    monkeypatch.setattr(gpu_ops, "triton_attention", lambda q, k, v, table, problem: change(
+        real, q, k, v, table, problem))
+
+
+def correctness_failures(tmp_path, case) -> dict:
+    from benchmarks import gpu_correctness
+
+    assert gpu_correctness.main(["--rehearse", "--workers", "1", "--results", str(tmp_path), "--cases", case]) == 1
+    cases = json.loads((tmp_path / "gpu-correctness.json").read_text())["cases"]
+    return {entry["case"]: entry["failure"] for entry in cases}
+
+
+def test_the_correctness_half_fails_an_element_no_kernel_wrote(monkeypatch, unmeasured_machine, tmp_path):
+    """An op that leaves its last query unwritten: its output starts NaN (PyTorch's fill of new memory), and fails."""
+
+    def last_query_unwritten(real, q, k, v, table, problem):
+        output = real(q, k, v, table, problem)
+        partial = torch.empty_like(output)
+        partial[:, :-1] = output[:, :-1]
+        return partial
+
+    sabotaged(monkeypatch, last_query_unwritten)
+    assert correctness_failures(tmp_path, "float32 decode") == {
+        "float32 decode": "1 queries: output has NaN or unwritten elements"}
+
+
+def test_the_correctness_half_fails_a_wrong_relative_term(monkeypatch, unmeasured_machine, tmp_path):
+    sabotaged(monkeypatch, lambda real, q, k, v, table, problem: real(q, k, v, table.flip(0), problem))
+    failure = correctness_failures(tmp_path, "float16 causal")["float16 causal"]
+    assert failure.startswith("output relative error") and failure.endswith("> 4e-03")
+
+
+def test_the_correctness_half_fails_a_backward_that_draws_another_dropout_mask(monkeypatch, unmeasured_machine,
+                                                                               tmp_path):
+    """The keep mask the reference is given differs from the kernel's in one entry per row, as a backward redrawing
+    another mask would make it: the case fails."""
+    from benchmarks import gpu_correctness
+
+    real = gpu_correctness.kernel_keep_mask
+
+    def one_entry_per_row_flipped(*args):
+        kept = real(*args)
+        kept[..., 0] = ~kept[..., 0]
+        return kept
+
+    monkeypatch.setattr(gpu_correctness, "kernel_keep_mask", one_entry_per_row_flipped)
+    assert correctness_failures(tmp_path, "float32 dropout")["float32 dropout"].startswith("output relative error")
+
+
+def test_the_environment_check_names_what_is_missing(monkeypatch, capsys):
+    from benchmarks import gpu_environment
+
+    assert gpu_environment.main(["--rehearse"]) == 0
+    monkeypatch.setattr(gpu_environment, "INTERFACES", [("torch.library.frobnicate (a newer PyTorch)",
+                                                         "torch.library", "frobnicate")])
+    assert gpu_environment.main(["--rehearse"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "gpu_environment.py: missing: torch.library.frobnicate (a newer PyTorch)"]
+    assert gpu_environment.unmet(["packaging>=999", "torch>=1", "pywin32; sys_platform == 'win32'"]) == [
+        f"packaging>=999 (installed: {__import__('packaging').__version__})"]
+
+
+def test_a_gpu_machine_is_named_with_its_matmul_rate_and_software():
+    from benchmarks.machine import machine_kind, software_versions, summary
+
+    versions = software_versions()
+    assert versions["torch"] == torch.__version__ and versions["transformers"] and versions["python"]
+    machine = {"cpu": "AMD EPYC", "gpu": "NVIDIA H100 80GB HBM3 (compute capability 9.0)", "torch": "2.11.0+cu130",
+               "dtype": "bfloat16", "matmul_tflops": 791.234, "flags": [],
+               "software": {"cuda": "13.0", "driver": "580.159.04", "triton": "3.6.0", "transformers": "5.24.0",
+                            "python": "3.12.3"}}
+    assert summary(machine) == (
+        "GPU: NVIDIA H100 80GB HBM3 (compute capability 9.0), torch 2.11.0+cu130; bfloat16 matmul 791.2 TFLOP/s "
+        "(8,192 square, median of 20 timed with CUDA events, measured in this run); cuda 13.0, driver 580.159.04, "
+        "triton 3.6.0, transformers 5.24.0, python 3.12.3; CPU: AMD EPYC")
+    assert machine_kind(machine) == "gpu"
+
+
+def test_the_gpu_check_packs_triton_cache_in_parts_the_device_tool_brings_back_and_restores_them(monkeypatch,
+                                                                                               tmp_path):
+    from benchmarks import gpu_check
+
+    cache, work, results = tmp_path / "cache", tmp_path / "work", tmp_path / "results"
+    for folder in (cache / "ab12", work, results):
+        folder.mkdir(parents=True)
+    kernels = {f"ab12/kernel{i}.cubin": __import__("os").urandom(3000) for i in range(4)}  # incompressible
+    for name, data in kernels.items():
+        (cache / name).write_bytes(data)
+    (work / "gpu-attention.json").write_text("{}")
+    log = gpu_check.Log(results / "gpu-check.log")
+    monkeypatch.setattr(gpu_check, "PART_SIZE", 4000)  # 12 kB packed: more parts than the carry may take
+    gpu_check.pack(results, work, cache, log)
+    assert not list(results.glob("triton-cache*")) and "not kept" in (results / "gpu-check.log").read_text()
+    monkeypatch.setattr(gpu_check, "PART_SIZE", 8000)
+    gpu_check.pack(results, work, cache, log)
+    parts = sorted(results.glob("triton-cache.tar.gz*"))
+    assert [part.name for part in parts] == ["triton-cache.tar.gz.00", "triton-cache.tar.gz.01"]
+    assert all(part.stat().st_size <= 8000 for part in parts)
+    with tarfile.open(results / "results.tar.gz") as archive:
+        assert archive.getnames() == ["gpu-attention.json"]
+    assert gpu_check.carried_cache(results) == parts
+    restored = tmp_path / "restored"
+    gpu_check.restore_cache(restored, parts, log)
+    assert {name: (restored / name).read_bytes() for name in kernels} == kernels
+
+
+def test_a_gpu_check_step_past_its_budget_is_stopped_with_its_workers(tmp_path):
+    """A step's process group is stopped at its budget (the correctness step's workers too), and reads as 124."""
+    from benchmarks import gpu_check
+
+    marker = tmp_path / "worker-alive"
+    worker = f"import time, pathlib; time.sleep(4); pathlib.Path({str(marker)!r}).write_text('x')"
+    step = [sys.executable, "-c", f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+                                  "print('started', flush=True); time.sleep(60)"]
+    log = gpu_check.Log(tmp_path / "log")
+    assert gpu_check.run_step(step, dict(__import__("os").environ), 1, log) == 124
+    time.sleep(5)
+    assert not marker.exists()
+    assert (tmp_path / "log").read_text() == "started\n"
+
+
+def test_a_failed_gpu_check_step_ends_the_run_and_the_summary_says_so(monkeypatch, tmp_path, capsys):
+    from benchmarks import gpu_check
+
+    ran = tmp_path / "second-ran"
+    monkeypatch.setattr(gpu_check, "steps", lambda rehearse, work: [
+        gpu_check.Step("first", ["-c", "import sys; print('wrong result'); sys.exit(1)"], 30),
+        gpu_check.Step("second", ["-c", f"open({str(ran)!r}, 'w')"], 30)])
+    monkeypatch.setattr(gpu_check, "CARRIED", tmp_path / "nothing-carried")
+    assert gpu_check.main(["--rehearse", "--results", str(tmp_path / "out")]) == 1
+    assert not ran.exists()
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| setup | done |" in summary and "| first | FAILED (exit 1, " in summary and "second" not in summary
+    assert capsys.readouterr().out.rstrip().endswith(summary.rstrip())  # the table is what it prints last
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["gpu-check.log", "results.tar.gz",
+                                                                          "summary.md"]

@@ -1,0 +1,280 @@
+"""The whole GPU check of NEZHA's Triton engine in one run of at most 8 minutes, a short table printed last.
+
+    python3 benchmarks/gpu_check.py               # on the GPU machine (docs/performance.md has the device `run` call)
+    python3 benchmarks/gpu_check.py --rehearse    # here: everything but the GPU (Triton's interpreter, tiny sizes)
+
+It sets itself up on the machine's own packages and runs each step in a fresh process within its time budget:
+
+1. setup: the wheels `make gpu-prepare` put in .gpu/wheels/ (transformers >= 5.24, which the machine lacks) are
+   installed with `pip install --no-index --no-deps --target` into a scratch folder that goes first on PYTHONPATH,
+   then the checkout (nezha_hf is not installed: it declares torch>=2.13); Triton's cache from an earlier run is
+   unpacked when it was carried back as .gpu/triton-cache.tar.gz (`--cache`);
+2. environment: the versions, and whether PyTorch, Triton and transformers have what nezha_hf uses
+   (gpu_environment.py); a missing piece ends the run, said in words;
+3. correctness against the float64 formula (gpu_correctness.py): a failed case ends the run before any timing;
+4. the attention op against SDPA's FlashAttention (gpu_attention.py);
+5. a 12-layer base-width model at 2,048 tokens, bfloat16, forward and forward+backward, against BERT-SDPA
+   (attention.py --device cuda), with both models' error against float64.
+
+Every step runs with `NEZHA_HF_KERNEL=0` (the CPU kernel is not built) and Triton's cache in the scratch folder; the
+speed steps also keep Triton's autotuning choices there (`TRITON_CACHE_AUTOTUNING=1`), so that a second run neither
+recompiles nor retunes. A step that runs past its budget is stopped and the next one runs (a correctness step cut
+short is reported as incomplete); the run fits `--budget` seconds (default 465) whatever the steps take.
+
+The results folder (`--results`; default $OUT, where the device tool looks, else gpu-check-results/) gets at most
+5 files (the device tool brings back 8, of at most 16 MiB each): `gpu-check.log` (everything printed, written as it
+comes), `summary.md` (the table printed last), `results.tar.gz` (the results files: unpack into
+benchmarks/results/gpu/) and `triton-cache.tar.gz` (the compiled kernels and autotuning choices; in two parts of
+15 MiB at most, `.00` and `.01`, if larger; copy them into .gpu/ to carry them into the next run, which unpacks them).
+"""
+
+import argparse
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.gpu_script import write_staged  # noqa: E402
+
+CARRIED = ROOT / ".gpu"  # what travels with the checkout to the GPU machine (ignored by git)
+PART_SIZE = 15 * 2**20  # the device tool brings back files of at most 16 MiB
+MAX_CACHE_PARTS = 2  # 30 MiB: with the checkout (4 MB) and the wheel (14 MB) it travels back within 64 MiB
+PACK_RESERVE = 20  # seconds kept for packing the results
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step: its name, its command (after the Python that runs it), its budget in seconds, and whether it is a
+    speed step (Triton's autotuning choices cached)."""
+
+    name: str
+    command: list[str]
+    seconds: int
+    timed: bool = False
+
+
+def steps(rehearse: bool, work: Path) -> list[Step]:
+    """The steps after setup, with their budgets: on a GPU they fit 8 minutes together; rehearsing under the
+    interpreter on 2 shared cores, each is slower."""
+    mode = ["--rehearse"] if rehearse else []
+    results = ["--results", str(work)]
+    model = (["--device", "cpu", "--attention", "nezha_triton", "--layers", "1", "--lengths", "32", "--repeats", "1",
+              "--accuracy-length", "32", "--memory-lengths"] if rehearse else
+             ["--device", "cuda", "--layers", "12", "--lengths", "2048", "--repeats", "5", "--accuracy-length", "512",
+              "--memory-lengths", "2048", "--memory-runs", "1"])
+    scale = 4 if rehearse else 1
+    return [
+        Step("environment", ["benchmarks/gpu_environment.py", *mode, *results], 60 * scale),
+        Step("correctness", ["benchmarks/gpu_correctness.py", *mode, *results], 170 * scale),
+        Step("attention op", ["benchmarks/gpu_attention.py", *mode, *results], 150 * scale, timed=True),
+        Step("model", ["benchmarks/attention.py", *model, "--dtype", "bfloat16", "--eager-up-to", "0", *results,
+                       "--output", "attention-cuda-bfloat16"], 150 * scale, timed=True),
+    ]
+
+
+class Log:
+    """Everything printed, also written to `gpu-check.log` in the results folder as it comes (so a run cut short
+    still brings it back)."""
+
+    def __init__(self, path: Path):
+        self.file = path.open("a", encoding="utf-8")
+
+    def __call__(self, text: str = "") -> None:
+        print(text, flush=True)
+        self.file.write(text + "\n")
+        self.file.flush()
+
+
+def run_step(command: list[str], environment: dict, seconds: float, log: Log) -> int:
+    """Run `command` in its own process group, its output into `log` line by line; stopped (the whole group: the
+    correctness workers too) after `seconds`, which returns 124, as `timeout` does."""
+    process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, errors="replace", start_new_session=True)
+    expired = threading.Event()
+
+    def stop():
+        expired.set()
+        for sent in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(process.pid, sent)
+            except ProcessLookupError:
+                return
+            time.sleep(5)
+
+    timer = threading.Timer(max(seconds, 1), stop)
+    timer.daemon = True
+    timer.start()
+    for line in process.stdout:
+        log(line.rstrip("\n"))
+    process.wait()
+    timer.cancel()
+    return 124 if expired.is_set() else process.returncode
+
+
+def carried_cache(folder: Path) -> list[Path]:
+    """The carried Triton cache in `folder`: `triton-cache.tar.gz`, else its parts `.00`, `.01` in order."""
+    whole = folder / "triton-cache.tar.gz"
+    return [whole] if whole.is_file() else sorted(folder.glob("triton-cache.tar.gz.[0-9][0-9]"))
+
+
+def restore_cache(cache: Path, parts: list[Path], log: Log) -> None:
+    """Unpack a carried Triton cache (one archive, or its parts in order) into `cache`."""
+    if not parts:
+        log("setup: no Triton cache carried (.gpu/triton-cache.tar.gz): kernels compile in this run")
+        return
+    data = b"".join(part.read_bytes() for part in parts)
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
+            archive.extractall(cache, filter="data")
+    except (tarfile.TarError, EOFError, OSError) as error:
+        log(f"setup: the carried Triton cache could not be unpacked ({error}): kernels compile in this run")
+        return
+    log(f"setup: Triton cache restored from {', '.join(part.name for part in parts)} ({len(data) / 2**20:.1f} MiB)")
+
+
+def install_wheels(wheels: list[Path], site: Path, log: Log) -> bool:
+    """`pip install --no-index --no-deps --target site` of the carried wheels (the machine's own packages untouched)."""
+    if not wheels:
+        log("setup: no wheels in .gpu/wheels/ (`make gpu-prepare`): the machine's own transformers is used")
+        return True
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                           "--disable-pip-version-check", "--target", str(site), *map(str, wheels)],
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        log(f"setup: installing {', '.join(w.name for w in wheels)} failed: {done.stderr.strip()[-1000:]}")
+        return False
+    log(f"setup: installed {', '.join(w.name for w in wheels)} into {site}")
+    return True
+
+
+def pack(results: Path, work: Path, cache: Path, log: Log) -> None:
+    """`results.tar.gz` of the results files, and Triton's cache as `triton-cache.tar.gz` (in parts if larger than
+    one file the device tool brings back), each written beside its name and renamed in."""
+    with tarfile.open(results / ".results.tar.gz.tmp", "w:gz") as archive:
+        for path in sorted(work.iterdir()):
+            archive.add(path, arcname=path.name)
+    os.replace(results / ".results.tar.gz.tmp", results / "results.tar.gz")
+    if not cache.is_dir():
+        return
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as archive:
+        archive.add(cache, arcname=".")
+    data = buffer.getvalue()
+    parts = [data[start:start + PART_SIZE] for start in range(0, len(data), PART_SIZE)]
+    if len(parts) > MAX_CACHE_PARTS:
+        log(f"Triton's cache is {len(data) / 2**20:.0f} MiB packed, more than {MAX_CACHE_PARTS} files of 15 MiB: "
+            "not kept (a next run compiles again)")
+        return
+    names = ["triton-cache.tar.gz"] if len(parts) == 1 else [f"triton-cache.tar.gz.{i:02d}" for i in range(len(parts))]
+    for name, part in zip(names, parts):
+        (results / f".{name}.tmp").write_bytes(part)
+        os.replace(results / f".{name}.tmp", results / name)
+    log(f"Triton's cache: {len(data) / 2**20:.1f} MiB packed into {', '.join(names)}")
+
+
+def summary_table(work: Path, statuses: dict) -> str:
+    """The short table: each step's outcome, the correctness cases passed, and the speed ratios with the targets."""
+    lines = ["| step | outcome |", "|---|---|"]
+    lines += [f"| {name} | {status} |" for name, status in statuses.items()]
+
+    def read(name):
+        path = work / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    correctness = read("gpu-correctness.json")
+    if correctness:
+        cases = correctness["cases"]
+        failed = [case["case"] for case in cases if case["failure"]]
+        lines += ["", f"Correctness: {len(cases) - len(failed)} of {len(cases)} cases passed"
+                  + (f"; FAILED: {', '.join(failed)}" if failed else "")
+                  + ("" if correctness["complete"] else " (incomplete)") + "."]
+        goal = ", target <= 1" if correctness["machine"]["gpu"] else ""
+        lines += [f"- {row['dtype']} {row['quantity']}: error {row['nezha']:.1e}, SDPA's {row['sdpa']:.1e} "
+                  f"(ratio {row['ratio']:.2f}{goal})" for row in correctness["against_sdpa"]]
+    attention = read("gpu-attention.json")
+    if attention:
+        lines += ["", "| op | dtype | keys | NEZHA ms | SDPA ms | ratio | target |", "|---|---|---|---|---|---|---|"]
+        for row in attention["rows"]:
+            goal = "-" if row["target"] is None else f"<= {row['target']} {'met' if row['met'] else 'NOT met'}"
+            lines.append(f"| {row['case']} | {row['dtype']} | {row['keys']:,} | {row['nezha_ms']:.3f} | "
+                         f"{row['sdpa_ms']:.3f} | {row['ratio']:.2f} | {goal} |")
+    model = read("attention-cuda-bfloat16.json")
+    if model:
+        goal = " (target <= 1.15)" if model["machine"]["gpu"] else ""
+        for row in model["time"]:
+            lines.append(f"\nModel, {row['tokens']:,} tokens: forward {row['ratio_fwd']:.2f}x BERT-SDPA, "
+                         f"forward+backward {row.get('ratio_train', float('nan')):.2f}x{goal}")
+        for entry in model["memory"]:
+            lines.append(f"Model memory, {entry['tokens']:,} tokens: forward+backward "
+                         f"{entry.get('ratio_train', float('nan')):.2f}x BERT-SDPA's")
+        for kind, error in model["accuracy"].items():
+            lines.append(f"Model error against float64 ({kind}): {error['relative']:.2e}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rehearse", action="store_true", help="on the CPU under Triton's interpreter, tiny sizes")
+    parser.add_argument("--results", type=Path, help="folder for what comes back (default: $OUT, else gpu-check-results/)")
+    parser.add_argument("--budget", type=float, help="seconds the whole run may take (default 465; rehearsing, 1800)")
+    parser.add_argument("--cache", type=Path, default=CARRIED, help="folder holding a carried triton-cache.tar.gz")
+    args = parser.parse_args(argv)
+    deadline = time.monotonic() + (args.budget or (1800 if args.rehearse else 465))
+    results = (args.results or Path(os.environ.get("OUT") or ROOT / "gpu-check-results")).resolve()
+    results.mkdir(parents=True, exist_ok=True)
+    log = Log(results / "gpu-check.log")
+    scratch = Path(tempfile.mkdtemp(prefix="nezha-gpu-check-"))
+    work, site, cache = scratch / "results", scratch / "site", scratch / "triton-cache"
+    work.mkdir()
+    log(f"NEZHA GPU check{' (rehearsal: CPU, Triton interpreter, tiny sizes)' if args.rehearse else ''}: "
+        f"checkout {ROOT}, results in {results}, scratch {scratch}")
+    statuses = {}
+    try:
+        restore_cache(cache, carried_cache(args.cache), log)
+        statuses["setup"] = ("done" if install_wheels(sorted((CARRIED / "wheels").glob("*.whl")), site, log)
+                             else "FAILED")
+        environment = {**os.environ, "NEZHA_HF_KERNEL": "0", "TRITON_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1",
+                       "PYTHONPATH": os.pathsep.join(filter(None, [str(site), str(ROOT),
+                                                                   os.environ.get("PYTHONPATH")]))}
+        if args.rehearse:
+            environment["TRITON_INTERPRET"] = "1"
+        for step in steps(args.rehearse, work) if statuses["setup"] == "done" else []:
+            seconds = min(step.seconds, deadline - time.monotonic() - PACK_RESERVE)
+            if seconds < 10:
+                statuses[step.name] = "not run: out of time"
+                continue
+            log(f"\n=== {step.name} (budget {seconds:.0f} s) ===")
+            started = time.monotonic()
+            code = run_step([sys.executable, *step.command], {**environment, **(
+                {"TRITON_CACHE_AUTOTUNING": "1"} if step.timed else {})}, seconds, log)
+            took = f"{time.monotonic() - started:.0f} s"
+            if code == 0:
+                statuses[step.name] = f"passed ({took})"
+            elif code == 124:
+                statuses[step.name] = f"INCOMPLETE: stopped at its budget ({took})"
+            else:
+                statuses[step.name] = f"FAILED (exit {code}, {took}): see the log above"
+                break  # a missing piece, a wrong result or an engine that did not run: nothing after it is trustworthy
+    finally:
+        pack(results, work, cache, log)
+        table = summary_table(work, statuses)
+        write_staged(results / "summary.md", table)
+        shutil.rmtree(scratch, ignore_errors=True)
+        log("\n=== summary ===")
+        log(table)
+    return 0 if all(status.startswith(("done", "passed")) for status in statuses.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
