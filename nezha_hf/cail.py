@@ -25,7 +25,7 @@ from .documents import (
     iter_jsonl,
     jieba_words,
     read_files,
-    read_txt,
+    read_input_text,
     record_id,
     report_problem,
 )
@@ -117,7 +117,7 @@ def read_judgments(paths, problems: list | None = None, max_characters: int | No
     """
     def read(file: InputFile) -> list[Judgment]:
         if not is_jsonl(file.path):
-            return [Judgment(file.name, split_sentences(read_txt(file.path, encoding)), source=str(file.path))]
+            return [Judgment(file.name, split_sentences(read_input_text(file.path, encoding)), source=str(file.path))]
         judgments = (_judgment_from_record(record, file.path, number, problems)
                      for number, record in iter_jsonl(file.path, problems, encoding))
         return [judgment for judgment in judgments if judgment is not None]

@@ -199,6 +199,14 @@ def read_text(path, encoding: str | None = None) -> str:
         return _decode(path, data, encoding, f"neither UTF-8 nor {encoding} (--encoding) text")
 
 
+def read_input_text(path: Path, encoding: str | None = None) -> str:
+    """The text of an input file (`read_text`); one with nothing but white space is an `InputFileError`."""
+    text = read_text(path, encoding)
+    if is_blank(text):
+        raise InputFileError(path, "holds no text (it is empty, or only white space)")
+    return text
+
+
 def _decode(path, data: bytes, codec: str, failure: str, advice: str = "") -> str:
     """`data` decoded with `codec`; else an `InputFileError` saying `failure`, where (byte, line, offset), `advice`."""
     try:
@@ -209,17 +217,35 @@ def _decode(path, data: bytes, codec: str, failure: str, advice: str = "") -> st
         raise InputFileError(path, f"{failure} ({where}){advice}") from None
 
 
+class RepeatedKey(ValueError):
+    """A JSON object that gives one key twice."""
+
+
+def _object_with_distinct_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object as a dict; a `RepeatedKey` if it gives a key twice (`json.loads` alone keeps the last value)."""
+    record = dict(pairs)
+    if len(record) < len(pairs):
+        repeated = sorted({key for key, _ in pairs if sum(k == key for k, _ in pairs) > 1})
+        raise RepeatedKey(f"a JSON object gives the key{'s' if len(repeated) > 1 else ''} "
+                          f"{', '.join(map(repr, repeated))} twice")
+    return record
+
+
 def iter_jsonl(path: Path, problems: list | None = None, encoding: str | None = None) -> Iterator[tuple[int, dict]]:
     """`(line_number, object)` for each well-formed JSON object line; bad lines are reported and skipped, blank ones
-    passed over. The file is decoded whole first (`read_text`): one it cannot decode is an `InputFileError`."""
+    passed over. The file is decoded whole first (`read_input_text`): one it cannot decode, or one with no line at
+    all, is an `InputFileError`."""
     # Lines end at "\n" only: JSON text may hold U+2028 and the like, which `str.splitlines` would split at.
-    for number, line in enumerate(read_text(path, encoding).split("\n"), start=1):
+    for number, line in enumerate(read_input_text(path, encoding).split("\n"), start=1):
         if is_blank(line):
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line, object_pairs_hook=_object_with_distinct_keys)
         except json.JSONDecodeError as error:
             report_problem(problems, path, number, f"not valid JSON ({error.msg})")
+            continue
+        except RepeatedKey as error:
+            report_problem(problems, path, number, str(error))
             continue
         if not isinstance(record, dict):
             report_problem(problems, path, number, "not a JSON object")
@@ -262,14 +288,6 @@ def is_jsonl(path: Path) -> bool:
     return _suffix(path) in JSONL_SUFFIXES
 
 
-def read_txt(path: Path, encoding: str | None = None) -> str:
-    """The text of a `.txt` input (`read_text`); one with no text but white space is an `InputFileError`."""
-    text = read_text(path, encoding)
-    if is_blank(text):
-        raise InputFileError(path, "holds no text (it is empty, or only white space)")
-    return text
-
-
 def read_documents(paths, txt_split: str = "file", problems: list | None = None,
                    encoding: str | None = None) -> list[Document]:
     """Documents from `.txt` files (whole file, or split on blank lines or on lines) and JSONL `text` fields.
@@ -298,7 +316,7 @@ def read_documents(paths, txt_split: str = "file", problems: list | None = None,
                 else:
                     documents.append(Document(identifier, text))
             return documents
-        content = read_txt(path, encoding)
+        content = read_input_text(path, encoding)
         if txt_split == "file":
             return [Document(str(path), content.strip())]
         pieces = re.split(r"\n\s*\n" if txt_split == "blank-lines" else r"\n", content)

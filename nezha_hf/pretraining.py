@@ -213,13 +213,13 @@ def continue_pretraining(
     settings = {**defaults, **training_arguments}
     show_progress = show_progress and state.is_main_process
     with claimed_by_main(state, output_dir, checkpoints):
-        problems = []  # the data first: a file that cannot be read is refused before the model is loaded
-        texts = [document.text for document in read_documents(files, txt_split, problems, encoding)]
-        if not texts:
-            raise ValueError(f"No text found in {list(map(str, files))}.")
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         check_tokenizer(tokenizer, NezhaConfig.from_pretrained(model_path), model_path,
                         needs=("cls_token", "sep_token", "pad_token", "mask_token"))
+        problems = []  # the data before the model: a file that cannot be read is refused before it is loaded
+        texts = [document.text for document in read_documents(files, txt_split, problems, encoding)]
+        if not texts:
+            raise ValueError(f"No text found in {list(map(str, files))}.")
         sharding = {}
         if fsdp and state.num_processes > 1:
             sharding["distributed_config"] = DistributedConfig(fsdp_size=state.num_processes)

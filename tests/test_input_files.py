@@ -241,10 +241,11 @@ def test_a_record_whose_sentences_are_all_blank_is_a_problem_line(tmp_path):
 
 @pytest.mark.parametrize("blank", BLANKS, ids=repr)
 @pytest.mark.parametrize("encoding", ["utf-8", "utf-8+bom", "utf-16-le+bom"])
-def test_an_empty_or_blank_txt_judgment_is_refused(tmp_path, blank, encoding):
-    """An empty .txt judgment vanished without a word."""
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_an_empty_or_blank_file_is_refused(tmp_path, blank, encoding, suffix):
+    """An empty .txt judgment vanished without a word (and an empty JSONL file along with it)."""
     good = write(tmp_path / "judgments" / "a.txt", "原告胜诉。".encode())
-    empty = write(tmp_path / "judgments" / "b.txt", encoded(blank, encoding))
+    empty = write(tmp_path / "judgments" / f"b{suffix}", encoded(blank, encoding))
     for read in (lambda problems: [j.id for j in read_judgments([good.parent], problems)],
                  lambda problems: [d.text for d in read_documents([good.parent], problems=problems)]):
         problems = []
@@ -253,6 +254,24 @@ def test_an_empty_or_blank_txt_judgment_is_refused(tmp_path, blank, encoding):
     for read in (lambda: read_judgments([empty]), lambda: list(read_documents([empty]))):
         with pytest.raises(ValueError, match=f"{re.escape(str(empty))}.*no text"):
             read()
+
+
+def test_a_json_line_that_gives_a_key_twice_is_a_problem_line(tmp_path):
+    """`json.loads` keeps the last of two values of one key: `{"id": "a", ..., "id": "b"}` would be judgment b."""
+    good = json.dumps({"id": "a", "text": "原告胜诉。"}, ensure_ascii=False)
+    twice = ['{"id": "a", "text": "原告胜诉。", "id": "b"}', '{"id": "c", "text": "被告败诉。", "text": "法院判决。"}',
+             '{"id": "d", "text": [{"sentence": "原告胜诉。", "label": 1, "label": 0}]}']
+    path = write_jsonl(tmp_path / "data.jsonl", [], extra_lines=[good, *twice])
+    for read in (lambda problems: [j.id for j in read_judgments([path], problems)],
+                 lambda problems: [d.id for d in read_documents([path], problems=problems)]):
+        problems = []
+        assert read(problems) == ["a"]
+        assert [p.line for p in problems] == [2, 3, 4] and all("twice" in p.message for p in problems), problems
+    from nezha_hf.cail import read_predictions
+
+    predictions = write_jsonl(tmp_path / "p.jsonl", [], extra_lines=['{"id": "a", "summary": "甲", "summary": "乙"}'])
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: .*twice"):
+        read_predictions(predictions)
 
 
 # --- predictions: ids checked ------------------------------------------------------------------------------------
