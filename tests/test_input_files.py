@@ -34,7 +34,7 @@ SENTENCES = ["原告张某诉被告李某借款合同纠纷一案，本院于201
 
 
 def encoded(text: str, encoding: str) -> bytes:
-    """`text` in one of the encodings below; `bom` adds the byte-order mark, `no-bom` leaves it out."""
+    """`text` in `encoding`, a codec's name; `NAME+bom` puts the byte-order mark first."""
     name, _, bom = encoding.partition("+")
     marks = {"utf-8": codecs.BOM_UTF8, "utf-16-le": codecs.BOM_UTF16_LE, "utf-16-be": codecs.BOM_UTF16_BE,
              "utf-32-le": codecs.BOM_UTF32_LE, "utf-32-be": codecs.BOM_UTF32_BE}
@@ -111,6 +111,15 @@ def test_every_reader_reads_each_encoding_as_the_text_it_holds(tmp_path, encodin
     problems = []
     documents = read_documents([jsonl], problems=problems, encoding=given)
     assert problems == [] and [d.text for d in documents] == [JUDGMENT]
+
+
+def test_utf8_that_is_also_gb18030_is_read_as_utf8(tmp_path):
+    """--encoding names the encoding of files that are not UTF-8; it never turns UTF-8 into GB18030 mojibake."""
+    text = "判决如下驳回原告诉讼请求"
+    assert text.encode("utf-8").decode("gb18030") != text  # the bytes are GB18030 too, of other characters
+    path = write(tmp_path / "j.txt", text.encode("utf-8"))
+    assert [j.text for j in read_judgments([path], encoding="gb18030")] == [text]
+    assert [d.text for d in read_documents([path], encoding="gb18030")] == [text]
 
 
 def check_refused(problems, path, words):
