@@ -86,6 +86,17 @@ PROBABILITY = _number(float, 0.0, 1.0)
 POSITIVE = _number(float, 1e-12)
 
 
+def _encoding(name: str) -> str:
+    """An argparse type: the name of a text encoding Python knows (gb18030, big5, shift_jis, ...)."""
+    try:
+        b"a".decode(name)  # a byte: empty bytes decode without looking the encoding up
+    except LookupError:  # unknown, or not text (base64)
+        raise argparse.ArgumentTypeError(f"unknown text encoding {name!r} (e.g. gb18030)")
+    except UnicodeDecodeError:  # not a whole character in UTF-16 and the like: a text encoding all the same
+        pass
+    return name
+
+
 def _examples(*lines: str) -> str:
     return "example:\n" + "\n".join(f"  {line}" for line in lines)
 
@@ -169,6 +180,7 @@ def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser
                           help="share of the tokens masked (whole jieba words)")
     pretrain.add_argument("--txt-split", default="blank-lines",
                           help="how a .txt file splits into documents: file, blank-lines or lines")
+    _add_encoding(pretrain)
     pretrain.add_argument("--max-steps", type=_number(int, -1), default=-1,
                           help="optimizer steps; -1: as many as --epochs make")
     pretrain.add_argument("--epochs", type=POSITIVE, default=1.0, help="passes over the data (unless --max-steps)")
@@ -206,6 +218,7 @@ def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser
                            help="decode freely even if the generator has a copy head")
     summarize.add_argument("--max-new-tokens", type=COUNT, default=512, help="longest summary, in tokens")
     _add_length_limit(summarize)
+    _add_encoding(summarize)
 
     train = command(sub, "train-summarizer", "train the extractor and the generator from CAIL2020 JSONL",
                     _examples("nezha-hf train-summarizer cail2020_train.jsonl --base nezha-cn-base/ "
@@ -228,6 +241,7 @@ def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser
     train.add_argument("--copy", action="store_true",
                        help="SPACES copy mechanism: copy tags trained jointly, copied spans follow source n-grams")
     _add_length_limit(train)
+    _add_encoding(train)
 
     export = command(sub, "export", "export a model for serving",
                      _examples("nezha-hf export onnx my-nezha/ my-nezha.onnx")).add_subparsers(
@@ -256,12 +270,20 @@ def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser
     evaluate.add_argument("--output", type=Path, help="write the scores as JSON here")
     evaluate.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     _add_length_limit(evaluate)
+    _add_encoding(evaluate)
     return parser
 
 
 def _report_problems(problems) -> None:
+    """Each skipped line and file left out, one line each; then how many files were left out."""
+    from nezha_hf.documents import refused_files
+
     for problem in problems:
         print(f"skipped {problem}", file=sys.stderr)
+    refused = len(refused_files(problems))
+    if refused:
+        print(f"left out {refused} input file{'s' if refused > 1 else ''} (named above); the rest was read",
+              file=sys.stderr)
 
 
 def _add_length_limit(parser):
@@ -270,11 +292,17 @@ def _add_length_limit(parser):
                              "judgments have up to about 13,000, and attention time grows with the square of the length)")
 
 
-def _read_inputs(paths, max_characters=None):
+def _add_encoding(parser):
+    parser.add_argument("--encoding", type=_encoding,
+                        help="the encoding of input files that are neither UTF-8 nor UTF-16 (told from their bytes), "
+                             "e.g. gb18030, which reads GBK and GB2312 too (default: such files are refused)")
+
+
+def _read_inputs(paths, max_characters=None, encoding=None):
     from nezha_hf.cail import MAX_CHARACTERS, read_judgments
 
     problems = []
-    judgments = read_judgments(paths, problems, max_characters or MAX_CHARACTERS)
+    judgments = read_judgments(paths, problems, max_characters or MAX_CHARACTERS, encoding)
     _report_problems(problems)
     if not judgments:
         raise ValueError(f"No judgments found in {', '.join(map(str, paths))}.")
@@ -299,7 +327,7 @@ def _summarize(args) -> None:
         check_destination(args.output, [args.model, *args.inputs], args.overwrite, kind="file")
         if args.output.suffix.lower() not in SUMMARY_SUFFIXES:
             raise ValueError(f"--output {args.output}: summaries are written as JSONL (.jsonl, .json) or text (.txt)")
-    judgments = _read_inputs(args.inputs, args.max_characters)
+    judgments = _read_inputs(args.inputs, args.max_characters, args.encoding)
     settings = {key: value for key, value in (("threshold", args.threshold), ("token_budget", args.token_budget),
                                               ("num_beams", args.num_beams)) if value is not None}
     summarizer = load_summarizer(args.model, **settings)
@@ -314,7 +342,8 @@ def _summarize(args) -> None:
     # Finished batches are kept beside the output: a rerun after a kill goes on from there.
     journal = args.output.with_name(f".{args.output.name}.progress") if args.output else None
     record = RunRecord.create("summarize", args.model, args.inputs, {
-        **summarizer.settings(), **options, "extract_only": args.extract_only, "batch_size": args.batch_size})
+        **summarizer.settings(), **options, "extract_only": args.extract_only, "batch_size": args.batch_size,
+        "encoding": args.encoding})
     with claimed_by_main(state, *([args.output] if args.output else [])):
         results = run_batches(state, len(judgments), args.batch_size, summarize, journal, record,
                               keys=[j.id for j in judgments], resume=not args.no_resume, show_progress=True,
@@ -340,7 +369,8 @@ def _train_summarizer(args) -> None:
 
     model_folder(args.base)
     metrics = train_summarizer(
-        _read_inputs(args.data, args.max_characters), args.base, args.output, validation_fraction=args.validation_fraction,
+        _read_inputs(args.data, args.max_characters, args.encoding), args.base, args.output,
+        validation_fraction=args.validation_fraction,
         epochs=args.epochs, extractor_steps=args.extractor_steps, generator_steps=args.generator_steps, max_length=args.max_length,
         learning_rate=args.learning_rate, save_steps=args.save_steps, copy_mechanism=args.copy,
         overwrite=args.overwrite, resume=not args.no_resume,
@@ -352,7 +382,7 @@ def _train_summarizer(args) -> None:
 def _evaluate(args) -> None:
     import json
 
-    from nezha_hf.documents import iter_jsonl
+    from nezha_hf.cail import read_predictions
     from nezha_hf.safe_output import check_destination, write_text_atomically
     from nezha_hf.summarization import evaluate_summaries, format_scores
 
@@ -363,11 +393,9 @@ def _evaluate(args) -> None:
     if args.predictions:
         if not args.predictions.is_file():
             raise FileNotFoundError(f"No such predictions file: {args.predictions}")
-        problems = []
-        predictions = {str(r["id"]): r["summary"] for _, r in iter_jsonl(args.predictions, problems)
-                       if "id" in r and isinstance(r.get("summary"), str)}
-        _report_problems(problems)
-    results = evaluate_summaries(_read_inputs(args.data, args.max_characters), predictions, lead_count=args.lead)
+        predictions = read_predictions(args.predictions, args.encoding)
+    results = evaluate_summaries(_read_inputs(args.data, args.max_characters, args.encoding), predictions,
+                                 lead_count=args.lead)
     print(format_scores(results))
     if args.output:
         write_text_atomically(args.output, json.dumps(results, indent=2, ensure_ascii=False) + "\n",
@@ -417,7 +445,8 @@ def _pretrain(args) -> None:
     model_folder(args.model)
     metrics = continue_pretraining(
         args.model, args.files, args.output, max_length=args.max_length, mlm_probability=args.mlm_probability,
-        txt_split=args.txt_split, resume=not args.no_resume, max_steps=args.max_steps, num_train_epochs=args.epochs,
+        txt_split=args.txt_split, encoding=args.encoding, resume=not args.no_resume, max_steps=args.max_steps,
+        num_train_epochs=args.epochs,
         per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate, save_steps=args.save_steps, bf16=args.bf16, seed=args.seed,
         overwrite=args.overwrite, fsdp=args.fsdp,

@@ -1,8 +1,9 @@
 """Court judgments in the CAIL2020 summarisation format: reading, sentence splitting, scores, oracle labels.
 
 - `read_judgments`: CAIL2020 JSONL (`id`, `summary`, `text: [{sentence, label}]`), JSONL with a
-  `text` string, `.txt` files and folders of them. Malformed lines are reported with file and
-  line number and skipped.
+  `text` string, `.txt` files and folders of them, each file decoded whole (`documents.read_text`).
+  Malformed lines are reported with file and line number and skipped; `read_predictions` reads
+  `{id, summary}` lines and refuses any it cannot use.
 - `split_sentences`: a splitter for Chinese legal text (after 。！？； and line breaks, closing
   quotes and brackets kept with their sentence).
 - `rouge_scores` / `cail_score`: ROUGE-1/2/L F as the `rouge` package defines them (its ROUGE-L
@@ -17,7 +18,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .documents import iter_jsonl, jieba_words, named_files, read_documents, record_id, report_problem
+from .documents import (
+    InputFile,
+    is_blank,
+    is_jsonl,
+    iter_jsonl,
+    jieba_words,
+    read_files,
+    read_input_text,
+    record_id,
+    report_problem,
+)
 
 # A sentence ends after one of these, together with any closing quotes or brackets that follow.
 _SENTENCE_END = re.compile(r"([。！？；!?;]+[”’」』）)]*|\n+)")
@@ -59,7 +70,10 @@ def _judgment_from_record(record: dict, path, number: int, problems) -> Judgment
         report_problem(problems, path, number, '"summary" is not a string')
         return None
     identifier = record_id(record, path, number)
-    if isinstance(text, str) and text.strip():
+    if identifier is None:
+        report_problem(problems, path, number, '"id" is neither a string nor an integer')
+        return None
+    if isinstance(text, str) and not is_blank(text):
         return Judgment(identifier, split_sentences(text), None, summary, f"{path}:{number}")
     if isinstance(text, list) and text:
         sentences, labels = [], []
@@ -69,6 +83,9 @@ def _judgment_from_record(record: dict, path, number: int, problems) -> Judgment
                 return None
             sentences.append(item["sentence"])
             labels.append(item.get("label"))
+        if all(is_blank(sentence) for sentence in sentences):  # nothing to summarise
+            report_problem(problems, path, number, 'every sentence of "text" is empty or blank')
+            return None
         if any(label not in (0, 1) for label in labels):
             labels = None if all(label is None for label in labels) else labels
             if labels is not None:
@@ -83,24 +100,29 @@ def _judgment_from_record(record: dict, path, number: int, problems) -> Judgment
 MAX_CHARACTERS = 100_000
 
 
-def read_judgments(paths, problems: list | None = None, max_characters: int | None = MAX_CHARACTERS) -> list[Judgment]:
+def read_judgments(paths, problems: list | None = None, max_characters: int | None = MAX_CHARACTERS,
+                   encoding: str | None = None) -> list[Judgment]:
     """Judgments from CAIL2020 JSONL, JSONL with a `text` string, `.txt` files (one judgment each) and folders.
+
+    Files are read as `documents.read_files` reads them: each decoded whole (`documents.read_text`; `encoding`, e.g.
+    `"gb18030"`, names the encoding of files that are not UTF-8 or UTF-16), and one that cannot be used (its
+    encoding, its kind, a `.txt` with no text) is an `InputFileError` when named directly, or reported in `problems`
+    and left out when found in a folder. Malformed JSONL lines, and records whose sentences are all blank, are
+    reported in `problems` (file and line) and skipped.
 
     A `.txt` judgment's id is its path below the folder named (`2019/001` for `judgments/2019/001.txt`), or its
     name when the file is named itself; a JSONL record's is its `id` (else `file:line`). Two judgments with one id
     are a `ValueError` naming both, as is a judgment longer than `max_characters` (None: no limit): the time of
     attention grows with the square of the length, and real judgments are far shorter.
     """
-    judgments = []
-    for path, name in named_files(paths):
-        if path.suffix in (".jsonl", ".json"):
-            for number, record in iter_jsonl(path, problems):
-                judgment = _judgment_from_record(record, path, number, problems)
-                if judgment is not None:
-                    judgments.append(judgment)
-        else:
-            for document in read_documents([path], txt_split="file", problems=problems):
-                judgments.append(Judgment(name, split_sentences(document.text), source=str(path)))
+    def read(file: InputFile) -> list[Judgment]:
+        if not is_jsonl(file.path):
+            return [Judgment(file.name, split_sentences(read_input_text(file.path, encoding)), source=str(file.path))]
+        judgments = (_judgment_from_record(record, file.path, number, problems)
+                     for number, record in iter_jsonl(file.path, problems, encoding))
+        return [judgment for judgment in judgments if judgment is not None]
+
+    judgments = read_files(paths, read, problems)
     sources = {}
     for judgment in judgments:
         if judgment.id in sources:
@@ -112,6 +134,36 @@ def read_judgments(paths, problems: list | None = None, max_characters: int | No
                              f"{max_characters:,} accepted (real judgments have up to about 13,000): "
                              "pass --max-characters to raise the limit.")
     return judgments
+
+
+def read_predictions(path, encoding: str | None = None) -> dict[str, str]:
+    """The summaries in a predictions file (a JSON object `{"id": ..., "summary": ...}` per line, as `summarize`
+    writes them), by id.
+
+    The file is decoded whole (`documents.read_text`; `encoding` as for `read_judgments`), and every line must be
+    used: a malformed line (not JSON, not an object, an `id` missing or neither a string nor an integer, a `summary`
+    missing or not a string) or a second line with an id already given (ids are matched as text: `1` and `"1"` are
+    one id) is a `ValueError` naming the file and lines. Blank lines are passed over.
+    """
+    problems, predictions, lines = [], {}, {}
+    for number, record in iter_jsonl(path, problems, encoding):
+        # A prediction without an id matches no judgment (`record_id` would name it after its line).
+        identifier = None if record.get("id") is None else record_id(record, path, number)
+        summary = record.get("summary")
+        if identifier is None:
+            report_problem(problems, path, number, '"id" is missing, or neither a string nor an integer')
+        elif not isinstance(summary, str):
+            report_problem(problems, path, number, '"summary" is missing, or not a string')
+        elif identifier in lines:
+            raise ValueError(f"{path}:{lines[identifier]} and {path}:{number} both give a summary of {identifier!r}: "
+                             "keep one prediction per id.")
+        else:
+            lines[identifier], predictions[identifier] = number, summary
+    if problems:
+        listed = "; ".join(map(str, problems[:3])) + ("; ..." if len(problems) > 3 else "")
+        raise ValueError(f"{path} has {len(problems)} malformed line{'s' if len(problems) > 1 else ''}, none of it "
+                         f"scored: {listed}")
+    return predictions
 
 
 def _tokens(text: str, unit: str) -> str:
@@ -259,4 +311,5 @@ def lead(sentences: list[str], count: int = 3) -> str:
     return "".join(sentences[:count])
 
 
-__all__ = ["Judgment", "cail_score", "lead", "oracle_labels", "read_judgments", "rouge_l", "rouge_scores", "split_sentences"]
+__all__ = ["Judgment", "cail_score", "lead", "oracle_labels", "read_judgments", "read_predictions", "rouge_l",
+           "rouge_scores", "split_sentences"]

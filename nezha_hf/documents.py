@@ -1,13 +1,17 @@
 """Read plain-text corpora: `.txt` files, folders of them, and JSONL files with a `text` field.
 
-Files are decoded a line at a time (a byte-order mark at the start is dropped). Lines that are not UTF-8, and
-malformed JSONL lines, are reported once with file and line number (in the `problems` list the caller passes, which
-the caller reports; else a logged warning) and skipped; reading goes on.
+A file is read as a file: its encoding is decided once, from the whole file (`read_text`), and a file that cannot
+be decoded is refused whole, never read in part. A file named directly that cannot be used is an `InputFileError`;
+one found in a folder is reported (a `Problem` without a line) and left out, and reading goes on. Malformed JSONL
+lines are reported with file and line number and skipped. Problems go to the `problems` list the caller passes
+(which the caller reports), else to a logged warning.
 """
 
+import codecs
 import functools
 import json
 import logging as std_logging
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +24,12 @@ logger = logging.get_logger(__name__)
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".json")
 TXT_SPLITS = ("file", "blank-lines", "lines")
+
+# Byte-order marks, longest first (UTF-32-LE's begins with UTF-16-LE's), with the codec that reads a file that
+# starts with one (and drops the mark) and the encoding's name.
+BYTE_ORDER_MARKS = ((codecs.BOM_UTF32_LE, "utf-32", "UTF-32-LE"), (codecs.BOM_UTF32_BE, "utf-32", "UTF-32-BE"),
+                    (codecs.BOM_UTF8, "utf-8-sig", "UTF-8"), (codecs.BOM_UTF16_LE, "utf-16", "UTF-16-LE"),
+                    (codecs.BOM_UTF16_BE, "utf-16", "UTF-16-BE"))
 
 
 @functools.cache
@@ -46,39 +56,100 @@ class Document:
 
 @dataclass
 class Problem:
-    """An input line that could not be used, and why."""
+    """An input line that could not be used, or (`line` None) a whole file left out, and why."""
 
     path: str
-    line: int
+    line: int | None
     message: str
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.line}: {self.message}"
+        return f"{self.path}: {self.message}" if self.line is None else f"{self.path}:{self.line}: {self.message}"
 
 
-def expand_paths(paths) -> list[Path]:
-    """Files named directly, plus the `.txt` / `.jsonl` / `.json` files inside named folders (sorted), in the order
-    given."""
-    return [path for path, _ in named_files(paths)]
+class InputFileError(ValueError):
+    """A file that cannot be used as a whole (its encoding, its kind, no text in it); the message names it."""
+
+    def __init__(self, path, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = Path(path), reason
 
 
-def named_files(paths) -> list[tuple[Path, str]]:
-    """`expand_paths` with each file's name as an input: its path below the folder it was found in, without the
-    suffix (`2019/001` for `judgments/2019/001.txt` found in `judgments/`), or its stem when named directly."""
+@dataclass
+class InputFile:
+    """A file to read: its path, its name as an input (`2019/001` for `judgments/2019/001.txt` found in
+    `judgments/`; its stem when named directly), and whether the user named it directly."""
+
+    path: Path
+    name: str
+    named: bool
+
+
+def is_blank(text: str) -> bool:
+    """Whether `text` holds nothing but white space (full-width spaces and line breaks included)."""
+    return not text.strip()
+
+
+def _suffix(path: Path) -> str:
+    return path.suffix.lower()
+
+
+def input_files(paths, problems: list | None = None) -> list[InputFile]:
+    """The files `paths` name, in the order given: files named directly (of any kind: `read_documents` and
+    `read_judgments` refuse kinds they do not read), and the `.txt` / `.jsonl` / `.json` files below named folders
+    (suffixes in any case; sorted).
+
+    Walking a folder leaves out hidden files and folders (`.DS_Store`, `.git/`, `._*` files, editor swap files) and
+    does not follow symbolic links: one to a file or folder inside the folder is read where its target lies; one
+    that points outside it, or nowhere, is reported (a `Problem` without a line) and left out, as a folder from
+    elsewhere could otherwise make its reader take in any file on the machine. Name such a file directly to read it.
+    """
     files = []
     for path in map(Path, paths):
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
-            files += [(p, p.relative_to(path).with_suffix("").as_posix()) for p in found]
+            files += [InputFile(found, found.relative_to(path).with_suffix("").as_posix(), named=False)
+                      for found in _walk(path, problems)]
         elif path.exists():
-            files.append((path, path.stem))
+            files.append(InputFile(path, path.stem, named=True))
         else:
             raise FileNotFoundError(f"No such file or folder: {path}")
     return files
 
 
-def report_problem(problems: list | None, path, line: int, message: str) -> None:
-    """A skipped input line: added to `problems` when the caller collects them (and reports them), else logged."""
+def _walk(folder: Path, problems: list | None) -> list[Path]:
+    """The input files below `folder`, sorted: see `input_files`."""
+    root, found = folder.resolve(), []
+    for directory, subfolders, names in os.walk(folder):  # goes into no linked folder
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        here = Path(directory)
+        for name in subfolders:
+            if (here / name).is_symlink():
+                _link_out(here / name, root, folder, problems)
+        for name in names:
+            path = here / name
+            if name.startswith(".") or _suffix(path) not in TEXT_SUFFIXES + JSONL_SUFFIXES:
+                continue
+            if not path.is_symlink():
+                found.append(path)
+            else:
+                _link_out(path, root, folder, problems)
+    return sorted(found)
+
+
+def _link_out(link: Path, root: Path, folder: Path, problems: list | None) -> None:
+    """Report the link `link` if it points out of the folder `folder` (resolved: `root`), or nowhere."""
+    try:
+        target = link.resolve(strict=True)
+    except (OSError, RuntimeError):  # nothing there, or a loop of links
+        report_problem(problems, link, None, "a broken link: left out")
+        return
+    if not target.is_relative_to(root):
+        report_problem(problems, link, None, f"a link to {target}, outside {folder}: not followed (name it directly "
+                                             "to read it)")
+
+
+def report_problem(problems: list | None, path, line: int | None, message: str) -> None:
+    """A skipped input line (or file, `line` None): added to `problems` when the caller collects them (and reports
+    them), else logged."""
     problem = Problem(str(path), line, message)
     if problems is not None:
         problems.append(problem)
@@ -86,26 +157,95 @@ def report_problem(problems: list | None, path, line: int, message: str) -> None
         logger.warning(f"skipped {problem}")
 
 
-def iter_lines(path: Path, problems: list | None = None) -> Iterator[tuple[int, str]]:
-    """`(line_number, text)` for each line of a UTF-8 file, decoded one line at a time: a line with bytes that
-    are not UTF-8 is reported (`file:line`) and skipped, and reading goes on."""
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
-            except UnicodeDecodeError as error:
-                report_problem(problems, path, number, f"not UTF-8 text ({error.reason} at byte {error.start})")
+def refused_files(problems: list) -> list[Problem]:
+    """The problems in `problems` that left a whole file out."""
+    return [problem for problem in problems if problem.line is None]
 
 
-def iter_jsonl(path: Path, problems: list | None = None) -> Iterator[tuple[int, dict]]:
-    """`(line_number, object)` for each well-formed JSON object line; bad lines are reported and skipped."""
-    for number, line in iter_lines(path, problems):
-        if not line.strip():
+def read_text(path, encoding: str | None = None) -> str:
+    """The text of the file `path`, decoded as a whole, on one decision about its encoding:
+
+    1. a byte-order mark says it (UTF-8, UTF-16 or UTF-32, either byte order);
+    2. else a file with NUL bytes is UTF-16 if it decodes as such in the byte order its NULs point to (ASCII
+       characters, line breaks among them, have their NUL on one side); text has no NUL, so no UTF-8 text is
+       taken for UTF-16;
+    3. else it is UTF-8 if it decodes as UTF-8;
+    4. else it is `encoding` if one is given and it decodes as that (`gb18030` reads GBK and GB2312 too).
+
+    Nothing is guessed beyond that: GB18030 decodes almost any bytes, so a file in another encoding would be read as
+    wrong characters without a word. Anything else is an `InputFileError` naming the file, and where in it the
+    decoding failed. A byte-order mark is not part of the text.
+    """
+    data = Path(path).read_bytes()
+    for mark, codec, name in BYTE_ORDER_MARKS:
+        if data.startswith(mark):
+            return _decode(path, data, codec, f"its byte-order mark says {name}, but it is not {name} text")
+    if b"\x00" in data:
+        at_odd = data[1::2].count(0)
+        codec = "utf-16-le" if at_odd > data[0::2].count(0) else "utf-16-be"
+        try:
+            text = data.decode(codec)
+        except UnicodeDecodeError:
+            text = "\x00"
+        if "\x00" in text:
+            raise InputFileError(path, "holds NUL bytes, yet is not UTF-16 text: it is not a text file")
+        return text
+    if encoding is None:
+        return _decode(path, data, "utf-8", "not UTF-8", "; if it is GB18030/GBK pass --encoding gb18030 (or the "
+                                                          "encoding it is in)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return _decode(path, data, encoding, f"neither UTF-8 nor {encoding} (--encoding) text")
+
+
+def read_input_text(path: Path, encoding: str | None = None) -> str:
+    """The text of an input file (`read_text`); one with nothing but white space is an `InputFileError`."""
+    text = read_text(path, encoding)
+    if is_blank(text):
+        raise InputFileError(path, "holds no text (it is empty, or only white space)")
+    return text
+
+
+def _decode(path, data: bytes, codec: str, failure: str, advice: str = "") -> str:
+    """`data` decoded with `codec`; else an `InputFileError` saying `failure`, where (byte, line, offset), `advice`."""
+    try:
+        return data.decode(codec)
+    except UnicodeDecodeError as error:
+        line = data[: error.start].decode(codec, errors="replace").count("\n") + 1
+        where = f"{error.reason}: byte 0x{data[error.start]:02x} on line {line}, at byte {error.start}"
+        raise InputFileError(path, f"{failure} ({where}){advice}") from None
+
+
+class RepeatedKey(ValueError):
+    """A JSON object that gives one key twice."""
+
+
+def _object_with_distinct_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object as a dict; a `RepeatedKey` if it gives a key twice (`json.loads` alone keeps the last value)."""
+    record = dict(pairs)
+    if len(record) < len(pairs):
+        repeated = sorted({key for key, _ in pairs if sum(k == key for k, _ in pairs) > 1})
+        raise RepeatedKey(f"a JSON object gives the key{'s' if len(repeated) > 1 else ''} "
+                          f"{', '.join(map(repr, repeated))} twice")
+    return record
+
+
+def iter_jsonl(path: Path, problems: list | None = None, encoding: str | None = None) -> Iterator[tuple[int, dict]]:
+    """`(line_number, object)` for each well-formed JSON object line; bad lines are reported and skipped, blank ones
+    passed over. The file is decoded whole first (`read_input_text`): one it cannot decode, or one with no line at
+    all, is an `InputFileError`."""
+    # Lines end at "\n" only: JSON text may hold U+2028 and the like, which `str.splitlines` would split at.
+    for number, line in enumerate(read_input_text(path, encoding).split("\n"), start=1):
+        if is_blank(line):
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line, object_pairs_hook=_object_with_distinct_keys)
         except json.JSONDecodeError as error:
             report_problem(problems, path, number, f"not valid JSON ({error.msg})")
+            continue
+        except RepeatedKey as error:
+            report_problem(problems, path, number, str(error))
             continue
         if not isinstance(record, dict):
             report_problem(problems, path, number, "not a JSON object")
@@ -113,36 +253,74 @@ def iter_jsonl(path: Path, problems: list | None = None) -> Iterator[tuple[int, 
         yield number, record
 
 
-def record_id(record: dict, path, number: int) -> str:
-    """A JSONL record's `id` as a string; `file:line` when it has none (or `null`)."""
+def record_id(record: dict, path, number: int) -> str | None:
+    """A JSONL record's `id` as a string; `file:line` when it has none (or `null`); None when it is neither a string
+    nor an integer (the caller reports the line)."""
     identifier = record.get("id")
-    return f"{path}:{number}" if identifier is None else str(identifier)
+    if identifier is None:
+        return f"{path}:{number}"
+    if isinstance(identifier, bool) or not isinstance(identifier, (str, int)):
+        return None
+    return str(identifier)
 
 
-def read_documents(paths, txt_split: str = "file", problems: list | None = None) -> Iterator[Document]:
+def read_files(paths, read, problems: list | None = None) -> list:
+    """`read(file)` for each file of `input_files(paths)`, in order, its results together (a list of what each
+    returned). An `InputFileError` from a file named directly is raised; from a file found in a folder, it is
+    reported (a `Problem` without a line) and the file left out. A file whose kind is not one of the suffixes read
+    is refused the same way."""
+    results = []
+    for file in input_files(paths, problems):
+        try:
+            if _suffix(file.path) not in TEXT_SUFFIXES + JSONL_SUFFIXES:
+                kinds = ", ".join(TEXT_SUFFIXES + JSONL_SUFFIXES)
+                raise InputFileError(file.path, f"not a kind of input read here (files ending in {kinds})")
+            results += read(file)
+        except InputFileError as error:
+            if file.named:
+                raise
+            report_problem(problems, error.path, None, f"{error.reason}; the whole file is left out")
+    return results
+
+
+def is_jsonl(path: Path) -> bool:
+    """Whether `path` is read as JSONL (by its suffix, whatever its case) rather than as text."""
+    return _suffix(path) in JSONL_SUFFIXES
+
+
+def read_documents(paths, txt_split: str = "file", problems: list | None = None,
+                   encoding: str | None = None) -> list[Document]:
     """Documents from `.txt` files (whole file, or split on blank lines or on lines) and JSONL `text` fields.
 
     Args:
-        paths: files and folders.
+        paths: files and folders (`input_files`: hidden files and links out of a folder are left out).
         txt_split: `"file"` (a `.txt` file is one document), `"blank-lines"` or `"lines"`.
-        problems: a list that receives a `Problem` for every skipped line.
+        problems: a list that receives a `Problem` for every skipped line and every file left out.
+        encoding: the encoding of files that are not UTF-8 or UTF-16 (`read_text`), e.g. `"gb18030"`.
+
+    A file named directly that cannot be read (its encoding, its kind, no text in it) is an `InputFileError`.
     """
     if txt_split not in TXT_SPLITS:
         raise ValueError(f"txt_split must be one of {TXT_SPLITS}, got {txt_split!r}.")
-    for path in expand_paths(paths):
-        if path.suffix in JSONL_SUFFIXES:
-            for number, record in iter_jsonl(path, problems):
-                text = record.get("text")
-                if not isinstance(text, str) or not text.strip():
+
+    def read(file: InputFile) -> list[Document]:
+        path = file.path
+        if is_jsonl(path):
+            documents = []
+            for number, record in iter_jsonl(path, problems, encoding):
+                text, identifier = record.get("text"), record_id(record, path, number)
+                if not isinstance(text, str) or is_blank(text):
                     report_problem(problems, path, number, 'no non-empty "text" string')
-                    continue
-                yield Document(record_id(record, path, number), text)
-            continue
-        content = "".join(line for _, line in iter_lines(path, problems))
+                elif identifier is None:
+                    report_problem(problems, path, number, '"id" is neither a string nor an integer')
+                else:
+                    documents.append(Document(identifier, text))
+            return documents
+        content = read_input_text(path, encoding)
         if txt_split == "file":
-            pieces = [content]
-        else:
-            pieces = re.split(r"\n\s*\n" if txt_split == "blank-lines" else r"\n", content)
-        for number, piece in enumerate(pieces, start=1):
-            if piece.strip():
-                yield Document(str(path) if txt_split == "file" else f"{path}#{number}", piece.strip())
+            return [Document(str(path), content.strip())]
+        pieces = re.split(r"\n\s*\n" if txt_split == "blank-lines" else r"\n", content)
+        return [Document(f"{path}#{number}", piece.strip()) for number, piece in enumerate(pieces, start=1)
+                if not is_blank(piece)]
+
+    return read_files(paths, read, problems)

@@ -40,7 +40,7 @@ from .distributed import (
     processes,
     shared_staged_folder,
 )
-from .documents import jieba_words, read_documents
+from .documents import jieba_words, read_documents, refused_files
 from .modeling_nezha import NezhaForMaskedLM
 from .padding import attention_mask_for, pad_rows
 from .safe_output import check_destination
@@ -168,6 +168,7 @@ def continue_pretraining(
     max_length: int = 1024,
     mlm_probability: float = 0.15,
     txt_split: str = "blank-lines",
+    encoding: str | None = None,
     resume: bool = True,
     overwrite: bool = False,
     show_progress: bool = True,
@@ -179,7 +180,11 @@ def continue_pretraining(
     Args:
         model_path: a NEZHA checkpoint with its tokenizer (e.g. the output of `nezha-hf convert bert`).
         files: `.txt` / JSONL files or folders (`nezha_hf.documents.read_documents`; `.txt` files are
-            split into documents on blank lines by default).
+            split into documents on blank lines by default). A file named here that cannot be read (its encoding,
+            its kind, no text in it) is an `InputFileError`, before any training; one found in a folder is left out
+            with a warning naming it.
+        encoding: the encoding of input files that are neither UTF-8 nor UTF-16, e.g. `"gb18030"`
+            (`nezha_hf.documents.read_text`); without it, such files are refused.
         output_dir: receives the model and tokenizer, ready for `from_pretrained`, once training ends. Trainer
             checkpoints go to the sibling `<output_dir>.checkpoints/`, with a record of what the run started
             from. An existing non-empty `output_dir` is replaced only with `overwrite=True`.
@@ -211,23 +216,24 @@ def continue_pretraining(
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         check_tokenizer(tokenizer, NezhaConfig.from_pretrained(model_path), model_path,
                         needs=("cls_token", "sep_token", "pad_token", "mask_token"))
+        problems = []  # the data before the model: a file that cannot be read is refused before it is loaded
+        texts = [document.text for document in read_documents(files, txt_split, problems, encoding)]
+        if not texts:
+            raise ValueError(f"No text found in {list(map(str, files))}.")
         sharding = {}
         if fsdp and state.num_processes > 1:
             sharding["distributed_config"] = DistributedConfig(fsdp_size=state.num_processes)
         model = NezhaForMaskedLM.from_pretrained(model_path, **sharding)
-        problems = []
-        texts = [document.text for document in read_documents(files, txt_split=txt_split, problems=problems)]
-        if not texts:
-            raise ValueError(f"No text found in {list(map(str, files))}.")
         dataset = pack_documents(tokenizer, texts, max_length, show_progress)
         if state.is_main_process:
             for problem in problems:  # once, by the main process
                 logger.warning(f"skipped {problem}")
+            refused = len(refused_files(problems))
             logger.warning(f"Packed {len(texts)} documents into {len(dataset)} sequences of up to {max_length} "
-                           f"tokens ({len(problems)} input lines skipped).")
+                           f"tokens ({len(problems) - refused} input lines skipped, {refused} files left out).")
         arguments = TrainingArguments(output_dir=str(checkpoints), remove_unused_columns=False, **settings)
         record = RunRecord.create("pretrain", model_path, files, {
-            "max_length": max_length, "mlm_probability": mlm_probability, "txt_split": txt_split,
+            "max_length": max_length, "mlm_probability": mlm_probability, "txt_split": txt_split, "encoding": encoding,
             "seed": arguments.seed, **resumed_settings(settings, state.num_processes)})
         last = on_main(state, lambda: prepare_checkpoints(checkpoints, record, resume))
         with shared_staged_folder(state, output_dir, overwrite) as staging:  # model and tokenizer appear together

@@ -458,7 +458,9 @@ def evaluate_summaries(judgments: list[Judgment], predictions: dict[str, str] | 
     """Mean ROUGE-1/2/L F and CAIL score of each system against the references, per tokenisation unit.
 
     Systems: `lead-N` (floor), `oracle` (greedy oracle extraction: a ceiling for extraction),
-    `labelled` (the file's own labels, when present) and, if given, `predictions` (id -> summary).
+    `labelled` (the file's own labels, when present) and, if given, `predictions` (id -> summary, e.g. from
+    `cail.read_predictions`). A judgment with a reference and no prediction, or a prediction whose id no judgment
+    has, is a `ValueError` naming a few.
     """
     scored = [j for j in judgments if j.summary]
     if not scored:
@@ -472,6 +474,11 @@ def evaluate_summaries(judgments: list[Judgment], predictions: dict[str, str] | 
         missing = [j.id for j in scored if j.id not in predictions]
         if missing:
             raise ValueError(f"No prediction for {len(missing)} judgment(s), e.g. {missing[:3]}.")
+        known = {j.id for j in judgments}
+        foreign = [identifier for identifier in predictions if identifier not in known]
+        if foreign:
+            raise ValueError(f"{len(foreign)} prediction(s) for ids none of the {len(judgments)} judgment(s) has, e.g. "
+                             f"{foreign[:3]}: predictions of other judgments, or ids changed on the way.")
         systems["predictions"] = {j.id: predictions[j.id] for j in scored}
     results = {"documents": len(scored), "systems": {}}
     for name, outputs in systems.items():

@@ -108,14 +108,18 @@ def test_unequal_lengths_f_is_neither_recall_nor_precision():
     assert scores["cail"] == pytest.approx(0.2 * 2 / 3 + 0.4 * 2 / 7 + 0.4 * 2 / 3, abs=1e-6)
 
 
-def test_a_line_that_is_not_utf8_is_reported_and_the_others_are_read(tmp_path):
+def test_a_file_with_a_line_that_is_not_utf8_is_refused_whole(tmp_path):
+    """Such a line was skipped and the rest read as if whole (issue 46): the file's encoding is one decision."""
     rng = random.Random(6)
     good = [json.dumps(synthetic_judgment(rng, i), ensure_ascii=False).encode() for i in range(2)]
-    (tmp_path / "data.jsonl").write_bytes(good[0] + b"\n" + b'{"id": "x", "text": "\xff\xfe"}\n' + good[1] + b"\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "bad.jsonl").write_bytes(good[0] + b"\n" + b'{"id": "x", "text": "\xff\xfe"}\n' + good[1] + b"\n")
+    (tmp_path / "data" / "good.jsonl").write_bytes(good[1] + b"\n")
+    with pytest.raises(ValueError, match="bad.jsonl: not UTF-8 .*line 2"):
+        read_judgments([tmp_path / "data" / "bad.jsonl"])
     problems = []
-    judgments = read_judgments([tmp_path / "data.jsonl"], problems)
-    assert [j.id for j in judgments] == ["doc0", "doc1"]
-    assert [(p.line, "UTF-8" in p.message, p.path.endswith("data.jsonl")) for p in problems] == [(2, True, True)]
+    assert [j.id for j in read_judgments([tmp_path / "data"], problems)] == ["doc1"]
+    assert [(p.line, "UTF-8" in p.message, p.path.endswith("bad.jsonl")) for p in problems] == [(None, True, True)]
 
 
 def test_scoring_without_any_reference_is_a_clear_error():

@@ -90,11 +90,11 @@ def test_cli_trains_summarizes_and_evaluates_end_to_end(tmp_path, tokenizer):
     inputs.mkdir()
     (inputs / "a.txt").write_text("原告起诉被告。判决被告还钱。", encoding="utf-8")
     (inputs / "b.txt").write_text("被告答辩。法院认为。", encoding="utf-8")
-    more = write_jsonl(tmp_path / "more.jsonl", [synthetic_judgment(rng, 50)], extra_lines=["{oops"])
-    with open(more, "ab") as handle:  # and a line that is not UTF-8: reported, the others still summarised
-        handle.write(b'{"id": "bad", "text": "\xff\xfe"}\n')
+    # and a judgment with nothing in it: reported, the others still summarised
+    blank = json.dumps({"id": "blank", "text": [{"sentence": "\u3000", "label": 0}]})
+    more = write_jsonl(tmp_path / "more.jsonl", [synthetic_judgment(rng, 50)], extra_lines=["{oops", blank])
     done = cli("summarize", tmp_path / "model", inputs, more, "--output", tmp_path / "out.jsonl", "--max-new-tokens", 20)
-    assert "more.jsonl:2" in done.stderr and "more.jsonl:3" in done.stderr and "UTF-8" in done.stderr
+    assert "more.jsonl:2" in done.stderr and "more.jsonl:3" in done.stderr and "blank" in done.stderr
     results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [r["id"] for r in results] == ["a", "b", "doc50"] and all(isinstance(r["summary"], str) for r in results)
     extracted = cli("summarize", tmp_path / "model", more, "--extract-only")
@@ -157,13 +157,14 @@ def test_evaluate_long_predictions_long_leads_bad_lines_and_no_references(tmp_pa
     predictions = tmp_path / "predictions.jsonl"
     predictions.write_bytes(
         json.dumps({"id": "doc0", "summary": long_prediction}, ensure_ascii=False).encode() + b"\n"
-        + b'{"id": "doc9", "summary": "\xff"}\n'
         + json.dumps({"id": "doc1", "summary": "判决"}, ensure_ascii=False).encode() + b"\n")
     done = run_cli("evaluate", data, "--predictions", predictions, "--lead", "40", "--output", tmp_path / "scores.json")
     assert done.returncode == 0, done.stderr[-2000:]  # the rouge package's recursion failed on both
-    assert "predictions.jsonl:2" in done.stderr and "UTF-8" in done.stderr
     scores = json.loads((tmp_path / "scores.json").read_text())
     assert set(scores["systems"]) == {"lead-40", "oracle", "labelled", "predictions"}
+    # A line that is not UTF-8 refuses the whole file (it was skipped, and the rest scored as if whole: issue 46).
+    predictions.write_bytes(predictions.read_bytes() + b'{"id": "doc1", "summary": "\xff"}\n')
+    one_line_failure(run_cli("evaluate", data, "--predictions", predictions), "predictions.jsonl", "not UTF-8", "line 3")
     no_summaries = write_jsonl(tmp_path / "plain.jsonl", [{"id": "a", "text": "原告起诉。被告答辩。"}])
     one_line_failure(run_cli("evaluate", no_summaries), "reference summary")
 

@@ -159,14 +159,16 @@ def test_pretraining_refuses_to_write_into_its_sources(tmp_path, tokenizer):
     assert snapshot(start) == before
 
 
-def test_a_line_that_is_not_utf8_is_reported_and_the_rest_is_read(tmp_path):
+def test_a_file_with_a_line_that_is_not_utf8_is_left_out_whole_and_the_rest_is_read(tmp_path):
+    """Such a line was skipped and the rest of its file pretrained on as if whole (issue 46)."""
     from nezha_hf.documents import read_documents
 
     (tmp_path / "corpus.jsonl").write_bytes(b'{"text": "\xe5\x8e\x9f\xe5\x91\x8a"}\n{"text": "bad \xff\xfe"}\n{"text": "ok"}\n')
     (tmp_path / "notes.txt").write_bytes("原告\n".encode() + b"\xc3\x28 broken\n" + "被告\n".encode())
+    (tmp_path / "more.txt").write_bytes("法院\n判决\n".encode())
     problems = []
     documents = list(read_documents([tmp_path], txt_split="lines", problems=problems))
-    assert [d.text for d in documents] == ["原告", "ok", "原告", "被告"]
+    assert [d.text for d in documents] == ["法院", "判决"]
     assert [(p.path.endswith(name), p.line) for p, name in zip(problems, ("corpus.jsonl", "notes.txt"))] == [
-        (True, 2), (True, 2)]
-    assert all("UTF-8" in p.message for p in problems)
+        (True, None), (True, None)]
+    assert all("not UTF-8" in p.message and "line 2" in p.message for p in problems)
