@@ -274,16 +274,20 @@ def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser
     return parser
 
 
-def _report_problems(problems) -> None:
-    """Each skipped line and file left out, one line each; then how many files were left out."""
+def _report_problems(problems) -> int:
+    """Each skipped line and file left out, one line each; then how many files were left out, which it returns."""
     from nezha_hf.documents import refused_files
 
     for problem in problems:
         print(f"skipped {problem}", file=sys.stderr)
     refused = len(refused_files(problems))
     if refused:
-        print(f"left out {refused} input file{'s' if refused > 1 else ''} (named above); the rest was read",
-              file=sys.stderr)
+        print(f"left out {_files(refused)} (named above); the rest was read", file=sys.stderr)
+    return refused
+
+
+def _files(count: int) -> str:
+    return f"{count} input file{'s' if count != 1 else ''}"
 
 
 def _add_length_limit(parser):
@@ -298,12 +302,16 @@ def _add_encoding(parser):
                              "e.g. gb18030, which reads GBK and GB2312 too (default: such files are refused)")
 
 
-def _read_inputs(paths, max_characters=None, encoding=None):
+def _read_inputs(paths, max_characters=None, encoding=None, left_out: list | None = None):
+    """The judgments in `paths`, each problem reported on stderr; `left_out` (a list) receives the number of input
+    files a folder held that could not be used, for the command to repeat at its end."""
     from nezha_hf.cail import MAX_CHARACTERS, read_judgments
 
     problems = []
     judgments = read_judgments(paths, problems, max_characters or MAX_CHARACTERS, encoding)
-    _report_problems(problems)
+    refused = _report_problems(problems)
+    if left_out is not None:
+        left_out.append(refused)
     if not judgments:
         raise ValueError(f"No judgments found in {', '.join(map(str, paths))}.")
     return judgments
@@ -327,7 +335,8 @@ def _summarize(args) -> None:
         check_destination(args.output, [args.model, *args.inputs], args.overwrite, kind="file")
         if args.output.suffix.lower() not in SUMMARY_SUFFIXES:
             raise ValueError(f"--output {args.output}: summaries are written as JSONL (.jsonl, .json) or text (.txt)")
-    judgments = _read_inputs(args.inputs, args.max_characters, args.encoding)
+    left_out = []
+    judgments = _read_inputs(args.inputs, args.max_characters, args.encoding, left_out)
     settings = {key: value for key, value in (("threshold", args.threshold), ("token_budget", args.token_budget),
                                               ("num_beams", args.num_beams)) if value is not None}
     summarizer = load_summarizer(args.model, **settings)
@@ -360,6 +369,9 @@ def _summarize(args) -> None:
             print(f"wrote {len(results)} summar{'y' if len(results) == 1 else 'ies'} to {args.output}", file=sys.stderr)
         else:
             sys.stdout.write(text)
+        if left_out[0]:  # said again at the end, where a long run's reader looks
+            print(f"left out {_files(left_out[0])} that could not be read (named before the work began)",
+                  file=sys.stderr)
 
 
 def _train_summarizer(args) -> None:

@@ -374,6 +374,7 @@ def test_a_folder_run_leaves_out_what_it_refuses_and_says_how_many(tmp_path, tok
     assert done.returncode == 0, done.stderr
     assert sum(str(gb) in line for line in done.stderr.splitlines()) == 1
     assert "--encoding gb18030" in done.stderr and "left out 1 input file" in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("left out 1 input file"), done.stderr  # said at the end
     results = [json.loads(line) for line in output.read_text(encoding="utf-8").splitlines()]
     assert [r["id"] for r in results] == ["a", "c"]
     for result in results:  # the UTF-16 judgment's sentences, not mojibake
