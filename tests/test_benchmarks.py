@@ -97,7 +97,13 @@ def uninstalled_environment(folder: Path) -> dict:
     for entry in site.iterdir():
         if not re.match(r"(__editable__.*)?nezha_hf", entry.name, flags=re.I) and entry.suffix != ".pth":
             (folder / entry.name).symlink_to(entry)
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{folder}"}
+    # The checkout as it travels (git's files): without the `nezha_hf.egg-info/` an editable install leaves in it.
+    checkout = folder.with_name(f"{folder.name}-checkout")
+    checkout.mkdir()
+    for entry in ROOT.iterdir():
+        if not entry.name.endswith(".egg-info"):
+            (checkout / entry.name).symlink_to(entry)
+    return {**os.environ, "PYTHONPATH": f"{checkout}{os.pathsep}{folder}"}
 
 
 def test_a_checkout_that_was_never_installed_imports_and_names_its_version(tmp_path):
@@ -114,7 +120,8 @@ def test_a_checkout_that_was_never_installed_imports_and_names_its_version(tmp_p
     done = subprocess.run([sys.executable, "-S", "-c", probe], env=environment, cwd=tmp_path, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["none", expected, str(ROOT / "nezha_hf" / "__init__.py")]
+    found, version, module = done.stdout.split()
+    assert (found, version, Path(module).resolve()) == ("none", expected, ROOT / "nezha_hf" / "__init__.py")
     cli = subprocess.run([sys.executable, "-S", str(ROOT / "nezha_hf_cli.py"), "--version"], env=environment,
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert (cli.returncode, cli.stdout.strip()) == (0, f"nezha-hf {expected}"), cli.stderr[-2000:]
