@@ -219,12 +219,13 @@ def _strides(tensor: torch.Tensor, name: str, row: str, heads_first: bool = True
 
 
 def _arguments(query, key, value, table, problem: AttentionProblem, switches: Switches, kernels) -> dict:
-    """The arguments every kernel of a call takes, by name: the table, the mask's flags and bounds, the offset, the
-    strides of `query`, `key` and `value`, the sizes, the scale, dropout's seed and threshold, and the switches."""
+    """The arguments every kernel of a call takes, by name: the table (in the queries' dtype, contiguous), the mask's
+    flags and bounds, the offset, the strides of `query`, `key` and `value`, the sizes, the scale, dropout's seed and
+    threshold, and the switches."""
     _, heads, queries, size = query.shape
     keys, dropout, offset = key.shape[-2], problem.dropout, problem.mask.query_offset
     return dict(
-        Table=table, KeyValid=_key_flags(problem.mask.key_is_valid, key),
+        Table=table.to(query.dtype).contiguous(), KeyValid=_key_flags(problem.mask.key_is_valid, key),
         KeyIsSource=_key_flags(problem.key_is_source, key), KeyBounds=_key_bounds(problem, key),
         Offset=offset if switches.offset_on_device else None, offset=0 if switches.offset_on_device else int(offset),
         **_strides(query, "q", "m"), **_strides(key, "k", "n"), **_strides(value, "v", "n"),
@@ -255,7 +256,7 @@ def triton_forward(query, key, value, table, problem: AttentionProblem) -> list[
     splits, chunk = _decoding_splits(batch * heads, queries, keys, query.device, kernels)
     part = _forward_part(splits)
     _refuse_set_aside(part, switches)
-    arguments = _arguments(query, key, value, table.contiguous(), problem, switches, kernels)
+    arguments = _arguments(query, key, value, table, problem, switches, kernels)
     outputs = dict(Out=output, Lse=lse, **_strides(output, "o", "m", heads_first=False))
     grid = lambda meta: (_blocks(queries, meta["BLOCK_M"]) * splits * batch * heads,)  # noqa: E731
     with _launching(part, switches, query.device):
@@ -290,7 +291,7 @@ def triton_backward(grad_output, query, key, value, table, problem: AttentionPro
     _refuse_set_aside("backward", switches)
     row_dot = (grad_output.float() * output.float()).sum(-1).contiguous()  # D_i = dO_i . O_i
     shared = dict(Q=query, Kx=key, V=value, DO=grad_output, Lse=lse, RowDot=row_dot, scale=problem.scaling,
-                  **_arguments(query, key, value, table.contiguous(), problem, switches, kernels),
+                  **_arguments(query, key, value, table, problem, switches, kernels),
                   **_strides(grad_output, "o", "m"))
     with _launching("backward", switches, query.device):
         kernels.nezha_key_value_grad_kernel[lambda meta: (_blocks(keys, meta["BLOCK_N"]) * batch * heads,)](

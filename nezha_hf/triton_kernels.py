@@ -61,9 +61,9 @@ def _config(block_m: int, block_n: int, stages: int = 1, warps: int = 4) -> "tri
 
 
 # FlashAttention-2's Triton sets, and the decoding step's block of 16 queries, kept where the cubins Triton 3.6 and
-# 3.9 make of the bfloat16 and float16 kernels for an H100 (sm_90) spill under 1 KB per thread to the stack (64 x 64
-# forward blocks on 8 warps: 16 to 208 bytes); larger blocks spill kilobytes. float32, whose IEEE products run on the
-# CUDA cores, has smaller blocks of its own. Under the interpreter one small block, so that
+# 3.9 make of the bfloat16 and float16 kernels for an H100 (sm_90) spill about 1 KB per thread or less to the stack
+# (64 x 64 forward blocks on 8 warps: 16 to 400 bytes); larger blocks spill kilobytes. float32, whose IEEE products
+# run on the CUDA cores, has smaller blocks of its own. Under the interpreter one small block, so that
 # tests cross block edges.
 if INTERPRETING:
     FORWARD_CONFIGS = KEY_VALUE_GRAD_CONFIGS = QUERY_GRAD_CONFIGS = [_config(16, 16)]
@@ -104,7 +104,7 @@ def _configs_for(configs, named_args, **kwargs):
 TUNING_KEY = ["LQ_CLASS", "LK_CLASS", "K", "BLOCK_D", "HAS_VALID", "CAUSAL", "HAS_SOURCE", "DROPOUT"]
 PRUNING = {"early_config_prune": _configs_for}
 # Values that change at every decoding step are not specialised on (no recompilation per step).
-STEP_VALUES = ["Lk", "offset", "key_chunk", "splits"]
+STEP_VALUES = ["Lk", "offset"]
 
 
 # --- tiles -------------------------------------------------------------------------------------------------------
@@ -344,7 +344,7 @@ def _store_output(Out, Lse, acc, row_max, row_sum, b, h, head, offs_m, offs_d, L
 
 
 @triton.autotune(configs=FORWARD_CONFIGS, key=[*TUNING_KEY, "SPLIT"], prune_configs_by=PRUNING)
-@triton.jit(do_not_specialize=STEP_VALUES)
+@triton.jit(do_not_specialize=[*STEP_VALUES, "key_chunk", "splits"])
 def nezha_forward_kernel(
     Q, Kx, V, Table, Out, Lse, Partial, PartialStats, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,

@@ -1,8 +1,13 @@
 """The Triton engine, run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`): forward and gradients
 against the float64 reference across block edges (the interpreter's blocks are 16) and the band (K = 4, and K
-beyond the length), every mask kind, a KV cache's offset, dropout (its mask the same in the backward, kept
-entries scaled by 1 / (1 - p)), bfloat16 / float16; in a model, with `generate`; and the chunked engine with one
-warning where Triton is missing or its kernels fail. Small sizes: the interpreter runs a block in numpy."""
+beyond the length), tiles of every class (left tail, band, right tail) in one call with every mask kind, a KV
+cache's offset (an int, or a tensor never read on the host), a decoding step split over programs, dropout (Philox on
+32-bit counters, checked against an independent Philox; its mask the same in the backward, kept entries scaled by
+1 / (1 - p)), bfloat16 / float16, float32 in IEEE products whatever the TF32 switches; in a model, with `generate`;
+launch grids for any number of heads; an out-of-memory error raised as itself; the chunked engine with one warning
+where Triton is missing or a kernel fails to compile, for that kernel's switches only. And, in a process where Triton
+compiles, the kernels compiled ahead of time for an H100 (no GPU needed). Small sizes: the interpreter runs a block in
+numpy."""
 
 import dataclasses
 import math
@@ -154,6 +159,16 @@ def test_reduced_precision_within_its_rounding(dtype, atol):
     valid[0, 33:] = False
     mask = RelativeAttentionMask(key_is_valid=valid, causal=True)
     compare(q, k, v, 4, mask, reference.allowed_mask(length, valid, causal=True), dtype=dtype, atol=atol)
+
+
+def test_a_table_of_another_dtype_is_taken_in_the_inputs_dtype():
+    """The op takes the table in any dtype (the model passes it in the inputs'): a float32 table with bfloat16 inputs
+    gives what its bfloat16 rounding gives (a compiled `tl.dot` refuses operands of two dtypes)."""
+    q, k, v = (t.to(torch.bfloat16) for t in inputs(1, 2, 37, 37, 16))
+    table = torch.randn(9, 16, generator=torch.Generator().manual_seed(3))
+    problem = AttentionProblem(RelativeAttentionMask(causal=True), 16**-0.5)
+    wide = ta.triton_attention(q, k, v, table, problem)
+    torch.testing.assert_close(wide, ta.triton_attention(q, k, v, table.to(torch.bfloat16), problem), atol=0, rtol=0)
 
 
 def test_a_model_runs_the_triton_engine_and_matches_eager():
