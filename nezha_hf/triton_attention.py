@@ -1,21 +1,36 @@
 """NEZHA attention on GPUs: the Triton kernels of `triton_kernels.py` as the engine `nezha_triton`.
 
-Flash attention's scheme with NEZHA's relative terms (the kernels' docstring says how), forward and backward, for
-float32, bfloat16 and float16 tensors on CUDA (and ROCm) GPUs, with any padding, causal or UniLM prefix mask, a KV
-cache and attention dropout. With `TRITON_INTERPRET=1` set before Triton is imported, the same kernels run on CPU
-tensors through Triton's interpreter when `nezha_triton` is asked for by name (slowly: that is how they are tested
-without a GPU).
+FlashAttention-2 with NEZHA's relative terms, its tiles by class (the kernels' docstring says how), forward and
+backward, for float32, bfloat16 and float16 tensors on CUDA (and ROCm) GPUs, with any padding, causal or UniLM prefix
+mask, a KV cache and attention dropout. A decoding step (at most 16 queries) splits its keys over the GPU's
+multiprocessors and merges the splits by their log-sum-exps. With `TRITON_INTERPRET=1` set before Triton is imported,
+the same kernels run on CPU tensors through Triton's interpreter when `nezha_triton` is asked for by name (slowly: that
+is how they are tested without a GPU).
 
-Registered as the `torch.library` ops `nezha_hf::triton_forward` / `_backward` (`attention_ops.engine_op`). Where
-Triton is not installed or its kernels fail to compile, `unusable_reason` says so with one warning and the chunked
-engine runs instead (`relative_attention.py` decides). Besides the inputs, a call holds two float32 tensors of
-`[batch, heads, queries, 2K + 1]` (the queries' and output gradients' products with the table, and the band's
-scores): memory linear in the length.
+Registered as the `torch.library` ops `nezha_hf::triton_forward` / `_backward` (`attention_ops.engine_op`), which
+`triton_attention` calls. Memory besides the inputs, outputs and gradients: the log-sum-exp and `D_i` per query, and
+a decoding step's partial outputs; nothing per (query, table row).
+
+- Launches: one grid axis of (head, block) programs (CUDA allows 65,535 on the others), on the tensors' GPU.
+- Failures: an out-of-memory error reaches the caller as PyTorch's own, and the engine stays usable. A kernel that
+  fails to compile (or launch) is set aside for its `Switches` and part (forward, decoding forward or backward) only,
+  with one warning naming them: those calls raise `TritonKernelFailed` (an `EngineUnavailable`), which
+  `relative_attention` hands to the chunked engine; calls with other switches still run the kernels. Before the first
+  forward that needs gradients with a set of switches, the backward is compiled and run on a 32-token problem with
+  them, so that a backward that cannot compile is found while another engine can still take the call.
+- float32: every product is made in the kernels in IEEE float32, whatever `torch.backends.cuda.matmul.allow_tf32` or
+  `torch.set_float32_matmul_precision` say: no PyTorch matrix product is on the path (PyTorch computes only the
+  elementwise `D_i = dO_i . O_i`, the key bounds and flags).
+- No host synchronisation: nothing on the path reads a GPU tensor on the host. A static cache's offset (a tensor on
+  the GPU) is read by the kernels; the dropout seed is a CPU tensor (`relative_attention` draws it there).
 """
 
+import contextlib
 import importlib.util
+import math
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 from transformers.utils import logging
@@ -26,13 +41,61 @@ logger = logging.get_logger(__name__)
 
 DEVICES = ("cuda",)  # ROCm GPUs are "cuda" devices to PyTorch
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BLOCK_R = 16  # table rows per block product of the band's term
-_failure: list[str] = []  # why the kernels cannot run in this process, once they failed
+LOG2E = math.log2(math.e)  # the kernels keep scores in base 2
+# The interpreter has no multiprocessors to fill: a decoding step splits its keys as if there were this many, so that
+# tests run the split path.
+INTERPRETER_PROCESSORS = 4
 
 
 class TritonKernelFailed(EngineUnavailable):
-    """The Triton kernels failed to compile or launch here (the message says why; `unusable_reason` says it from now
-    on)."""
+    """A Triton kernel failed to compile or launch here for a call's switches (the message names them and the
+    error); calls with those switches raise it from then on, without trying again."""
+
+
+@dataclass(frozen=True)
+class Switches:
+    """What a call's kernels are compiled for, besides their tuned block sizes: a kernel that fails to compile is set
+    aside for these switches only."""
+
+    dtype: torch.dtype
+    head_size: int
+    padding: bool
+    causal: bool
+    source_keys: bool  # UniLM's prefix mask (under `causal`)
+    dropout: bool
+    offset_on_device: bool  # the queries' offset is a tensor the kernels read
+
+    @classmethod
+    def of(cls, query: torch.Tensor, problem: AttentionProblem) -> "Switches":
+        mask = problem.mask
+        return cls(query.dtype, query.shape[-1], mask.key_is_valid is not None, bool(mask.causal),
+                   problem.key_is_source is not None, problem.dropout > 0,
+                   _offset_on_device(mask.query_offset, query.device))
+
+    def __str__(self) -> str:
+        named = (("padding", self.padding), ("causal", self.causal), ("UniLM source keys", self.source_keys),
+                 ("dropout", self.dropout), ("the offset on the GPU", self.offset_on_device))
+        return ", ".join([str(self.dtype).removeprefix("torch."), f"head size {self.head_size}",
+                          *(name for name, on in named if on)])
+
+    def constexprs(self, kernels) -> dict:
+        """The kernels' compile-time arguments."""
+        return dict(HAS_VALID=self.padding, CAUSAL=self.causal, HAS_SOURCE=self.source_keys, DROPOUT=self.dropout,
+                    OFFSET_IN_MEMORY=self.offset_on_device, WIDEN=kernels.INTERPRETING and self.dtype == torch.bfloat16,
+                    IEEE=self.dtype == torch.float32, BLOCK_D=max(16, 1 << (self.head_size - 1).bit_length()))
+
+    def example(self, device: torch.device) -> AttentionProblem:
+        """A problem of 32 keys with these switches (every key valid, every key a source key)."""
+        flags = torch.ones(1, 32, dtype=torch.bool, device=device)
+        offset = torch.zeros((), dtype=torch.int64, device=device) if self.offset_on_device else 0
+        mask = RelativeAttentionMask(flags if self.padding else None, self.causal, flags if self.source_keys else None,
+                                     offset)
+        dropout = 0.1 if self.dropout else 0.0
+        return AttentionProblem(mask, self.head_size**-0.5, dropout, torch.zeros((), dtype=torch.int64))
+
+
+_set_aside: dict[tuple[str, Switches], str] = {}  # (part, switches) whose kernel failed here, and why
+_checked_backwards: set[tuple[Switches, torch.device]] = set()  # backwards that compiled and ran here
 
 
 def interpreting() -> bool:
@@ -48,8 +111,9 @@ def triton_installed() -> bool:
 def unusable_reason(device: str, named: bool = True) -> str | None:
     """Why the Triton engine cannot run on `device` here, or None when it can: it runs on CUDA / ROCm GPUs, and on CPU
     tensors under `TRITON_INTERPRET=1` when asked for by name (`named`; slow, so never as another engine's fallback);
-    it needs Triton installed, and kernels that compiled. A missing Triton on a GPU, or kernels that failed, are one
-    warning."""
+    it needs Triton installed (else one warning). While the `TritonKernelFailed` of a call is being handled (the
+    engines' contract: `relative_attention` chooses again inside its `except EngineUnavailable`), its reason: that call
+    goes to the next engine, while calls with other switches still run the kernels."""
     if device == "cpu" and not (interpreting() and named):
         return "the Triton kernel runs on CUDA GPUs (on the CPU only under TRITON_INTERPRET=1, asked for by name)"
     if device not in (*DEVICES, "cpu"):
@@ -58,7 +122,8 @@ def unusable_reason(device: str, named: bool = True) -> str | None:
         reason = "Triton is not installed (pip install triton)"
         logger.warning_once(f"NEZHA attention: {reason}; the chunked engine runs instead, with the same results.")
         return reason
-    return _failure[0] if _failure else None
+    failure = sys.exc_info()[1]
+    return str(failure) if isinstance(failure, TritonKernelFailed) else None
 
 
 def _kernels():
@@ -69,50 +134,106 @@ def _kernels():
     return sys.modules[name]
 
 
-def _failed(error: Exception) -> TritonKernelFailed:
-    """Record that the kernels failed here, warn once, and return the error to raise."""
-    reason = f"the Triton kernel failed to compile or run here ({type(error).__name__}: {error})"
-    if not _failure:
-        _failure.append(reason)
-        logger.warning(f"NEZHA attention: {reason}; the chunked engine runs from now on, with the same results.")
-    return TritonKernelFailed(reason)
+def _refuse_set_aside(part: str, switches: Switches) -> None:
+    """Raise `TritonKernelFailed` when the `part` kernels failed to compile here for `switches`."""
+    reason = _set_aside.get((part, switches))
+    if reason is not None:
+        raise TritonKernelFailed(reason)
 
 
-def _flags(query, problem: AttentionProblem, kernels) -> dict:
-    """The kernels' compile-time switches for a call."""
-    mask = problem.mask
-    return dict(
-        HAS_VALID=mask.key_is_valid is not None, CAUSAL=bool(mask.causal), HAS_SOURCE=problem.key_is_source is not None,
-        DROPOUT=problem.dropout > 0, WIDEN=kernels.INTERPRETING and query.dtype == torch.bfloat16,
-        IEEE=query.dtype == torch.float32, BLOCK_D=max(16, 1 << (query.shape[-1] - 1).bit_length()),
-    )
+@contextlib.contextmanager
+def _launching(part: str, switches: Switches, device: torch.device):
+    """Launch the `part` kernels on `device` (Triton launches on the current CUDA device). An out-of-memory error
+    passes as it is; any other sets the part aside for `switches` (one warning) and becomes `TritonKernelFailed`."""
+    with _device_guard(device):
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            reason = (f"the Triton kernel failed to compile for the {part} with {switches} ({type(error).__name__}: "
+                      f"{error})")
+            if (part, switches) not in _set_aside:
+                _set_aside[(part, switches)] = reason
+                logger.warning(f"NEZHA attention: {reason}; such calls run the chunked engine from now on, with the "
+                               "same results.")
+            raise TritonKernelFailed(reason) from error
 
 
-def _scalars(query, key, table, problem: AttentionProblem) -> tuple:
-    """`(H, Lq, Lk, D, R, offset, scale, dropout, seed)` as the kernels take them."""
-    _, heads, queries, size = query.shape
-    seed = int(problem.seed) if problem.dropout > 0 else 0
-    return (heads, queries, key.shape[-2], size, table.shape[0], int(problem.mask.query_offset), problem.scaling,
-            problem.dropout, seed)
+def _device_guard(device: torch.device):
+    """A context in which `device` is the current CUDA device (nothing to do for the CPU's interpreted kernels)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _key_flags(flags: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
-    """Key flags as the kernels read them: `[batch, keys]` int8, contiguous (one byte when there are none)."""
-    if flags is None:
-        return torch.zeros(1, dtype=torch.int8, device=key.device)
-    return flags.to(device=key.device, dtype=torch.int8).contiguous()
+def _offset_on_device(offset: int | torch.Tensor, device: torch.device) -> bool:
+    """Whether the kernels read the queries' offset from memory: a tensor on the queries' device, whose value the host
+    would have to wait for. An int, or a tensor on the CPU (where `attention_ops.flatten` puts an int), is read here."""
+    return isinstance(offset, torch.Tensor) and offset.device == device
 
 
-def _strides(tensor: torch.Tensor, layout: str) -> tuple:
-    """Strides in the order batch, heads, rows, head dimension for a `"bhld"` or `"blhd"` tensor."""
+def _decoding_splits(programs: int, queries: int, keys: int, device: torch.device, kernels) -> tuple[int, int]:
+    """`(splits, keys per split)` of a forward with `programs` heads: a decoding step (one block of queries) splits
+    its keys into chunks of whole `SPLIT_GRANULE`s, enough for about two programs per multiprocessor (FlashDecoding);
+    other calls `(1, keys)`."""
+    if queries > kernels.DECODING_BLOCK_M:
+        return 1, keys
+    processors = (INTERPRETER_PROCESSORS if device.type == "cpu"
+                  else torch.cuda.get_device_properties(device).multi_processor_count)
+    wanted = -(-2 * processors // programs)
+    chunk = kernels.SPLIT_GRANULE * max(1, -(-keys // (wanted * kernels.SPLIT_GRANULE)))
+    return -(-keys // chunk), chunk
+
+
+def _forward_part(splits: int) -> str:
+    return "decoding forward" if splits > 1 else "forward"
+
+
+def _key_flags(flags: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor | None:
+    """Key flags as the kernels read them: `[batch, keys]` int8, contiguous."""
+    return None if flags is None else flags.to(device=key.device, dtype=torch.int8).contiguous()
+
+
+def _key_bounds(problem: AttentionProblem, key: torch.Tensor) -> torch.Tensor | None:
+    """`[batch, 3]` int32 per sequence: its first valid key, last valid key + 1, and last valid source key + 1 (0 when
+    none), so that the kernels skip the key blocks no query sees; None without padding or source keys."""
+    valid, source = problem.mask.key_is_valid, problem.key_is_source
+    if valid is None and source is None:
+        return None
+    batch, _, keys, _ = key.shape
+    position = torch.arange(keys, device=key.device)
+    valid = (torch.ones(batch, keys, dtype=torch.bool, device=key.device) if valid is None
+             else valid.to(key.device, torch.bool))
+    first = torch.where(valid, position, keys).amin(1)
+    end = torch.where(valid, position + 1, 0).amax(1)
+    sources = (torch.zeros_like(end) if source is None
+               else torch.where(valid & source.to(key.device, torch.bool), position + 1, 0).amax(1))
+    return torch.stack((first, end, sources), 1).to(torch.int32)
+
+
+def _strides(tensor: torch.Tensor, name: str, row: str, heads_first: bool = True) -> dict:
+    """The kernels' stride arguments `stride_{name}b`, `...h`, `...{row}`, `...d` of a `[batch, heads, length, d]`
+    tensor (`heads_first`) or a `[batch, length, heads, d]` one."""
     b, first, second, d = tensor.stride()
-    return (b, first, second, d) if layout == "bhld" else (b, second, first, d)
+    heads, length = (first, second) if heads_first else (second, first)
+    return {f"stride_{name}b": b, f"stride_{name}h": heads, f"stride_{name}{row}": length, f"stride_{name}d": d}
 
 
-def _table_products(rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """`rows @ T^T` in float32, `[batch * heads, length, 2K + 1]` contiguous: what the kernels look the relative key
-    term (and its gradient's) up in."""
-    return torch.matmul(rows.float(), table.float().T).flatten(0, 1).contiguous()
+def _arguments(query, key, value, table, problem: AttentionProblem, switches: Switches, kernels) -> dict:
+    """The arguments every kernel of a call takes, by name: the table (in the queries' dtype, contiguous), the mask's
+    flags and bounds, the offset, the strides of `query`, `key` and `value`, the sizes, the scale, dropout's seed and
+    threshold, and the switches."""
+    _, heads, queries, size = query.shape
+    keys, dropout, offset = key.shape[-2], problem.dropout, problem.mask.query_offset
+    return dict(
+        Table=table.to(query.dtype).contiguous(), KeyValid=_key_flags(problem.mask.key_is_valid, key),
+        KeyIsSource=_key_flags(problem.key_is_source, key), KeyBounds=_key_bounds(problem, key),
+        Offset=offset if switches.offset_on_device else None, offset=0 if switches.offset_on_device else int(offset),
+        **_strides(query, "q", "m"), **_strides(key, "k", "n"), **_strides(value, "v", "n"),
+        heads=heads, Lq=queries, Lk=keys, D=size, K=(table.shape[0] - 1) // 2, scale_log2=problem.scaling * LOG2E,
+        seed=int(problem.seed) if dropout > 0 else 0, threshold=math.ceil(dropout * 2**24),
+        keep_scale=1 / (1 - dropout) if dropout < 1 else 0.0,
+        LQ_CLASS=kernels.length_class(queries), LK_CLASS=kernels.length_class(keys), **switches.constexprs(kernels),
+    )
 
 
 def _blocks(length: int, block: int) -> int:
@@ -121,28 +242,36 @@ def _blocks(length: int, block: int) -> int:
 
 
 def triton_forward(query, key, value, table, problem: AttentionProblem) -> list[torch.Tensor]:
-    """NEZHA attention forward by the Triton kernel: `[output [batch, queries, heads, head_size], lse [batch, heads,
-    queries] float32]`; see `attention_ops.engine_op`."""
+    """NEZHA attention forward by the Triton kernels: `[output [batch, queries, heads, head_size], lse [batch, heads,
+    queries] float32]`; see `attention_ops.engine_op`. Raises `TritonKernelFailed` where the forward failed to compile
+    for the call's switches."""
     kernels = _kernels()
     batch, heads, queries, size = query.shape
-    table = table.contiguous()
+    keys = key.shape[-2]
     output = query.new_empty(batch, queries, heads, size)
     lse = torch.empty(batch, heads, queries, dtype=torch.float32, device=query.device)
-    if queries == 0 or key.shape[-2] == 0:
+    if queries == 0 or keys == 0:
         return [output.zero_(), lse.fill_(float("-inf"))]
-    band = torch.full((batch * heads, queries, table.shape[0]), float("-inf"), device=query.device)
-    flags = _flags(query, problem, kernels)
-    grid = lambda meta: (_blocks(queries, meta["BLOCK_M"]), batch * heads)  # noqa: E731
-    try:
-        kernels.nezha_forward_kernel[grid](
-            query, key, value, _table_products(query, table), table, band, output, lse,
-            _key_flags(problem.mask.key_is_valid, key), _key_flags(problem.key_is_source, key),
-            *_strides(query, "bhld"), *_strides(key, "bhld"), *_strides(value, "bhld"), *_strides(output, "blhd"),
-            *_scalars(query, key, table, problem), kernels.length_class(queries), kernels.length_class(key.shape[-2]),
-            **flags, BLOCK_R=BLOCK_R,
-        )
-    except Exception as error:  # compilation or launch: the engine falls back (`relative_attention.py`)
-        raise _failed(error) from error
+    switches = Switches.of(query, problem)
+    splits, chunk = _decoding_splits(batch * heads, queries, keys, query.device, kernels)
+    part = _forward_part(splits)
+    _refuse_set_aside(part, switches)
+    arguments = _arguments(query, key, value, table, problem, switches, kernels)
+    outputs = dict(Out=output, Lse=lse, **_strides(output, "o", "m", heads_first=False))
+    grid = lambda meta: (_blocks(queries, meta["BLOCK_M"]) * splits * batch * heads,)  # noqa: E731
+    with _launching(part, switches, query.device):
+        if splits == 1:
+            kernels.nezha_forward_kernel[grid](Q=query, Kx=key, V=value, Partial=None, PartialStats=None, **outputs,
+                                               **arguments, splits=1, key_chunk=keys, SPLIT=False)
+        else:
+            rows = batch * heads * splits * queries
+            partial = torch.empty(rows, arguments["BLOCK_D"], dtype=torch.float32, device=query.device)
+            statistics = torch.empty(rows, 2, dtype=torch.float32, device=query.device)
+            kernels.nezha_forward_kernel[grid](Q=query, Kx=key, V=value, Partial=partial, PartialStats=statistics,
+                                               **outputs, **arguments, splits=splits, key_chunk=chunk, SPLIT=True)
+            kernels.nezha_merge_kernel[(_blocks(queries, kernels.DECODING_BLOCK_M) * batch * heads,)](
+                Partial=partial, PartialStats=statistics, **outputs, heads=heads, Lq=queries, D=size, splits=splits,
+                BLOCK_D=arguments["BLOCK_D"], BLOCK_M=kernels.DECODING_BLOCK_M)
     return [output, lse]
 
 
@@ -153,29 +282,23 @@ def triton_backward(grad_output, query, key, value, table, problem: AttentionPro
     kernels = _kernels()
     batch, heads, queries, size = query.shape
     keys = key.shape[-2]
-    table = table.contiguous()
-    grad_query = torch.zeros(batch, heads, queries, size, dtype=torch.float32, device=query.device)
-    grad_key = torch.zeros(batch, heads, keys, size, dtype=torch.float32, device=key.device)
-    grad_value = torch.zeros_like(grad_key)
-    if queries and keys:
-        row_dot = (grad_output.float() * output.float()).sum(-1).contiguous()  # D_i = dO_i . O_i
-        query_table, output_table = _table_products(query, table), _table_products(grad_output, table)
-        band = torch.zeros(batch * heads, queries, table.shape[0], device=query.device)
-        flags = _flags(query, problem, kernels)
-        block_m, block_n = kernels.BACKWARD_BLOCKS
-        shared = (*_strides(query, "bhld"), *_strides(key, "bhld"), *_strides(value, "bhld"),
-                  *_strides(grad_output, "bhld"), *_scalars(query, key, table, problem))
-        key_valid, key_is_source = _key_flags(problem.mask.key_is_valid, key), _key_flags(problem.key_is_source, key)
-        try:
-            kernels.nezha_key_value_grad_kernel[(_blocks(keys, block_n), batch * heads)](
-                query, key, value, grad_output, query_table, output_table, lse, row_dot, grad_key, grad_value,
-                key_valid, key_is_source, *shared, **flags, BLOCK_M=block_m, BLOCK_N=block_n)
-            kernels.nezha_query_grad_kernel[(_blocks(queries, block_m), batch * heads)](
-                query, key, value, grad_output, query_table, output_table, lse, row_dot, table, band, grad_query,
-                key_valid, key_is_source, *shared, **flags, BLOCK_R=BLOCK_R, BLOCK_M=block_m, BLOCK_N=block_n)
-        except Exception as error:
-            raise _failed(error) from error
-    return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
+    grad_query = torch.zeros(batch, heads, queries, size, dtype=query.dtype, device=query.device)
+    grad_key = torch.zeros(batch, heads, keys, size, dtype=key.dtype, device=key.device)
+    grad_value = torch.zeros(batch, heads, keys, size, dtype=value.dtype, device=value.device)
+    if queries == 0 or keys == 0:
+        return grad_query, grad_key, grad_value
+    switches = Switches.of(query, problem)
+    _refuse_set_aside("backward", switches)
+    row_dot = (grad_output.float() * output.float()).sum(-1).contiguous()  # D_i = dO_i . O_i
+    shared = dict(Q=query, Kx=key, V=value, DO=grad_output, Lse=lse, RowDot=row_dot, scale=problem.scaling,
+                  **_arguments(query, key, value, table, problem, switches, kernels),
+                  **_strides(grad_output, "o", "m"))
+    with _launching("backward", switches, query.device):
+        kernels.nezha_key_value_grad_kernel[lambda meta: (_blocks(keys, meta["BLOCK_N"]) * batch * heads,)](
+            DK=grad_key, DV=grad_value, **shared)
+        kernels.nezha_query_grad_kernel[lambda meta: (_blocks(queries, meta["BLOCK_M"]) * batch * heads,)](
+            DQ=grad_query, **shared)
+    return grad_query, grad_key, grad_value
 
 
 def _forward_fake(query, key, value, table, problem):
@@ -188,29 +311,44 @@ def _backward_fake(grad_output, query, key, value, table, problem, output, lse):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
-triton_attention = engine_op("triton", triton_forward, _forward_fake, triton_backward, _backward_fake)
-triton_attention.__doc__ = """NEZHA attention by the Triton kernels, `[batch, queries, heads, head_size]`; arguments as
+_attention_op = engine_op("triton", triton_forward, _forward_fake, triton_backward, _backward_fake)
+
+
+def triton_attention(query, key, value, table, problem: AttentionProblem) -> torch.Tensor:
+    """NEZHA attention by the Triton kernels, `[batch, queries, heads, head_size]`; arguments as
     `fused_attention.fused_attention`. float32, bfloat16 and float16 on CUDA GPUs (CPU tensors under
-    TRITON_INTERPRET=1)."""
+    TRITON_INTERPRET=1). Before the first call with a set of switches that needs gradients, the backward is compiled
+    and run on a small problem; raises `TritonKernelFailed` where a kernel the call needs failed to compile here."""
+    from .relative_attention import tracing
+
+    if not tracing() and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        _check_backward(Switches.of(query, problem), query.device)
+    return _attention_op(query, key, value, table, problem)
 
 
-_checked_backwards: set = set()
+def _check_backward(switches: Switches, device: torch.device) -> None:
+    """Compile and run the backward kernels for `switches` on `device` once per process, on a 32-token problem."""
+    _refuse_set_aside("backward", switches)
+    if (switches, device) in _checked_backwards:
+        return
+    generator = torch.Generator().manual_seed(0)
+    query, key, value, grad_output = (torch.randn(1, 1, 32, switches.head_size, generator=generator).to(device,
+                                                                                                       switches.dtype)
+                                      for _ in range(4))
+    table = torch.zeros(9, switches.head_size, device=device, dtype=switches.dtype)
+    problem = switches.example(device)
+    output, lse = triton_forward(query, key, value, table, problem)
+    triton_backward(grad_output, query, key, value, table, problem, output.transpose(1, 2), lse)
+    _checked_backwards.add((switches, device))
 
 
 def check_backward(dtype: torch.dtype, head_size: int, device: str) -> None:
-    """Compile and run the backward kernels once per process for `dtype`, `head_size` and `device` on a small
-    problem, so that a backward that cannot compile here is found at the forward, where the chunked engine can still
-    take over; raises `TritonKernelFailed`."""
-    if (dtype, head_size, device) in _checked_backwards:
-        return
-    generator = torch.Generator().manual_seed(0)
-    query, key, value, grad_output = (torch.randn(1, 1, 32, head_size, generator=generator).to(device, dtype)
-                                      for _ in range(4))
-    table = torch.zeros(9, head_size, device=device, dtype=dtype)
-    problem = AttentionProblem(RelativeAttentionMask(), head_size**-0.5)
-    output, lse = triton_forward(query, key, value, table, problem)
-    triton_backward(grad_output, query, key, value, table, problem, output.transpose(1, 2), lse)
-    _checked_backwards.add((dtype, head_size, device))
+    """Compile and run the backward kernels once per process for `dtype`, `head_size` and `device` without a mask or
+    dropout, on a small problem, so that a backward that cannot compile here is found at the forward, where the
+    chunked engine can still take over (`triton_attention` checks each call's own switches the same way); raises
+    `TritonKernelFailed`."""
+    _check_backward(Switches(dtype, head_size, False, False, False, False, False), torch.device(device))
 
 
-__all__ = ["TritonKernelFailed", "check_backward", "interpreting", "triton_attention", "triton_installed", "unusable_reason"]
+__all__ = ["Switches", "TritonKernelFailed", "check_backward", "interpreting", "triton_attention", "triton_installed",
+           "unusable_reason"]

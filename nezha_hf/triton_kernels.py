@@ -1,21 +1,37 @@
-"""NEZHA attention as Triton kernels (flash attention's scheme), for `triton_attention.py`, which launches them.
+"""NEZHA attention as Triton kernels: FlashAttention-2 tile by tile, the relative terms only where they differ.
 
-For a block of queries against a block of keys, with `r = clip(j - i, -K, K) + K`:
+For query position `i`, key position `j` and `r = clip(j - i, -K, K) + K`, a score adds the key term `q_i . T[r]`
+and a probability adds `p_ij T[r]` to the output. A (query block, key block) tile falls in one of three classes:
 
-- the key term `q_i . T[r]` is looked up per pair in `query_table = q @ T^T` (`[rows, 2K + 1]` per head, made before
-  the kernel), so a score costs one load more than plain attention;
-- the value term `sum_j p_ij T[r]` is split by distance: in the band `|j - i| < K` each table row meets exactly one key
-  per query, so the band's scores are stored per (query, row) and turned into probabilities once the row's maximum and
-  sum are known (`p_band @ T`, in blocks of table rows); the two tails (`r = 0` and `r = 2K`) are masked row sums that
-  ride along with the online softmax like its normaliser.
+- **left tail** (every pair `j - i <= -K`) and **right tail** (every pair `j - i >= K`): every pair of the tile uses
+  one table row, `T[0]` or `T[2K]`. Such a tile is a plain FlashAttention-2 tile: the key term is a per-row constant
+  (`q_i . T[0]` or `q_i . T[2K]`, made once per query block) added to `q k^T`, and the value term is a row sum of the
+  probabilities, a mass rescaled with the online softmax like its normaliser and multiplied by the row at the end.
+- **band** (the rest: about `(BLOCK_M + 2K) / BLOCK_N + 1` key blocks per query block): the pairs of a tile use the
+  table rows of a window of `BLOCK_M + BLOCK_N - 1` consecutive distances (one per diagonal of the tile), clipped to
+  `[0, 2K]`, taken in parts of `BLOCK_N` rows. For each part the kernel multiplies `q` by it on chip (`[BLOCK_M,
+  BLOCK_N]`, a product like `q k^T`) and gathers each pair's entry along its diagonal (`tl.gather`); the value term
+  goes the other way: the probabilities are gathered into place by diagonal and multiplied by the part. With two or
+  three parts, a band tile costs about three to four tail tiles; nothing per (query, table row) leaves the chip.
 
-The backward is FlashAttention-2's: one kernel over key blocks for the key and value gradients and one over query
-blocks for the query gradients, both recomputing the probabilities from the forward's log-sum-exp; the query kernel
-splits `dS @ (k + T[r])` the same way. Attention dropout is regenerated from (seed, head, query, key) by Triton's
-Philox counter, so the backward redraws the forward's mask without storing it.
+The key loop of a query block runs over the left tail tiles, the band tiles and the right tail tiles in three loops
+(FlashAttention-2's stages, a constexpr class each), from the first key block any query of the block sees to the
+last: padding before the first valid key and after the last one, and under a causal mask the keys after the block's
+last query (unless they are UniLM source keys), are skipped by whole blocks (`KeyBounds`). The backward is
+FlashAttention-2's: one kernel per key block for `dK`, `dV` (its query loop runs over right tail, band and left tail
+tiles) and one per query block for `dQ`, both recomputing the probabilities from the forward's log-sum-exp. A
+decoding step (a block of at most 16 queries) splits its keys over several programs per head (FlashDecoding): each
+writes its partial maximum, sum and output, and `nezha_merge_kernel` merges them by their log-sum-exps.
 
-Every block product accumulates in float32. float32 inputs multiply in IEEE float32 (not TF32), as PyTorch's own
-attention does by default; bfloat16 and float16 inputs multiply in their type, probabilities rounded to it first.
+Dropout: query `i` and key `j` of head `h` (`batch x heads` flattened) are kept when output `j mod 4` of Philox4x32-10,
+keyed by the 64-bit seed, on the 32-bit counter words `(i, j div 4, h, 0)`, shifted right by 8, is at least
+`ceil(p 2^24)` (kept with probability `1 - ceil(p 2^24) / 2^24`, then scaled by `1 / (1 - p)`). One draw serves four
+keys; each counter word stays below 2^32 for any call of fewer than 2^31 queries, keys and heads, so masks never
+repeat within a call. The backward kernels draw the same numbers, so no mask is stored.
+
+Every product accumulates in float32. float32 inputs multiply in IEEE float32 (`input_precision="ieee"`, never TF32)
+everywhere, the table's too, whatever `torch.backends.cuda.matmul.allow_tf32` says; bfloat16 and float16 inputs
+multiply in their type (probabilities and the table rounded to it), tail key terms and masses in float32.
 
 Imported only where Triton is installed and a kernel can run (`triton_attention.py` checks).
 """
@@ -32,32 +48,73 @@ except ImportError as error:  # transformers' remote-code check skips imports in
 # float32), and the float32 sums are what the GPU's bfloat16 products accumulate into.
 INTERPRETING = triton.knobs.runtime.interpret  # what Triton decided when it was imported (TRITON_INTERPRET)
 
-# FlashAttention-2's Triton forward tunes these (and 16 queries, for decoding steps); under the interpreter one small
-# block, so tests cross block edges.
+# The classes of a tile (the module docstring), as the loops' constexpr switch.
+LEFT, BAND, RIGHT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+LN2 = tl.constexpr(0.6931471805599453)  # scores are kept in base 2 (`exp2`), FlashAttention-2's way
+LOG2E = tl.constexpr(1.4426950408889634)
+
+DECODING_BLOCK_M = 16  # the query block of a decoding step (the smallest `tl.dot` takes)
+
+
+def _config(block_m: int, block_n: int, stages: int = 1, warps: int = 4) -> "triton.Config":
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_stages=stages, num_warps=warps)
+
+
+# FlashAttention-2's Triton sets, and the decoding step's block of 16 queries, kept where the cubins Triton 3.6 and
+# 3.9 make of the bfloat16 and float16 kernels for an H100 (sm_90) spill about 1 KB per thread or less to the stack
+# (64 x 64 forward blocks on 8 warps: 16 to 400 bytes); larger blocks spill kilobytes. float32, whose IEEE products
+# run on the CUDA cores, has smaller blocks of its own. Under the interpreter one small block, so that
+# tests cross block edges.
 if INTERPRETING:
-    FORWARD_CONFIGS = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})]
+    FORWARD_CONFIGS = KEY_VALUE_GRAD_CONFIGS = QUERY_GRAD_CONFIGS = [_config(16, 16)]
+    FLOAT32_CONFIGS = []
 else:
-    FORWARD_CONFIGS = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_stages=stages, num_warps=warps)
-                       for block_m in (16, 64, 128) for block_n in (32, 64) for stages in (2, 3) for warps in (4, 8)]
+    FLOAT32_CONFIGS = [_config(16, 32, 2, 4), _config(32, 32, 2, 8), _config(32, 16, 2, 4)]
+    FORWARD_CONFIGS = [
+        *(_config(64, 64, stages, 8) for stages in (2, 3, 4)), _config(64, 64, 3, 4), _config(128, 64, 3, 8),
+        *(_config(DECODING_BLOCK_M, block_n, 2, 4) for block_n in (64, 128)),
+        *FLOAT32_CONFIGS[:2],
+    ]
+    KEY_VALUE_GRAD_CONFIGS = [_config(32, 64, 2, 8), _config(64, 64, 2, 8), _config(32, 128, 2, 8),
+                              *FLOAT32_CONFIGS[:2]]
+    QUERY_GRAD_CONFIGS = [_config(64, 32, 2, 8), _config(64, 64, 2, 8), _config(128, 32, 2, 8),
+                          FLOAT32_CONFIGS[0], FLOAT32_CONFIGS[2]]
+
+# A split of a decoding step's keys is a whole number of this many keys, so that every tuned key block divides it.
+SPLIT_GRANULE = max(config.kwargs["BLOCK_N"] for config in FORWARD_CONFIGS)
 
 
 def length_class(length: int) -> int:
-    """What the forward's tuning is keyed on instead of a length: its power of two (at least 16), so that a decoding
-    loop, whose key length grows by one per step, tunes once per doubling rather than at every step."""
+    """What the tuning is keyed on instead of a length: its power of two (at least 16), so that a decoding loop,
+    whose key length grows by one per step, tunes once per doubling rather than at every step."""
     return max(16, 1 << (max(length, 1) - 1).bit_length())
 
 
 def _configs_for(configs, named_args, **kwargs):
-    """No block of more queries than the call's length class has (a decoding step gets blocks of 16)."""
-    queries = named_args["LQ_CLASS"]
-    return [config for config in configs if config.kwargs["BLOCK_M"] <= queries] or configs[:1]
+    """The blocks a call is tuned over: float32's own (`FLOAT32_CONFIGS`) or the others; none of more queries than
+    the call's length class has; a decoding step (fewer queries than the larger blocks) gets the blocks of 16, longer
+    calls only the larger blocks."""
+    named = {**named_args, **kwargs}  # the launches name their arguments
+    own = [config for config in configs if (config in FLOAT32_CONFIGS) == bool(named["IEEE"])] or configs
+    fitting = [config for config in own if config.kwargs["BLOCK_M"] <= named["LQ_CLASS"]]
+    wide = [config for config in fitting if config.kwargs["BLOCK_M"] > DECODING_BLOCK_M]
+    return wide or fitting or own[:1]
+
+
+TUNING_KEY = ["LQ_CLASS", "LK_CLASS", "K", "BLOCK_D", "HAS_VALID", "CAUSAL", "HAS_SOURCE", "DROPOUT"]
+PRUNING = {"early_config_prune": _configs_for}
+# Values that change at every decoding step are not specialised on (no recompilation per step).
+STEP_VALUES = ["Lk", "offset"]
+
+
+# --- tiles -------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _tile(base, stride_b, stride_h, stride_l, stride_d, b, h, offs_l, offs_d, L, D):
-    """Rows `offs_l` of head `(b, h)` of a `[batch, heads, length, d]`-strided tensor, zeros outside `L` x `D`."""
-    return tl.load(base + b * stride_b + h * stride_h + offs_l[:, None] * stride_l + offs_d[None, :] * stride_d,
-                   mask=(offs_l < L)[:, None] & (offs_d < D)[None, :], other=0.0)
+def _rows(base, offs, offs_d, stride_row, stride_d, rows, D):
+    """Rows `offs` of a `[rows, D]` matrix at `base` with the given strides, zeros outside it."""
+    return tl.load(base + offs[:, None] * stride_row + offs_d[None, :] * stride_d,
+                   mask=(offs < rows)[:, None] & (offs_d < D)[None, :], other=0.0)
 
 
 @triton.jit
@@ -72,261 +129,485 @@ def _product(a, b, WIDEN: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _distance_and_scores(raw, query_table_rows, offs_m, offs_n, Lq, Lk, K, R, offset, scale, key_valid_ptr,
-                         key_is_source_ptr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr):
-    """`(j - i, r, inside the call, scores)` of a block: `(q . k + q . T[r]) * scale`, -inf where the query does not see
-    the key (padding, the causal or UniLM prefix rule, outside the call). `raw` is `q @ k^T`; `query_table_rows` points
-    at the block's rows of `q @ T^T`."""
-    distance = offs_n[None, :] - (offs_m + offset)[:, None]
-    index = tl.minimum(tl.maximum(distance, -K), K) + K
-    inside = (offs_m < Lq)[:, None] & (offs_n < Lk)[None, :]
-    key_term = tl.load(query_table_rows + offs_m[:, None] * R + index, mask=inside, other=0.0)
-    scores = (raw + key_term) * scale
-    visible = inside
-    if CAUSAL:
-        sees = distance <= 0
-        if HAS_SOURCE:
-            source = tl.load(key_is_source_ptr + offs_n, mask=offs_n < Lk, other=0)
-            sees = sees | (source != 0)[None, :]
-        visible = visible & sees
-    if HAS_VALID:
-        valid = tl.load(key_valid_ptr + offs_n, mask=offs_n < Lk, other=0)
-        visible = visible & (valid != 0)[None, :]
-    return distance, index, inside, tl.where(visible, scores, float("-inf"))
+def _table_row(Table, row, D, offs_d):
+    """Row `row` of the `[2K + 1, D]` table, float32."""
+    return tl.load(Table + row * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _keep_factor(seed, head, offs_m, offs_n, Lq, Lk, dropout):
-    """Dropout's factor for each pair of a block: `1 / (1 - p)` where kept, 0 where dropped; one Philox draw per
-    (head, query, key), the same in the forward and the backward."""
-    counter = (head.to(tl.int64) * Lq + offs_m)[:, None] * Lk + offs_n[None, :]
-    kept = tl.rand(seed, counter) >= dropout
-    return tl.where(kept, 1.0 / (1.0 - dropout), 0.0)
+def _row_term(x, row):
+    """`x_i . row` per row of `x` in float32: a tail tile's key term (`x = q`) or its output gradient's (`x = dO`)."""
+    return tl.sum(x.to(tl.float32) * row[None, :], 1)
 
 
 @triton.jit
-def _add_table_rows(acc, band_rows, shift, table_ptr, offs_m, offs_d, Lq, R, D, BLOCK_R: tl.constexpr,
-                    SCORES: tl.constexpr, OPERAND: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
-    """`acc + w @ T` for the block's rows of a `[queries, 2K + 1]` band buffer (`band_rows`), in blocks of `BLOCK_R`
-    table rows: `w = exp(band - shift)` when it holds scores (`SCORES`, the forward), else `w = band` (the
-    backward's dS)."""
-    for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        band_mask = (offs_m < Lq)[:, None] & (offs_r < R)[None, :]
-        if SCORES:
-            band = tl.load(band_rows + offs_m[:, None] * R + offs_r[None, :], mask=band_mask, other=float("-inf"))
-            band = tl.exp(band - shift[:, None])
-        else:
-            band = tl.load(band_rows + offs_m[:, None] * R + offs_r[None, :], mask=band_mask, other=0.0)
-        table = tl.load(table_ptr + offs_r[:, None] * D + offs_d[None, :],
-                        mask=(offs_r < R)[:, None] & (offs_d < D)[None, :], other=0.0)
-        acc += _product(band.to(OPERAND), table.to(OPERAND), WIDEN, IEEE)
+def _window(Table, first, K, D, offs_d, BLOCK_N: tl.constexpr):
+    """The table rows `clip(first + w, 0, 2K)` for `w < BLOCK_N`: one part of a band tile's window (`_diagonals`)."""
+    rows = tl.minimum(tl.maximum(first + tl.arange(0, BLOCK_N), 0), 2 * K)
+    return tl.load(Table + rows[:, None] * D + offs_d[None, :], mask=(offs_d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _diagonals(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The window position of each pair `(m, n)` of a tile, `n - m + BLOCK_M - 1`: pairs on one diagonal share a
+    distance, hence a table row. The `BLOCK_M + BLOCK_N - 1` positions are taken in parts of `BLOCK_N` (their
+    number: `_PARTS`); the window's first row is that of the tile's last query and first key."""
+    return tl.arange(0, BLOCK_N)[None, :] - tl.arange(0, BLOCK_M)[:, None] + (BLOCK_M - 1)
+
+
+@triton.jit
+def _by_pair(x, Table, first, K, D, offs_d, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    """`x_m . T[r(m, n)]` for each pair `(m, n)` of a band tile: `x` times each part of the window on chip (a product
+    like `q k^T`), each pair's entry gathered along its diagonal (each gather `[BLOCK_M, BLOCK_N]` from the same
+    shape); a part is loaded (from cache) where it is used rather than held."""
+    position = _diagonals(BLOCK_M, BLOCK_N)
+    term = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for part in tl.static_range((BLOCK_M + BLOCK_N - 2) // BLOCK_N + 1):
+        window = _window(Table, first + part * BLOCK_N, K, D, offs_d, BLOCK_N)
+        column = position - part * BLOCK_N
+        products = _product(x, tl.trans(window), WIDEN, IEEE)
+        gathered = tl.gather(products, tl.minimum(tl.maximum(column, 0), BLOCK_N - 1), 1)
+        term = tl.where((column >= 0) & (column < BLOCK_N), gathered, term)
+    return term
+
+
+@triton.jit
+def _add_times_window(acc, weights, Table, first, K, D, offs_d, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`acc + sum_n weights[m, n] T[r(m, n)]` for a band tile (`weights` in the operands' type): per part of the
+    window, the weights placed by position (gathered along the diagonals, 0 where no key of the tile is) times it."""
+    key = tl.arange(0, BLOCK_N)[None, :] + tl.arange(0, BLOCK_M)[:, None] - (BLOCK_M - 1)  # the key at position w
+    for part in tl.static_range((BLOCK_M + BLOCK_N - 2) // BLOCK_N + 1):
+        placed = tl.gather(weights, tl.minimum(tl.maximum(key, 0), BLOCK_N - 1), 1)
+        placed = tl.where((key >= 0) & (key < BLOCK_N), placed, tl.zeros_like(placed))
+        acc += _product(placed, _window(Table, first + part * BLOCK_N, K, D, offs_d, BLOCK_N), WIDEN, IEEE)
+        key += BLOCK_N
     return acc
 
 
 @triton.jit
-def _split_by_distance(weights, band_values, distance, band_rows, offs_m, offs_n, Lq, Lk, K, R):
-    """The tails' sums of a block's `weights`, `(left, right)` (`j - i <= -K`, `>= K`); stores `band_values` of the band
-    `|j - i| < K` into the `[queries, 2K + 1]` buffer `band_rows` at row `r` (one key per query and row)."""
-    in_band = (distance > -K) & (distance < K) & (offs_m < Lq)[:, None] & (offs_n < Lk)[None, :]
-    tl.store(band_rows + offs_m[:, None] * R + distance + K, band_values, mask=in_band)
-    return tl.sum(tl.where(distance <= -K, weights, 0.0), 1), tl.sum(tl.where(distance >= K, weights, 0.0), 1)
+def _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, BLOCK_N: tl.constexpr):
+    """`(offs_n, k, v)` of the key block at `n0`."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    return (offs_n, _rows(Kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D),
+            _rows(Vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D))
 
 
 @triton.jit
-def _keys_seen(Lk, offset, block, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr):
-    """The keys a query block's loop covers: all, or under a causal mask without source keys those up to its last
-    query."""
-    if CAUSAL and not HAS_SOURCE:
-        return tl.minimum(Lk, offset + (block + 1) * BLOCK_M)
-    return Lk
+def _window_start(n0, m0, offset, K, BLOCK_M: tl.constexpr):
+    """The first table row of the window of the tile at query block `m0`, key block `n0`: that of its last query and
+    first key (`_diagonals`)."""
+    return n0 - offset - m0 - (BLOCK_M - 1) + K
 
 
 @triton.jit
-def _tails(acc, left, right, table_ptr, offs_d, K, D):
-    """`acc + left * T[0] + right * T[2K]`: the tails' masses times their one table row."""
-    first = tl.load(table_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-    last = tl.load(table_ptr + 2 * K * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-    return acc + left[:, None] * first[None, :] + right[:, None] * last[None, :]
+def _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+             CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr):
+    """Which pairs of a tile are seen (broadcastable to `[BLOCK_M, BLOCK_N]`): keys inside the call, not padding, and
+    under a causal mask at or before the query or a source key (the flags of the sequence at `key_row`). A left tail
+    key precedes every query of its tile."""
+    visible = (offs_n < Lk)[None, :]
+    if HAS_VALID:
+        visible = visible & (tl.load(KeyValid + key_row + offs_n, mask=offs_n < Lk, other=0) != 0)[None, :]
+    if CAUSAL and KIND != LEFT:
+        sees = offs_n[None, :] <= (offset + offs_m)[:, None]
+        if HAS_SOURCE:
+            sees = sees | (tl.load(KeyIsSource + key_row + offs_n, mask=offs_n < Lk, other=0) != 0)[None, :]
+        visible = visible & sees
+    return visible
 
 
-@triton.autotune(configs=FORWARD_CONFIGS, key=["LQ_CLASS", "LK_CLASS", "BLOCK_D", "R", "CAUSAL", "DROPOUT"],
-                 prune_configs_by={"early_config_prune": _configs_for})
 @triton.jit
-def nezha_forward_kernel(
-    Q, Kx, V, QT, Table, Band, Out, Lse, KeyValid, KeyIsSource,
-    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    H, Lq, Lk, D, R, offset, scale, dropout, seed, LQ_CLASS, LK_CLASS,
-    HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
-    WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """One block of queries of one head: the output and the rows' log-sum-exp (-inf where a query sees nothing).
-    `LQ_CLASS` and `LK_CLASS` (`length_class`) are what the tuning is keyed on; the kernel does not read them."""
-    block, head = tl.program_id(0), tl.program_id(1)
-    b, h = head // H, head % H
-    K = (R - 1) // 2
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows_in = offs_m < Lq
-    q = _tile(Q, stride_qb, stride_qh, stride_qm, stride_qd, b, h, offs_m, offs_d, Lq, D)
-    query_table = QT + head.to(tl.int64) * Lq * R
-    band_rows = Band + head.to(tl.int64) * Lq * R
-    key_valid, key_is_source = KeyValid + b * Lk, KeyIsSource + b * Lk
-    OPERAND = V.dtype.element_ty
+def _scores(q, k, Table, first, K, D, offs_d, row_term, offs_m, offs_n, offset, Lk, scale_log2, KeyValid,
+            KeyIsSource, key_row, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
+            HAS_SOURCE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """A tile's scores in base 2, `(q . k + q . T[r]) * scale * log2(e)`, -inf where not seen: the key term from the
+    band's window (its first row `first`) or a tail's `row_term`."""
+    scores = _product(q, tl.trans(k), WIDEN, IEEE)
+    if KIND == BAND:
+        scores += _by_pair(q, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    else:
+        scores += row_term[:, None]
+    visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL, HAS_SOURCE)
+    return tl.where(visible, scores * scale_log2, float("-inf"))
 
-    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
-    left_mass = tl.zeros([BLOCK_M], tl.float32)
-    right_mass = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, _keys_seen(Lk, offset, block, BLOCK_M, CAUSAL, HAS_SOURCE), BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = _tile(Kx, stride_kb, stride_kh, stride_kn, stride_kd, b, h, offs_n, offs_d, Lk, D)
-        v = _tile(V, stride_vb, stride_vh, stride_vn, stride_vd, b, h, offs_n, offs_d, Lk, D)
-        distance, _, _, scores = _distance_and_scores(_product(q, tl.trans(k), WIDEN, IEEE), query_table, offs_m,
-                                                      offs_n, Lq, Lk, K, R, offset, scale, key_valid, key_is_source,
-                                                      HAS_VALID, CAUSAL, HAS_SOURCE)
+
+@triton.jit
+def _kept(seed, head, offs_m, n0, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Which pairs of the tile at keys `n0 ...` dropout keeps (the module docstring's rule): one Philox draw per query
+    and four keys, its four outputs for keys `4g .. 4g + 3`."""
+    zeros = tl.zeros([BLOCK_M, BLOCK_N // 4], tl.int32)
+    queries = zeros + offs_m[:, None]
+    groups = zeros + (n0 // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
+    r0, r1, r2, r3 = tl.philox(seed, queries, groups, zeros + head, zeros)
+    random = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK_M, BLOCK_N])  # key 4g + t: output t
+    return (random >> 8).to(tl.int32) >= threshold
+
+
+@triton.jit
+def _class_bounds(lo, hi, before, after, BLOCK: tl.constexpr):
+    """Blocks of `BLOCK` from `lo` to `hi` split at `(first, second, hi)`: the blocks before `first` lie wholly before
+    position `before`, those from `second` wholly at or after `after`, the rest between (`hi` no less than `lo`)."""
+    hi = tl.maximum(hi, lo)
+    first = tl.minimum(tl.maximum(tl.maximum(before, 0) // BLOCK * BLOCK, lo), hi)
+    second = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(after, 0), BLOCK) * BLOCK, first), hi)
+    return first, second, hi
+
+
+@triton.jit
+def _keys_of_block(m0, offset, Lk, KeyBounds, b, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
+                   HAS_SOURCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`(lo, hi)`: the keys a query block of sequence `b` covers, from the block of the first valid key to the last
+    key any of its queries sees (the last valid key; under a causal mask its last query, or the last source key)."""
+    lo = 0
+    hi = Lk
+    if HAS_VALID or HAS_SOURCE:
+        lo = tl.load(KeyBounds + b * 3) // BLOCK_N * BLOCK_N
+        hi = tl.load(KeyBounds + b * 3 + 1)
+    if CAUSAL:
+        last = offset + m0 + BLOCK_M
+        if HAS_SOURCE:
+            last = tl.maximum(last, tl.load(KeyBounds + b * 3 + 2))
+        hi = tl.minimum(hi, last)
+    return lo, hi
+
+
+@triton.jit
+def _program(blocks, heads, Offset, offset, OFFSET_IN_MEMORY: tl.constexpr):
+    """`(block, head, b, h, offset)` of this program. Programs are numbered (head, block), blocks fastest, on the
+    grid's first axis alone (CUDA allows 65,535 on the others); `b` and `h` (int64) are the head's sequence and head
+    index. A static cache's offset, on the GPU, is read here, never on the host."""
+    block, head = tl.program_id(0) % blocks, tl.program_id(0) // blocks
+    if OFFSET_IN_MEMORY:
+        offset = tl.load(Offset).to(tl.int32)
+    return block, head, (head // heads).to(tl.int64), (head % heads).to(tl.int64), offset
+
+
+@triton.jit
+def _row_statistics(Lse, RowDot, offs_m, Lq):
+    """The forward's log-sum-exp in base 2 (+inf for a row that saw nothing, or past the queries, so that its
+    probabilities are 0) and `D_i = dO_i . O_i`."""
+    lse = tl.load(Lse + offs_m, mask=offs_m < Lq, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    return lse, tl.load(RowDot + offs_m, mask=offs_m < Lq, other=0.0)
+
+
+# --- forward -----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _forward_tiles(acc, row_max, row_sum, mass, q, row_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, hi, m0,
+                   offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
+                   head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
+                   HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax over the key blocks `lo .. hi` of one class: `(acc, row_max, row_sum, mass)`, the tails'
+    value term gathered in `mass`, the band's added to `acc` tile by tile."""
+    OPERAND = Vh.dtype.element_ty
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, BLOCK_N)
+        first = _window_start(n0, m0, offset, K, BLOCK_M)
+        scores = _scores(q, k, Table, first, K, D, offs_d, row_term, offs_m, offs_n, offset, Lk, scale_log2, KeyValid,
+                         KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that has seen nothing yet stays at 0
-        rescale = tl.exp(row_max - shift)
-        p = tl.exp(scores - shift[:, None])
-        row_sum = row_sum * rescale + tl.sum(p, 1)
-        stored = scores
+        rescale = tl.exp2(row_max - shift)
+        p = tl.exp2(scores - shift[:, None])
+        tile_sum = tl.sum(p, 1)
+        row_sum = row_sum * rescale + tile_sum
         if DROPOUT:
-            factor = _keep_factor(seed, head, offs_m, offs_n, Lq, Lk, dropout)
-            p = p * factor
-            stored = tl.where(factor > 0, scores - tl.log(1.0 - dropout), float("-inf"))
+            p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p * keep_scale, 0.0)
+            tile_sum = tl.sum(p, 1)  # what the tail's mass takes: the dropped-out probabilities
         acc = acc * rescale[:, None] + _product(p.to(OPERAND), v, WIDEN, IEEE)
-        left, right = _split_by_distance(p, stored, distance, band_rows, offs_m, offs_n, Lq, Lk, K, R)
-        left_mass = left_mass * rescale + left
-        right_mass = right_mass * rescale + right
+        if KIND == BAND:
+            acc = _add_times_window(acc, p.to(OPERAND), Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        else:
+            mass = mass * rescale + tile_sum
         row_max = new_max
+    return acc, row_max, row_sum, mass
 
-    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-    tl.debug_barrier()  # the band's scores, stored by every thread, are read back by others
-    # The band's probabilities, now that the row's maximum is final.
-    acc = _add_table_rows(acc, band_rows, shift, Table, offs_m, offs_d, Lq, R, D, BLOCK_R, True, OPERAND, WIDEN, IEEE)
-    acc = _tails(acc, left_mass, right_mass, Table, offs_d, K, D)
+
+@triton.jit
+def _store_output(Out, Lse, acc, row_max, row_sum, b, h, head, offs_m, offs_d, Lq, D, stride_ob, stride_oh,
+                  stride_om, stride_od):
+    """`acc / row_sum` into `Out` (`[batch, queries, heads, d]` strides) and the rows' natural log-sum-exp into
+    `Lse`; a row that saw nothing gets 0 and -inf."""
     nothing = row_sum == 0.0
     out = acc / tl.where(nothing, 1.0, row_sum)[:, None]
+    rows_in = offs_m < Lq
     tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=rows_in[:, None] & (offs_d < D)[None, :])
-    lse = tl.where(nothing, float("-inf"), shift + tl.log(tl.where(nothing, 1.0, row_sum)))
+    lse = tl.where(nothing, float("-inf"), (row_max + tl.log2(tl.where(nothing, 1.0, row_sum))) * LN2)
     tl.store(Lse + head.to(tl.int64) * Lq + offs_m, lse, mask=rows_in)
 
 
-@triton.jit
-def _block_gradients(q, do, k, v, lse, row_dot, query_table, output_table, offs_m, offs_n, head, Lq, Lk, K, R,
-                     offset, scale, dropout, seed, key_valid, key_is_source, HAS_VALID: tl.constexpr,
-                     CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
-                     IEEE: tl.constexpr):
-    """For a block: `(j - i, dropped-out probabilities, dS)`, recomputing the probabilities from the forward's lse.
-    `dP_ij = dO_i . (v_j + T[r])` (the table part looked up in `dO @ T^T`), `dS = P (dP z - D)` for dropout's factor
-    `z` and `D_i = dO_i . O_i`."""
-    distance, index, inside, scores = _distance_and_scores(_product(q, tl.trans(k), WIDEN, IEEE), query_table, offs_m,
-                                                           offs_n, Lq, Lk, K, R, offset, scale, key_valid,
-                                                           key_is_source, HAS_VALID, CAUSAL, HAS_SOURCE)
-    p = tl.exp(scores - tl.where(lse == float("-inf"), 0.0, lse)[:, None])
-    grad_p = _product(do, tl.trans(v), WIDEN, IEEE)
-    grad_p += tl.load(output_table + offs_m[:, None] * R + index, mask=inside, other=0.0)
-    kept = p
-    if DROPOUT:
-        factor = _keep_factor(seed, head, offs_m, offs_n, Lq, Lk, dropout)
-        kept = p * factor
-        grad_p = grad_p * factor
-    return distance, kept, p * (grad_p - row_dot[:, None])
-
-
-BACKWARD_BLOCKS = (16, 16) if INTERPRETING else (64, 64)  # FlashAttention-2's Triton backward: fixed blocks
-
-
-@triton.jit
-def nezha_key_value_grad_kernel(
-    Q, Kx, V, DO, QT, OT, Lse, RowDot, DK, DV, KeyValid, KeyIsSource,
+@triton.autotune(configs=FORWARD_CONFIGS, key=[*TUNING_KEY, "SPLIT"], prune_configs_by=PRUNING)
+@triton.jit(do_not_specialize=[*STEP_VALUES, "key_chunk", "splits"])
+def nezha_forward_kernel(
+    Q, Kx, V, Table, Out, Lse, Partial, PartialStats, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    H, Lq, Lk, D, R, offset, scale, dropout, seed,
+    heads, Lq, Lk, D, K, offset, scale_log2, seed, threshold, keep_scale, splits, key_chunk, LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
-    WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr, SPLIT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One block of keys of one head: `dK = scale sum_i dS_ij q_i`, `dV = sum_i P~_ij dO_i` (float32, `[batch, heads,
-    keys, head_size]` contiguous)."""
-    block, head = tl.program_id(0), tl.program_id(1)
-    b, h = head // H, head % H
-    K = (R - 1) // 2
-    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    """One block of queries of one head against its keys, or (`SPLIT`) against the `key_chunk` keys of one split:
+    the output and log-sum-exp, or the split's unnormalised output, maximum and sum (`Partial`, `PartialStats`).
+    Programs are numbered (head, split, query block) (`_program`). `LQ_CLASS` and `LK_CLASS` (`length_class`) are
+    what the tuning is keyed on; the kernel does not read them."""
+    query_blocks = tl.cdiv(Lq, BLOCK_M)
+    block, head, b, h, offset = _program(query_blocks * splits, heads, Offset, offset, OFFSET_IN_MEMORY)
+    block, split = block % query_blocks, block // query_blocks
+    m0 = block * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    key_mask = (offs_n < Lk)[:, None] & (offs_d < D)[None, :]
-    k = _tile(Kx, stride_kb, stride_kh, stride_kn, stride_kd, b, h, offs_n, offs_d, Lk, D)
-    v = _tile(V, stride_vb, stride_vh, stride_vn, stride_vd, b, h, offs_n, offs_d, Lk, D)
-    query_table, output_table = QT + head.to(tl.int64) * Lq * R, OT + head.to(tl.int64) * Lq * R
-    OPERAND = V.dtype.element_ty
-    grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    grad_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    start = 0
-    if CAUSAL and not HAS_SOURCE:  # no query before the block's first key sees it
-        start = tl.maximum(block * BLOCK_N - offset, 0) // BLOCK_M * BLOCK_M
-    for m0 in range(start, Lq, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        q = _tile(Q, stride_qb, stride_qh, stride_qm, stride_qd, b, h, offs_m, offs_d, Lq, D)
-        do = _tile(DO, stride_ob, stride_oh, stride_om, stride_od, b, h, offs_m, offs_d, Lq, D)
-        lse = tl.load(Lse + head.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
-        row_dot = tl.load(RowDot + head.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
-        _, kept, grad_s = _block_gradients(q, do, k, v, lse, row_dot, query_table, output_table, offs_m, offs_n,
-                                           head, Lq, Lk, K, R, offset, scale, dropout, seed, KeyValid + b * Lk,
-                                           KeyIsSource + b * Lk, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE)
-        grad_v += _product(tl.trans(kept.to(OPERAND)), do, WIDEN, IEEE)
-        grad_k += _product(tl.trans(grad_s.to(OPERAND)), q, WIDEN, IEEE)
-    out = head.to(tl.int64) * Lk * D + offs_n[:, None] * D + offs_d[None, :]
-    tl.store(DK + out, grad_k * scale, mask=key_mask)
-    tl.store(DV + out, grad_v, mask=key_mask)
+    q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D)
+    Kh, Vh = Kx + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
+    key_row = b * Lk  # the sequence's key flags
+    first_row, last_row = _table_row(Table, 0, D, offs_d), _table_row(Table, 2 * K, D, offs_d)
+
+    lo, hi = _keys_of_block(m0, offset, Lk, KeyBounds, b, HAS_VALID, CAUSAL, HAS_SOURCE, BLOCK_M, BLOCK_N)
+    lo = tl.maximum(lo, split * key_chunk)  # a split's chunk is a whole number of key blocks
+    hi = tl.minimum(hi, (split + 1) * key_chunk)
+    band_lo, band_hi, hi = _class_bounds(lo, hi, offset + m0 - K + 1, offset + m0 + BLOCK_M - 1 + K, BLOCK_N)
+
+    zeros = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    row_max = zeros + float("-inf")
+    acc, row_max, row_sum, mass = _forward_tiles(
+        acc, row_max, zeros, zeros, q, _row_term(q, first_row), Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo,
+        band_lo, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
+        head, threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    acc += mass[:, None] * first_row[None, :]
+    acc, row_max, row_sum, _ = _forward_tiles(
+        acc, row_max, row_sum, zeros, q, None, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_lo, band_hi, m0,
+        offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
+        keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    acc, row_max, row_sum, mass = _forward_tiles(
+        acc, row_max, row_sum, zeros, q, _row_term(q, last_row), Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_hi,
+        hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+        threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    acc += mass[:, None] * last_row[None, :]
+
+    if SPLIT:
+        slot = (head * splits + split).to(tl.int64) * Lq + offs_m
+        rows_in = offs_m < Lq
+        tl.store(Partial + slot[:, None] * BLOCK_D + offs_d[None, :], acc, mask=rows_in[:, None])
+        tl.store(PartialStats + slot * 2, row_max, mask=rows_in)
+        tl.store(PartialStats + slot * 2 + 1, row_sum, mask=rows_in)
+    else:
+        _store_output(Out, Lse, acc, row_max, row_sum, b, h, head, offs_m, offs_d, Lq, D, stride_ob, stride_oh,
+                      stride_om, stride_od)
 
 
-@triton.jit
-def nezha_query_grad_kernel(
-    Q, Kx, V, DO, QT, OT, Lse, RowDot, Table, Band, DQ, KeyValid, KeyIsSource,
-    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    H, Lq, Lk, D, R, offset, scale, dropout, seed,
-    HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
-    WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """One block of queries of one head: `dQ = scale sum_j dS_ij (k_j + T[r])` (float32, `[batch, heads, queries,
-    head_size]` contiguous); the band's `dS` go through `Band` (zeros) as the forward's probabilities do."""
-    block, head = tl.program_id(0), tl.program_id(1)
-    b, h = head // H, head % H
-    K = (R - 1) // 2
+@triton.jit(do_not_specialize=["splits"])
+def nezha_merge_kernel(Partial, PartialStats, Out, Lse, stride_ob, stride_oh, stride_om, stride_od, heads, Lq, D,
+                       splits, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A decoding step's splits merged by their log-sum-exps, for one block of queries of one head: the output and
+    log-sum-exp."""
+    block, head, b, h, _ = _program(tl.cdiv(Lq, BLOCK_M), heads, None, 0, False)
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows_in = offs_m < Lq
-    row_mask = rows_in[:, None] & (offs_d < D)[None, :]
-    q = _tile(Q, stride_qb, stride_qh, stride_qm, stride_qd, b, h, offs_m, offs_d, Lq, D)
-    do = _tile(DO, stride_ob, stride_oh, stride_om, stride_od, b, h, offs_m, offs_d, Lq, D)
-    lse = tl.load(Lse + head.to(tl.int64) * Lq + offs_m, mask=rows_in, other=0.0)
-    row_dot = tl.load(RowDot + head.to(tl.int64) * Lq + offs_m, mask=rows_in, other=0.0)
-    query_table, output_table = QT + head.to(tl.int64) * Lq * R, OT + head.to(tl.int64) * Lq * R
-    band_rows = Band + head.to(tl.int64) * Lq * R
-    OPERAND = V.dtype.element_ty
-    grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    left_sum = tl.zeros([BLOCK_M], tl.float32)
-    right_sum = tl.zeros([BLOCK_M], tl.float32)
-    for n0 in range(0, _keys_seen(Lk, offset, block, BLOCK_M, CAUSAL, HAS_SOURCE), BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = _tile(Kx, stride_kb, stride_kh, stride_kn, stride_kd, b, h, offs_n, offs_d, Lk, D)
-        v = _tile(V, stride_vb, stride_vh, stride_vn, stride_vd, b, h, offs_n, offs_d, Lk, D)
-        distance, _, grad_s = _block_gradients(q, do, k, v, lse, row_dot, query_table, output_table, offs_m, offs_n,
-                                               head, Lq, Lk, K, R, offset, scale, dropout, seed, KeyValid + b * Lk,
-                                               KeyIsSource + b * Lk, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN,
-                                               IEEE)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for split in range(0, splits):
+        slot = (head * splits + split).to(tl.int64) * Lq + offs_m
+        split_max = tl.load(PartialStats + slot * 2, mask=rows_in, other=float("-inf"))
+        split_sum = tl.load(PartialStats + slot * 2 + 1, mask=rows_in, other=0.0)
+        new_max = tl.maximum(row_max, split_max)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        mine, theirs = tl.exp2(row_max - shift), tl.exp2(split_max - shift)
+        part = tl.load(Partial + slot[:, None] * BLOCK_D + offs_d[None, :], mask=rows_in[:, None], other=0.0)
+        acc = acc * mine[:, None] + part * theirs[:, None]
+        row_sum = row_sum * mine + split_sum * theirs
+        row_max = new_max
+    _store_output(Out, Lse, acc, row_max, row_sum, b, h, head, offs_m, offs_d, Lq, D,
+                  stride_ob, stride_oh, stride_om, stride_od)
+
+
+# --- backward ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_gradients(q, do, k, v, Table, first, K, D, offs_d, query_term, output_term, lse, row_dot, offs_m, offs_n, n0,
+                    offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, keep_scale,
+                    KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
+                    DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """A tile's dropped-out probabilities `P~` and `dS = P (dP - D)`, recomputing `P` from the forward's lse:
+    `dP_ij = z_ij dO_i . (v_j + T[r])` for dropout's factor `z` (the table parts from a band tile's window, its first
+    row `first`, or a tail's `query_term` and `output_term`)."""
+    scores = _scores(q, k, Table, first, K, D, offs_d, query_term, offs_m, offs_n, offset, Lk, scale_log2, KeyValid,
+                     KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    p = tl.exp2(scores - lse[:, None])
+    grad_p = _product(do, tl.trans(v), WIDEN, IEEE)
+    if KIND == BAND:
+        grad_p += _by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    else:
+        grad_p += output_term[:, None]
+    kept = p
+    if DROPOUT:
+        keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
+        kept = tl.where(keep, p * keep_scale, 0.0)
+        grad_p = tl.where(keep, grad_p * keep_scale, 0.0)
+    return kept, p * (grad_p - row_dot[:, None])
+
+
+@triton.jit
+def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, Lse, RowDot, Table, table_row, KeyValid, KeyIsSource, key_row,
+                     lo, hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
+                     scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+                     CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
+                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`dK` (unscaled) and `dV` of a key block over the query blocks `lo .. hi` of one class (`table_row`: a tail's
+    row)."""
+    OPERAND = Qh.dtype.element_ty
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D)
+        do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D)
+        lse, row_dot = _row_statistics(Lse, RowDot, offs_m, Lq)
+        query_term, output_term = None, None
+        if KIND != BAND:
+            query_term, output_term = _row_term(q, table_row), _row_term(do, table_row)
+        kept, grad_s = _tile_gradients(q, do, k, v, Table, _window_start(n0, m0, offset, K, BLOCK_M), K, D, offs_d,
+                                       query_term, output_term, lse, row_dot, offs_m, offs_n, n0, offset, Lk,
+                                       KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, keep_scale,
+                                       KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_v += _product(tl.trans(kept.to(OPERAND)), do, WIDEN, IEEE)
+        grad_k += _product(tl.trans(grad_s.to(OPERAND)), q, WIDEN, IEEE)
+    return grad_k, grad_v
+
+
+@triton.autotune(configs=KEY_VALUE_GRAD_CONFIGS, key=TUNING_KEY, prune_configs_by=PRUNING)
+@triton.jit(do_not_specialize=STEP_VALUES)
+def nezha_key_value_grad_kernel(
+    Q, Kx, V, DO, Table, Lse, RowDot, DK, DV, KeyValid, KeyIsSource, KeyBounds, Offset,
+    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
+    heads, Lq, Lk, D, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
+    HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One block of keys of one head: `dK = scale sum_i dS_ij q_i` and `dV = sum_i P~_ij dO_i` (`[batch, heads, keys,
+    d]` contiguous), over the query blocks that see any of its keys: right tail, band, then left tail tiles
+    (`_program` numbers the programs)."""
+    block, head, b, h, offset = _program(tl.cdiv(Lk, BLOCK_N), heads, Offset, offset, OFFSET_IN_MEMORY)
+    n0 = block * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _rows(Kx + b * stride_kb + h * stride_kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D)
+    v = _rows(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D)
+    Qh, DOh = Q + b * stride_qb + h * stride_qh, DO + b * stride_ob + h * stride_oh
+    Lse_h, RowDot_h = Lse + head.to(tl.int64) * Lq, RowDot + head.to(tl.int64) * Lq
+    key_row = b * Lk  # the sequence's key flags
+    first_row, last_row = _table_row(Table, 0, D, offs_d), _table_row(Table, 2 * K, D, offs_d)
+
+    lo = 0
+    hi = Lq
+    if HAS_VALID or HAS_SOURCE:  # a block of padding only is seen by no query
+        hi = tl.where((n0 + BLOCK_N <= tl.load(KeyBounds + b * 3)) | (n0 >= tl.load(KeyBounds + b * 3 + 1)), 0, hi)
+    if CAUSAL:  # no query before the block's first key sees it, unless it holds a source key
+        lo = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M
+        if HAS_SOURCE:
+            lo = tl.where(n0 < tl.load(KeyBounds + b * 3 + 2), 0, lo)
+    right_hi, left_lo, hi = _class_bounds(lo, hi, n0 - K - offset + 1, n0 + BLOCK_N - 1 + K - offset, BLOCK_M)
+
+    grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    grad_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    grad_k, grad_v = _key_value_tiles(
+        grad_k, grad_v, k, v, Qh, DOh, Lse_h, RowDot_h, Table, last_row, KeyValid, KeyIsSource, key_row, lo, right_hi,
+        n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
+        threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    grad_k, grad_v = _key_value_tiles(
+        grad_k, grad_v, k, v, Qh, DOh, Lse_h, RowDot_h, Table, None, KeyValid, KeyIsSource, key_row, right_hi, left_lo,
+        n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
+        threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    grad_k, grad_v = _key_value_tiles(
+        grad_k, grad_v, k, v, Qh, DOh, Lse_h, RowDot_h, Table, first_row, KeyValid, KeyIsSource, key_row, left_lo, hi,
+        n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
+        threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    out = head.to(tl.int64) * Lk * D + offs_n[:, None] * D + offs_d[None, :]
+    key_mask = (offs_n < Lk)[:, None] & (offs_d < D)[None, :]
+    tl.store(DK + out, (grad_k * scale).to(DK.dtype.element_ty), mask=key_mask)
+    tl.store(DV + out, grad_v.to(DV.dtype.element_ty), mask=key_mask)
+
+
+@triton.jit
+def _query_tiles(grad_q, mass, q, do, query_term, output_term, Kh, Vh, Table, lse, row_dot, KeyValid, KeyIsSource,
+                 key_row, lo, hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                 scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
+                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`sum_j dS_ij (k_j + T[r])` (unscaled) of a query block over the key blocks `lo .. hi` of one class: the band's
+    table part added tile by tile, the tails' gathered in `mass` as the forward's value term is."""
+    OPERAND = Vh.dtype.element_ty
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, BLOCK_N)
+        first = _window_start(n0, m0, offset, K, BLOCK_M)
+        _, grad_s = _tile_gradients(q, do, k, v, Table, first, K, D, offs_d, query_term, output_term, lse, row_dot,
+                                    offs_m, offs_n, n0, offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed,
+                                    head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN,
+                                    IEEE, BLOCK_M, BLOCK_N)
+        if KIND == BAND:
+            grad_q = _add_times_window(grad_q, grad_s.to(OPERAND), Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M,
+                                       BLOCK_N)
+        else:
+            mass += tl.sum(grad_s, 1)
         grad_q += _product(grad_s.to(OPERAND), k, WIDEN, IEEE)
-        left, right = _split_by_distance(grad_s, grad_s, distance, band_rows, offs_m, offs_n, Lq, Lk, K, R)
-        left_sum += left
-        right_sum += right
-    tl.debug_barrier()  # the band's dS, stored by every thread, are read back by others
-    grad_q = _add_table_rows(grad_q, band_rows, lse, Table, offs_m, offs_d, Lq, R, D, BLOCK_R, False, OPERAND, WIDEN,
-                             IEEE)
-    grad_q = _tails(grad_q, left_sum, right_sum, Table, offs_d, K, D)
-    tl.store(DQ + head.to(tl.int64) * Lq * D + offs_m[:, None] * D + offs_d[None, :], grad_q * scale, mask=row_mask)
+    return grad_q, mass
+
+
+@triton.autotune(configs=QUERY_GRAD_CONFIGS, key=TUNING_KEY, prune_configs_by=PRUNING)
+@triton.jit(do_not_specialize=STEP_VALUES)
+def nezha_query_grad_kernel(
+    Q, Kx, V, DO, Table, Lse, RowDot, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
+    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
+    heads, Lq, Lk, D, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
+    HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One block of queries of one head: `dQ = scale sum_j dS_ij (k_j + T[r])` (`[batch, heads, queries, d]`
+    contiguous), over the key blocks the forward visits (`_program` numbers the programs)."""
+    block, head, b, h, offset = _program(tl.cdiv(Lq, BLOCK_M), heads, Offset, offset, OFFSET_IN_MEMORY)
+    m0 = block * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D)
+    do = _rows(DO + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od, Lq, D)
+    lse, row_dot = _row_statistics(Lse + head.to(tl.int64) * Lq, RowDot + head.to(tl.int64) * Lq, offs_m, Lq)
+    Kh, Vh = Kx + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
+    key_row = b * Lk  # the sequence's key flags
+    first_row, last_row = _table_row(Table, 0, D, offs_d), _table_row(Table, 2 * K, D, offs_d)
+
+    lo, hi = _keys_of_block(m0, offset, Lk, KeyBounds, b, HAS_VALID, CAUSAL, HAS_SOURCE, BLOCK_M, BLOCK_N)
+    band_lo, band_hi, hi = _class_bounds(lo, hi, offset + m0 - K + 1, offset + m0 + BLOCK_M - 1 + K, BLOCK_N)
+
+    zeros = tl.zeros([BLOCK_M], tl.float32)
+    grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    grad_q, mass = _query_tiles(
+        grad_q, zeros, q, do, _row_term(q, first_row), _row_term(do, first_row), Kh, Vh, Table, lse, row_dot,
+        KeyValid, KeyIsSource, key_row, lo, band_lo, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd,
+        stride_vn, stride_vd, scale_log2, seed, head, threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE,
+        DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    grad_q += mass[:, None] * first_row[None, :]
+    grad_q, _ = _query_tiles(
+        grad_q, zeros, q, do, None, None, Kh, Vh, Table, lse, row_dot, KeyValid, KeyIsSource, key_row, band_lo, band_hi,
+        m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+        threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    grad_q, mass = _query_tiles(
+        grad_q, zeros, q, do, _row_term(q, last_row), _row_term(do, last_row), Kh, Vh, Table, lse, row_dot, KeyValid,
+        KeyIsSource, key_row, band_hi, hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn,
+        stride_vd, scale_log2, seed, head, threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN,
+        IEEE, BLOCK_M, BLOCK_N)
+    grad_q += mass[:, None] * last_row[None, :]
+    tl.store(DQ + head.to(tl.int64) * Lq * D + offs_m[:, None] * D + offs_d[None, :],
+             (grad_q * scale).to(DQ.dtype.element_ty), mask=(offs_m < Lq)[:, None] & (offs_d < D)[None, :])

@@ -1,11 +1,19 @@
 """The Triton engine, run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`): forward and gradients
 against the float64 reference across block edges (the interpreter's blocks are 16) and the band (K = 4, and K
-beyond the length), every mask kind, a KV cache's offset, dropout (its mask the same in the backward, kept
-entries scaled by 1 / (1 - p)), bfloat16 / float16; in a model, with `generate`; and the chunked engine with one
-warning where Triton is missing or its kernels fail. Small sizes: the interpreter runs a block in numpy."""
+beyond the length), tiles of every class (left tail, band, right tail) in one call with every mask kind, a KV
+cache's offset (an int, or a tensor never read on the host), a decoding step split over programs, dropout (Philox on
+32-bit counters, checked against an independent Philox; its mask the same in the backward, kept entries scaled by
+1 / (1 - p)), bfloat16 / float16, float32 in IEEE products whatever the TF32 switches; in a model, with `generate`;
+launch grids for any number of heads; an out-of-memory error raised as itself; the chunked engine with one warning
+where Triton is missing or a kernel fails to compile, for that kernel's switches only. And, in a process where Triton
+compiles, the kernels compiled ahead of time for an H100 (no GPU needed). Small sizes: the interpreter runs a block in
+numpy."""
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import reference
@@ -22,16 +30,19 @@ triton = pytest.importorskip("triton", reason="Triton is part of the dev install
 
 @pytest.fixture(autouse=True)
 def interpreted(monkeypatch):
-    """Triton's interpreter (conftest.py sets TRITON_INTERPRET=1 before anything imports Triton); no earlier failure."""
+    """Triton's interpreter (conftest.py sets TRITON_INTERPRET=1 before anything imports Triton); no earlier failure,
+    and no backward checked yet."""
     from nezha_hf import triton_kernels
 
     assert triton_kernels.INTERPRETING, "TRITON_INTERPRET=1 was not set when Triton was imported"
-    monkeypatch.setattr(ta, "_failure", [])
+    monkeypatch.setattr(ta, "_set_aside", {})
+    monkeypatch.setattr(ta, "_checked_backwards", set())
 
 
 def run(q, k, v, K, mask=RelativeAttentionMask(), dropout=0.0, seed=0, table=None):
     """The Triton op on float tensors `[batch, heads, length, d]`; returns `[batch, heads, queries, d]`."""
-    table = ra.sinusoid_relative_table(K, q.shape[-1]).to(q.dtype) if table is None else table
+    table = ra.sinusoid_relative_table(K, q.shape[-1]) if table is None else table
+    table = table.to(q.dtype)
     problem = AttentionProblem(mask, q.shape[-1] ** -0.5, dropout, torch.tensor(seed))
     return ta.triton_attention(q, k, v, table, problem).transpose(1, 2)
 
@@ -43,12 +54,15 @@ def inputs(batch, heads, queries, keys, d, seed=0):
 
 
 def compare(q64, k64, v64, K, mask, allowed, offset=0, dtype=torch.float32, atol=2e-5, keep=None, dropout=0.0,
-            seed=0):
-    """The Triton op in `dtype` against the reference in float64, output and the three gradients."""
+            seed=0, table=None):
+    """The Triton op in `dtype` against the reference in float64, output and the three gradients. `offset` is the
+    queries' first position (an int, or a tensor given to the op as it is); `table` a float64 table (the sinusoid when
+    None)."""
     leaves = [t.to(dtype).requires_grad_() for t in (q64, k64, v64)]
-    got = run(*leaves, K, dataclasses.replace(mask, query_offset=offset), dropout, seed)
+    got = run(*leaves, K, dataclasses.replace(mask, query_offset=offset), dropout, seed, table)
     exact = [t.clone().requires_grad_() for t in (q64, k64, v64)]
-    expected, _ = reference.attention(*exact, K, allowed, query_offset=offset, keep=keep, dropout=dropout)
+    expected, _ = reference.attention(*exact, K, allowed, query_offset=int(offset), keep=keep, dropout=dropout,
+                                      table=table)
     torch.testing.assert_close(got.double(), expected, atol=atol, rtol=0)
     grad = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     mine = torch.autograd.grad(got, leaves, grad.to(dtype))
@@ -95,9 +109,13 @@ def test_queries_continuing_a_cache(queries, offset):
     mask = RelativeAttentionMask(key_is_valid=valid, causal=True)
     allowed = reference.allowed_mask(queries, valid, causal=True, query_offset=offset, key_length=keys)
     compare(q, k, v, K, mask, allowed, offset=offset)
-    # A static cache reports its offset as a 0-dim tensor.
-    got = run(*(t.float() for t in (q, k, v)), K, dataclasses.replace(mask, query_offset=torch.tensor(offset)))
-    torch.testing.assert_close(got, run(*(t.float() for t in (q, k, v)), K, dataclasses.replace(mask, query_offset=offset)))
+    # The offset read by the kernels (a tensor on the queries' device, as a static cache's) or on the host (an int; on
+    # a GPU also an int made a CPU tensor by `attention_ops.flatten`): the same output.
+    floats = [t.float() for t in (q, k, v)]
+    in_memory = run(*floats, K, dataclasses.replace(mask, query_offset=torch.tensor(offset)))
+    problem = AttentionProblem(dataclasses.replace(mask, query_offset=offset), 8**-0.5)
+    on_host, _ = ta.triton_forward(*floats, ra.sinusoid_relative_table(K, 8), problem)
+    torch.testing.assert_close(on_host.transpose(1, 2), in_memory, atol=0, rtol=0)
 
 
 def dropout_mask(batch, heads, length, dropout, seed):
@@ -141,6 +159,16 @@ def test_reduced_precision_within_its_rounding(dtype, atol):
     valid[0, 33:] = False
     mask = RelativeAttentionMask(key_is_valid=valid, causal=True)
     compare(q, k, v, 4, mask, reference.allowed_mask(length, valid, causal=True), dtype=dtype, atol=atol)
+
+
+def test_a_table_of_another_dtype_is_taken_in_the_inputs_dtype():
+    """The op takes the table in any dtype (the model passes it in the inputs'): a float32 table with bfloat16 inputs
+    gives what its bfloat16 rounding gives (a compiled `tl.dot` refuses operands of two dtypes)."""
+    q, k, v = (t.to(torch.bfloat16) for t in inputs(1, 2, 37, 37, 16))
+    table = torch.randn(9, 16, generator=torch.Generator().manual_seed(3))
+    problem = AttentionProblem(RelativeAttentionMask(causal=True), 16**-0.5)
+    wide = ta.triton_attention(q, k, v, table, problem)
+    torch.testing.assert_close(wide, ta.triton_attention(q, k, v, table.to(torch.bfloat16), problem), atol=0, rtol=0)
 
 
 def test_a_model_runs_the_triton_engine_and_matches_eager():
@@ -205,7 +233,6 @@ def test_a_kernel_that_fails_to_compile_is_one_warning_and_the_chunked_engine(ke
             return launch
 
     monkeypatch.setattr(triton_kernels, kernel, Broken())
-    monkeypatch.setattr(ta, "_checked_backwards", set())
     leaves = [t.float().requires_grad_() for t in inputs(1, 2, 20, 20, 8)]
     module = torch.nn.Module().eval()
     with caplog.at_level("WARNING", logger="nezha_hf"), ra.recorded_attention_calls() as calls:
@@ -235,12 +262,362 @@ def test_on_the_cpu_only_by_name_under_the_interpreter(monkeypatch):
     assert calls[0].ran is ra.Engine.CHUNKED and "CUDA" in calls[0].why
 
 
-def test_tuning_is_keyed_on_length_classes_and_a_decoding_step_gets_small_blocks():
+def test_tuning_is_keyed_on_length_classes_and_a_decoding_step_gets_small_blocks(monkeypatch):
     """A decoding loop's key length grows by one per step: keyed on the length itself, the forward would be tuned
-    again at every step."""
+    again at every step. A decoding step is tuned over blocks of 16 queries, a long call over the larger blocks, a
+    float32 call over float32's own blocks."""
     from nezha_hf import triton_kernels as tk
 
     assert [tk.length_class(n) for n in (1, 16, 17, 1000, 1024, 1025)] == [16, 16, 32, 1024, 1024, 2048]
-    configs = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": 32}) for block_m in (16, 64, 128)]
-    assert [config.kwargs["BLOCK_M"] for config in tk._configs_for(configs, {"LQ_CLASS": 16})] == [16]
-    assert len(tk._configs_for(configs, {"LQ_CLASS": 4096})) == 3
+    float32 = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})
+    monkeypatch.setattr(tk, "FLOAT32_CONFIGS", [float32])
+    configs = [*(triton.Config({"BLOCK_M": block_m, "BLOCK_N": 128}) for block_m in (16, 64, 128)), float32]
+
+    def tuned(queries, named=True, ieee=False):  # the launches name their arguments: they may come either way
+        arguments = {"LQ_CLASS": queries, "IEEE": ieee}
+        pruned = tk._configs_for(configs, arguments) if named else tk._configs_for(configs, {}, **arguments)
+        return [(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]) for config in pruned]
+
+    for named in (True, False):
+        assert tuned(16, named) == tuned(32, named) == [(16, 128)]
+        assert tuned(64, named) == [(64, 128)] and tuned(4096, named) == [(64, 128), (128, 128)]
+        assert tuned(16, named, ieee=True) == tuned(4096, named, ieee=True) == [(16, 32)]
+
+
+# --- tiles by class, dropout's counters, launches, failures, float32, decoding (issue 47) ---------------------------
+
+
+def tile_classes(queries, keys, K, block=16, offset=0):
+    """The classes of a call's (query block, key block) tiles, from their pairs of positions: "left" where every pair
+    has j - i <= -K (all at table row 0), "right" where every pair has j - i >= K (row 2K), else "band"."""
+    classes = set()
+    for m0 in range(0, queries, block):
+        for n0 in range(0, keys, block):
+            i = torch.arange(m0, min(m0 + block, queries))[:, None] + offset
+            distance = torch.arange(n0, min(n0 + block, keys))[None, :] - i
+            classes.add("left" if (distance <= -K).all() else "right" if (distance >= K).all() else "band")
+    return classes
+
+
+@pytest.mark.parametrize("K", [1, 20])
+@pytest.mark.parametrize("kind", list(MASKS))
+def test_every_tile_class_against_the_reference(kind, K):
+    """Tail tiles (a plain flash-attention tile with one table row), band tiles (a row per distance, clipped inside the
+    tile when K is small) and tiles cut by the length, padding, causal and prefix masks, all in one call; a random
+    table, so that every row used is told apart."""
+    batch, heads, length, d = 2, 2, 70, 16
+    assert tile_classes(length, length, K) == {"left", "band", "right"}
+    q, k, v = inputs(batch, heads, length, length, d, seed=K)
+    table = torch.randn(2 * K + 1, d, dtype=torch.float64, generator=torch.Generator().manual_seed(K))
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[0, 49:] = False  # right padding: the last valid key starts a block, whole blocks after it
+    valid[1, :20] = False  # left padding: whole key blocks before the first
+    valid[1, 40] = False  # a padded key inside a block
+    source = torch.zeros(batch, length, dtype=torch.bool)
+    source[0, :35], source[1, :55] = True, True  # prefixes ending inside a block
+    mask, rules = MASKS[kind](valid, source)
+    allowed = None if rules is None else reference.allowed_mask(length, **rules)
+    compare(q, k, v, K, mask, allowed, table=table)
+
+
+def philox4x32(key: int, counters):
+    """Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011) in numpy: the four 32-bit
+    outputs for four 32-bit counter words and a 64-bit key (low word first)."""
+    import numpy as np
+
+    low = np.uint64(0xFFFFFFFF)
+    c0, c1, c2, c3 = (np.asarray(word, dtype=np.uint64) for word in counters)
+    k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64(key >> 32)
+    for _ in range(10):
+        product0, product1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
+        c0, c1, c2, c3 = ((product1 >> np.uint64(32)) ^ c1 ^ k0, product1 & low,
+                          (product0 >> np.uint64(32)) ^ c3 ^ k1, product0 & low)
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & low, (k1 + np.uint64(0xBB67AE85)) & low
+    return c0, c1, c2, c3
+
+
+@pytest.mark.parametrize("queries, keys", [(40, 40), (1, 150)], ids=["square", "decoding"])
+def test_dropout_keeps_by_philox_on_32_bit_counters(queries, keys):
+    """One Philox draw gives four keys their numbers: query i and key j of head h are kept when output j mod 4 of
+    Philox4x32-10, keyed by the seed, on the counter (i, j div 4, h, 0), shifted right by 8, is at least
+    ceil(p 2^24). Every counter word stays below 2^32 for any realistic size (queries, keys / 4 and batch x heads
+    each under 2^32), so nothing overflows. The mask is read off the kernel's output (one-hot values, a zero table);
+    the decoding call splits its keys over several programs and must draw the same numbers."""
+    import numpy as np
+
+    batch, heads, dropout, seed = 2, 2, 0.3, (5 << 40) + 12345  # a seed with both 32-bit halves set
+    q, k, _ = (t.float() for t in inputs(batch, heads, queries, keys, keys, seed=3))
+    values = torch.eye(keys).expand(batch, heads, keys, keys).contiguous()
+    kept = run(q, k, values, 4, dropout=dropout, seed=seed, table=torch.zeros(9, keys)) != 0
+    i, j, head = np.meshgrid(np.arange(queries), np.arange(keys), np.arange(batch * heads), indexing="ij")
+    outputs = philox4x32(seed, (i, j // 4, head, np.zeros_like(i)))
+    chosen = np.choose(j % 4, outputs) >> np.uint64(8)
+    expected = torch.from_numpy(chosen >= math.ceil(dropout * 2**24)).permute(2, 0, 1).reshape(batch, heads, queries,
+                                                                                                 keys)
+    assert torch.equal(kept, expected)
+
+
+class Launches:
+    """Stands in for a kernel: records each launch's grid (and keyword switches) and runs nothing, or runs the real
+    kernel when `real` is given, or raises `error` when the switches match `failing_when`."""
+
+    def __init__(self, real=None, error=None, failing_when=None):
+        self.real, self.error, self.failing_when, self.launches = real, error, failing_when or {}, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, kwargs))
+            if self.error is not None and all(kwargs.get(name) == value for name, value in self.failing_when.items()):
+                raise self.error
+            if self.real is not None:
+                return self.real[grid](*args, **kwargs)
+
+        return launch
+
+
+def programs(grid, meta=None):
+    """The grid of a launch as a tuple (a callable grid is given the interpreter's blocks)."""
+    return tuple(grid(meta or {"BLOCK_M": 16, "BLOCK_N": 16})) if callable(grid) else tuple(grid)
+
+
+def test_launch_grids_hold_any_number_of_heads(monkeypatch):
+    """CUDA allows at most 65,535 programs on a grid's second and third axes: batch x heads = 70,000 must not sit
+    there (the launches are recorded, not run). And the kernels run on the tensors' GPU, not the current one."""
+    from nezha_hf import triton_kernels
+
+    launchers = {name: Launches() for name in ("nezha_forward_kernel", "nezha_key_value_grad_kernel",
+                                                "nezha_query_grad_kernel", "nezha_merge_kernel")}
+    for name, launcher in launchers.items():
+        monkeypatch.setattr(triton_kernels, name, launcher, raising=False)
+    batch, heads, length, d = 2, 35_000, 20, 8
+    q = torch.zeros(1, 1, length, d).expand(batch, heads, length, d)
+    table = ra.sinusoid_relative_table(4, d)
+    problem = AttentionProblem(RelativeAttentionMask(causal=True), d**-0.5)
+    output, lse = ta.triton_forward(q, q, q, table, problem)
+    ta.triton_backward(output.transpose(1, 2), q, q, q, table, problem, output.transpose(1, 2), lse)
+    blocks = -(-length // 16)
+    for name in ("nezha_forward_kernel", "nezha_key_value_grad_kernel", "nezha_query_grad_kernel"):
+        (grid, _), = launchers[name].launches
+        axes = programs(grid)
+        assert all(axis <= 65_535 for axis in axes[1:]), (name, axes)
+        assert math.prod(axes) == blocks * batch * heads, (name, axes)
+    assert ta._device_guard(torch.device("cuda", 1)).idx == 1
+    assert not isinstance(ta._device_guard(torch.device("cpu")), torch.cuda.device)
+
+
+def test_out_of_memory_reaches_the_caller_and_the_engine_stays_usable(monkeypatch):
+    """An out-of-memory error is the caller's to handle (a smaller batch): raised as PyTorch's own, and the next call
+    runs the Triton kernels again."""
+    from nezha_hf import triton_kernels
+
+    real = triton_kernels.nezha_forward_kernel
+    q, k, v = (t.float() for t in inputs(1, 2, 20, 20, 8))
+    table = ra.sinusoid_relative_table(4, 8)
+    module = torch.nn.Module().eval()
+    monkeypatch.setattr(triton_kernels, "nezha_forward_kernel",
+                        Launches(error=torch.OutOfMemoryError("CUDA out of memory (simulated)")))
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        ra.relative_attention(module, q, k, v, None, 8**-0.5, relative_table=table, requested=ra.Engine.TRITON)
+    monkeypatch.setattr(triton_kernels, "nezha_forward_kernel", real)
+    with ra.recorded_attention_calls() as calls:
+        out, _ = ra.relative_attention(module, q, k, v, None, 8**-0.5, relative_table=table, requested=ra.Engine.TRITON)
+    assert [call.ran for call in calls] == [ra.Engine.TRITON]
+    expected, _ = reference.attention(q.double(), k.double(), v.double(), 4)
+    torch.testing.assert_close(out.transpose(1, 2).double(), expected, atol=2e-5, rtol=0)
+
+
+def test_a_compile_failure_sets_aside_only_its_own_switches(monkeypatch, caplog):
+    """The dropout variant of the forward fails to compile: dropout calls run the chunked engine (one warning naming
+    the switches), calls without dropout still run the Triton kernels."""
+    from nezha_hf import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "nezha_forward_kernel",
+                        Launches(triton_kernels.nezha_forward_kernel, RuntimeError("PTX assembly aborted (simulated)"),
+                                 {"DROPOUT": True}))
+    q, k, v = (t.float() for t in inputs(1, 2, 20, 20, 8))
+    module = torch.nn.Module()
+    with caplog.at_level("WARNING", logger="nezha_hf"), ra.recorded_attention_calls() as calls:
+        for training in (True, False, True, False):
+            ra.relative_attention(module.train(training), q, k, v, None, 8**-0.5, 0.1,
+                                  relative_table=ra.sinusoid_relative_table(4, 8), requested=ra.Engine.TRITON)
+    assert [call.ran for call in calls] == [ra.Engine.CHUNKED, ra.Engine.TRITON] * 2
+    assert all("dropout" in call.why and "PTX assembly aborted" in call.why for call in calls[::2])
+    messages = [record.getMessage() for record in caplog.records if "Triton kernel failed" in record.getMessage()]
+    assert len(messages) == 1 and "dropout" in messages[0], messages
+
+
+def test_float32_products_are_ieee_whatever_the_tf32_switch(monkeypatch):
+    """Every float32 product is made inside the kernels in IEEE float32: no PyTorch matrix product (which
+    `allow_tf32` / `set_float32_matmul_precision("high")` would turn to TF32 on a GPU) on the forward or backward
+    path, and every kernel launched with its products in IEEE (the interpreter ignores `input_precision`: the compiled
+    kernels' products are checked by `test_the_kernels_compile_for_an_h100`); with those switches on, float32 stays
+    within 2e-5 of the float64 reference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nezha_hf import triton_kernels
+
+    launchers = {name: Launches(getattr(triton_kernels, name))
+                 for name in ("nezha_forward_kernel", "nezha_key_value_grad_kernel", "nezha_query_grad_kernel")}
+    for name, launcher in launchers.items():
+        monkeypatch.setattr(triton_kernels, name, launcher)
+
+    aten = torch.ops.aten
+    products = {aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.addbmm, aten.dot, aten.mv, aten.addmv,
+                aten.matmul, aten.linear, aten.einsum}
+
+    class MatrixProducts(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in products:
+                self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v, grad = (t.float() for t in inputs(1, 2, 37, 37, 16) + inputs(1, 2, 37, 37, 16, seed=1)[:1])
+    table = ra.sinusoid_relative_table(4, 16)
+    problem = AttentionProblem(RelativeAttentionMask(causal=True), 16**-0.5)
+    with MatrixProducts() as recorder:
+        output, lse = ta.triton_forward(q, k, v, table, problem)
+        ta.triton_backward(grad, q, k, v, table, problem, output.transpose(1, 2), lse)
+    assert recorder.seen == [], recorder.seen
+    assert all(switches["IEEE"] for launcher in launchers.values() for _, switches in launcher.launches)
+    assert all(launcher.launches for launcher in launchers.values())
+    allowed, precision = torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")
+    try:
+        q64, k64, v64 = inputs(1, 2, 37, 37, 16)
+        compare(q64, k64, v64, 4, RelativeAttentionMask(causal=True), reference.allowed_mask(37, causal=True))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+        torch.set_float32_matmul_precision(precision)
+
+
+@pytest.mark.parametrize("offset_kind", [int, torch.tensor], ids=["int-offset", "tensor-offset"])
+def test_a_decoding_step_splits_its_keys_and_matches_the_reference(offset_kind, monkeypatch):
+    """One query against 150 cached keys (left padding, a padded key inside the cache): the keys are split over
+    several programs per head (merged by their log-sum-exps), output and gradients as the reference's."""
+    from nezha_hf import triton_kernels
+
+    forward = Launches(triton_kernels.nezha_forward_kernel)
+    monkeypatch.setattr(triton_kernels, "nezha_forward_kernel", forward)
+    batch, heads, offset, K = 2, 2, 149, 4
+    keys = offset + 1
+    q, k, v = inputs(batch, heads, 1, keys, 8, seed=offset)
+    valid = torch.ones(batch, keys, dtype=torch.bool)
+    valid[0, :37], valid[1, 100] = False, False
+    mask = RelativeAttentionMask(key_is_valid=valid, causal=True)
+    allowed = reference.allowed_mask(1, valid, causal=True, query_offset=offset, key_length=keys)
+    compare(q, k, v, K, mask, allowed, offset=offset_kind(offset))
+    (grid, switches), = [(grid, switches) for grid, switches in forward.launches if switches["Lk"] == keys]
+    assert switches["SPLIT"] and math.prod(programs(grid)) > batch * heads, "the keys were not split"
+
+
+def test_no_tensor_is_read_on_the_host(monkeypatch):
+    """A static cache's offset is a tensor on the GPU: reading it on the host (`int()`, `.item()`) would wait for the
+    GPU at every layer of every step. The engine's host code converts no tensor to a Python number (dropout off)."""
+    from pathlib import Path
+
+    engine = {str(Path(ta.__file__)), str(Path(ta.__file__).with_name("triton_kernels.py"))}
+
+    def refuse(name):
+        original = getattr(torch.Tensor, name)
+
+        def conversion(self, *args, **kwargs):
+            if sys._getframe(1).f_code.co_filename in engine:
+                raise AssertionError(f"the Triton engine read a tensor on the host ({name})")
+            return original(self, *args, **kwargs)
+
+        return conversion
+
+    for name in ("__int__", "__index__", "__float__", "__bool__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    offset, queries = 21, 5
+    q, k, v = inputs(1, 2, queries, offset + queries, 8, seed=2)
+    mask = RelativeAttentionMask(causal=True)
+    allowed = reference.allowed_mask(queries, causal=True, query_offset=offset, key_length=offset + queries)
+    compare(q, k, v, 4, mask, allowed, offset=torch.tensor(offset))
+
+
+def compile_for_a_gpu(architecture: int = 90) -> None:
+    """Compile, ahead of time and without a GPU, each kernel that a representative set of calls launches, for an
+    NVIDIA GPU of `architecture`, with the arguments `triton_attention` passes and each kernel's first tuned block;
+    run where Triton compiles (TRITON_INTERPRET unset). Exits 3 where this Triton has no NVIDIA backend."""
+    from triton.backends.compiler import GPUTarget
+
+    from nezha_hf import triton_kernels as tk
+
+    assert not tk.INTERPRETING, "Triton was imported under TRITON_INTERPRET"
+    if "nvidia" not in triton.backends.backends:
+        print("this Triton has no NVIDIA backend")
+        sys.exit(3)
+    pointers = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int8: "*i8",
+                torch.int32: "*i32", torch.int64: "*i64"}
+
+    def kind(value, constexpr):
+        if constexpr or value is None:
+            return "constexpr"
+        if isinstance(value, torch.Tensor):
+            return pointers[value.dtype]
+        if isinstance(value, float):
+            return "fp32"
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+
+    class Compile:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(**arguments):
+                kernel, config = self.kernel, None
+                if isinstance(kernel, triton.runtime.Autotuner):
+                    config, kernel = tk._configs_for(kernel.configs, {}, **arguments)[0], kernel.fn
+                values = {**arguments, **(config.kwargs if config else {})}
+                signature = {name: kind(values[name], i in kernel.constexprs)
+                             for i, name in enumerate(kernel.arg_names)}
+                constexprs = {name: values[name] for name, type_ in signature.items() if type_ == "constexpr"}
+                options = dict(num_warps=config.num_warps, num_stages=config.num_stages) if config else {}
+                compiled = triton.compile(triton.compiler.ASTSource(kernel, signature, constexprs),
+                                          target=GPUTarget("cuda", architecture, 32), options=options)
+                if values.get("IEEE"):  # float32: IEEE products (TTIR's default, unprinted), none in TF32
+                    assert "tt.dot" in compiled.asm["ttir"] and "tf32" not in compiled.asm["ttir"], kernel.__name__
+                print(f"{kernel.__name__} {config.kwargs if config else ''}: compiled, "
+                      f"{compiled.metadata.shared} bytes of shared memory", flush=True)
+
+            return launch
+
+    for name in ("nezha_forward_kernel", "nezha_merge_kernel", "nezha_key_value_grad_kernel",
+                 "nezha_query_grad_kernel"):
+        setattr(tk, name, Compile(getattr(tk, name)))
+    valid = torch.ones(1, 600, dtype=torch.bool)
+    every_switch = RelativeAttentionMask(valid[:, :100], True, valid[:, :100], torch.tensor(0))
+    calls = [  # (dtype, queries, keys, mask, dropout): every switch; float32's blocks; a decoding step's split
+        (torch.bfloat16, 100, 100, every_switch, 0.1), (torch.float32, 100, 100, RelativeAttentionMask(), 0.0),
+        (torch.float16, 1, 600, RelativeAttentionMask(key_is_valid=valid, causal=True, query_offset=599), 0.0)]
+    for dtype, queries, keys, mask, dropout in calls:
+        q, k = torch.zeros(1, 2, queries, 64, dtype=dtype), torch.zeros(1, 2, keys, 64, dtype=dtype)
+        table = torch.zeros(9, 64, dtype=dtype)
+        problem = AttentionProblem(mask, 0.125, dropout, torch.tensor(1))
+        ta.triton_forward(q, k, k, table, problem)
+        if queries > 1:
+            output, lse = q.clone(), torch.zeros(1, 2, queries)
+            ta.triton_backward(q, q, k, k, table, problem, output, lse)
+
+
+@pytest.mark.slow
+def test_the_kernels_compile_for_an_h100():
+    """What the interpreter runs, a compiler may refuse (block shapes, `tl.dot` sizes, layouts of a gather, Python
+    values in jit code; Triton 3.6 refuses a helper that returns None). Every kernel of a call with every switch, of a
+    float32 call (its products IEEE, none TF32) and of a decoding step is compiled for an H100 (sm_90) by the
+    installed Triton, in a process where Triton compiles rather than interprets."""
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment["PYTHONPATH"] = os.pathsep.join([str(tests.parent), str(tests), environment.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", "import test_triton_attention as t; t.compile_for_a_gpu()"],
+                          cwd=tests, env=environment, capture_output=True, text=True, timeout=1800)
+    if done.returncode == 3:
+        pytest.skip(done.stdout.strip())
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    assert done.stdout.count("compiled") == 8, done.stdout
