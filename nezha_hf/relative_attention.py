@@ -41,7 +41,7 @@ from .chunked_attention import chunked_attention
 from .fused_attention import fused_attention, fused_kernel, fused_kernel_loaded
 from .three_regions import AVAILABLE as THREE_REGIONS_AVAILABLE
 from .three_regions import three_regions_attention
-from .triton_attention import check_backward, triton_attention
+from .triton_attention import triton_attention
 from .triton_attention import DTYPES as TRITON_DTYPES
 from .triton_attention import unusable_reason as triton_unusable_reason
 
@@ -176,11 +176,8 @@ def _op_engine(attention: Callable) -> Callable:
 
 
 def _triton(query, key, value, table, problem):
-    """The Triton engine. Before the first forward that needs gradients for a dtype and head size, its backward is
-    compiled on a small problem, so that a backward that cannot compile is found while another engine can still take
-    the call (`EngineUnavailable`)."""
-    if not tracing() and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        check_backward(query.dtype, query.shape[-1], query.device.type)
+    """The Triton engine (`triton_attention` compiles a call's backward before the first forward that needs it, so that
+    a backward that cannot compile is found while another engine can still take the call)."""
     return triton_attention(query, key, value, table, problem), None
 
 
@@ -201,9 +198,10 @@ ENGINES = {
     ),
     Engine.TRITON: EngineSpec(
         "Triton kernel",
-        "Linear memory on CUDA and ROCm GPUs: Triton kernels (`triton_kernels.py`), flash attention with the key "
-        "term looked up in `q @ T^T`, the band's value term per distance and the tails as row sums. Needs Triton; "
-        "speed on a GPU not yet measured (docs/performance.md).",
+        "Linear memory on CUDA and ROCm GPUs: Triton kernels (`triton_kernels.py`), flash attention whose tiles "
+        "left and right of the band `|j - i| < K` are plain FlashAttention-2 tiles (a per-row key constant, the value "
+        "term as row sums) and whose band tiles multiply by the table on chip; decoding steps split over the keys. "
+        "Needs Triton; speed on a GPU not yet measured (docs/performance.md).",
         _triton, _triton_unusable, Engine.THREE_REGIONS,
     ),
     # Where the kernel is not built (remote code, no compiler), the fastest for long inputs on the CPU

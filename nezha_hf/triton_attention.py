@@ -342,13 +342,5 @@ def _check_backward(switches: Switches, device: torch.device) -> None:
     _checked_backwards.add((switches, device))
 
 
-def check_backward(dtype: torch.dtype, head_size: int, device: str) -> None:
-    """Compile and run the backward kernels once per process for `dtype`, `head_size` and `device` without a mask or
-    dropout, on a small problem, so that a backward that cannot compile here is found at the forward, where the
-    chunked engine can still take over (`triton_attention` checks each call's own switches the same way); raises
-    `TritonKernelFailed`."""
-    _check_backward(Switches(dtype, head_size, False, False, False, False, False), torch.device(device))
-
-
-__all__ = ["Switches", "TritonKernelFailed", "check_backward", "interpreting", "triton_attention", "triton_installed",
+__all__ = ["Switches", "TritonKernelFailed", "interpreting", "triton_attention", "triton_installed",
            "unusable_reason"]
