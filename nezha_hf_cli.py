@@ -385,7 +385,7 @@ def _train_summarizer(args) -> None:
         validation_fraction=args.validation_fraction,
         epochs=args.epochs, extractor_steps=args.extractor_steps, generator_steps=args.generator_steps, max_length=args.max_length,
         learning_rate=args.learning_rate, save_steps=args.save_steps, copy_mechanism=args.copy,
-        overwrite=args.overwrite, resume=not args.no_resume,
+        overwrite=args.overwrite, resume=not args.no_resume, encoding=args.encoding,
     )
     if processes().is_main_process:
         print(f"saved {args.output}; " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))

@@ -17,6 +17,7 @@ ends a run whose loss or weights stop being finite before anything of it is save
 import hashlib
 import json
 import math
+import os
 import re
 import shutil
 from dataclasses import asdict, dataclass
@@ -37,8 +38,9 @@ TRAINER_STATE = "trainer_state.json"
 
 
 def model_folder(path, needs: str | None = "config.json") -> Path:
-    """`path` as a `Path` if it is a local folder (holding the file `needs`, unless None); otherwise a
-    `FileNotFoundError` naming it, which says that model-hub ids are not fetched when `path` looks like one."""
+    """`path` as a `Path` if it is a local folder (holding the file `needs`, unless None) whose symbolic links stay
+    inside it (`check_links`); otherwise a `FileNotFoundError` naming it, which says that model-hub ids are not
+    fetched when `path` looks like one (or `check_links`' `ValueError`)."""
     path = Path(path)
     if not path.is_dir():
         hint = ""
@@ -51,7 +53,41 @@ def model_folder(path, needs: str | None = "config.json") -> Path:
         raise FileNotFoundError(f"No such folder: {path}{hint}.")
     if needs is not None and not (path / needs).is_file():
         raise FileNotFoundError(f"{path} is not a model folder: it has no {needs}.")
+    check_links(path)
     return path
+
+
+def check_links(folder: Path) -> None:
+    """A `ValueError` naming the first symbolic link below `folder` that leads out of it (or nowhere): a model folder
+    comes from whoever published it, and a link in it would have nezha_hf read, and copy into what it writes, any
+    file on the machine. The Hugging Face cache's own layout is allowed: a snapshot's links into its repository's
+    `blobs/`."""
+    root = folder.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":
+        allowed.append(root.parent.parent / "blobs")
+    for directory, folders, files in os.walk(folder):
+        for name in [*folders, *files]:
+            path = Path(directory) / name
+            if path.is_symlink():
+                target = path.resolve()
+                if not target.exists() or not any(target.is_relative_to(inside) for inside in allowed):
+                    raise ValueError(f"{path} is a link to {target}, outside the model folder {folder}: copy the file "
+                                     "into the folder if it belongs to the model.")
+
+
+def load_tokenizer(folder):
+    """`AutoTokenizer.from_pretrained(folder)` for a model folder, without what its `tokenizer_config.json` names for a
+    loader to fetch and run (`auto_map`): dropped with a warning, so that a tokenizer that passes through nezha_hf is
+    saved without it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    code = tokenizer.init_kwargs.pop("auto_map", None)
+    if code is not None:
+        logger.warning(f"Ignoring auto_map={code!r} in {folder}'s tokenizer config: it names code for transformers "
+                       "to fetch and run.")
+    return tokenizer
 
 
 # Models pad their vocabulary to a round number (a multiple of 128 at most) for speed; a tokenizer short of its
@@ -254,5 +290,5 @@ class StopWhenNotFinite(TrainerCallback):
                                  f"(learning rate {args.learning_rate:g}); nothing was written")
 
 
-__all__ = ["NotFiniteError", "RunRecord", "StopWhenNotFinite", "check_tokenizer", "checkpoint_problem", "finished", "fingerprint",
-           "last_complete_checkpoint", "model_folder", "prepare_checkpoints"]
+__all__ = ["NotFiniteError", "RunRecord", "StopWhenNotFinite", "check_links", "check_tokenizer", "checkpoint_problem",
+           "finished", "fingerprint", "last_complete_checkpoint", "load_tokenizer", "model_folder", "prepare_checkpoints"]

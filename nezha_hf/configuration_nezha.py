@@ -1,7 +1,9 @@
 """NEZHA model configuration."""
 
+import dataclasses
 import functools
 import math
+import re
 
 import transformers
 from huggingface_hub import EvalResult
@@ -33,6 +35,10 @@ FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: below it L
 # `nezha_card` settings with the JSON types they may have. `nezha_card` comes from a checkpoint's config.json, so it
 # is data from whoever published the checkpoint: anything else in it is dropped where the config is read.
 CARD_KINDS = ("converted", "continued-pretraining", "classifier", "summarizer")
+# Config keys that tell transformers to fetch and run code (`trust_remote_code`), and the form nezha_hf's own
+# `auto_map` takes (`hub.export_remote_code`; transformers prefixes `repo--` when it loads one from the Hub).
+LOADER_CODE_KEYS = ("auto_map", "custom_pipelines")
+OWN_AUTO_MAP = re.compile(r"([\w.-]+/[\w.-]+--)?(configuration_nezha\.NezhaConfig|modeling_nezha\.Nezha\w+)")
 CARD_TEXT_SETTINGS = ("model_name", "repo_id", "license", "base_model", "pipeline_tag", "task_description",
                       "training_summary", "evaluation_summary", "extra")
 CARD_LIST_SETTINGS = ("language", "datasets", "tags")  # lists of strings (a single string too, but for tags)
@@ -70,6 +76,21 @@ def checked_card_settings(card) -> dict:
             f"Ignoring nezha_card settings that are not model-card settings of nezha_hf: {', '.join(dropped)} (a card "
             f"kind is one of {', '.join(CARD_KINDS)}).")
     return kept
+
+
+def _drop_loader_code(settings: dict) -> None:
+    """Remove `LOADER_CODE_KEYS` from config `settings`, with one warning when they name code other than nezha_hf's
+    own (`save_pretrained(remote_code=True)` writes that again)."""
+    foreign = []
+    for key in LOADER_CODE_KEYS:
+        value = settings.pop(key, None)
+        own = key == "auto_map" and isinstance(value, dict) and all(
+            isinstance(name, str) and OWN_AUTO_MAP.fullmatch(name) for name in value.values())
+        if value is not None and not own:
+            foreign.append(f"{key}={value!r}"[:120])
+    if foreign:
+        logger.warning(f"Ignoring {', '.join(foreign)} in the config: it names code for transformers to fetch and run, "
+                       "and nezha_hf runs its own (save_pretrained(remote_code=True) writes nezha_hf's own auto_map).")
 
 
 def _is_eval_result(item) -> bool:
@@ -171,6 +192,11 @@ class NezhaConfig(PreTrainedConfig):
         self.v4_max_position_embeddings = kwargs.pop("max_position_embeddings", None)
         if "nezha_card" in kwargs:
             kwargs["nezha_card"] = checked_card_settings(kwargs["nezha_card"])
+        if __name__.startswith("nezha_hf."):
+            # nezha_hf is installed and runs its own code: code a checkpoint names is never kept, so that no save
+            # (save_pretrained, push_to_hub, a conversion, an export) hands it on. A remote-code copy of this file
+            # (loaded with trust_remote_code) keeps its `auto_map`, which transformers needs to find its classes.
+            _drop_loader_code(kwargs)
         # Old releases spell the classes `NeZha*`; the classes here are `Nezha*`.
         if self.architectures:
             self.architectures = [name.replace("NeZha", "Nezha") for name in self.architectures]
@@ -190,7 +216,8 @@ class NezhaConfig(PreTrainedConfig):
             value = getattr(self, name)
             for token in value if isinstance(value, list) else [value]:
                 if token is not None and not 0 <= token < self.vocab_size:
-                    raise ValueError(f"{name} must lie in [0, vocab_size={self.vocab_size}), got {value}.")
+                    default = " (its default: pass another, or None)" if value == _DEFAULT_IDS[name] else ""
+                    raise ValueError(f"{name} must lie in [0, vocab_size={self.vocab_size}), got {value}{default}.")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < 1:
@@ -229,6 +256,11 @@ class NezhaConfig(PreTrainedConfig):
         return
 
 
+# What a config that does not set them has, for the message that names one outside a small vocabulary.
+_DEFAULT_IDS = {field.name: field.default for field in dataclasses.fields(NezhaConfig)
+                if field.name in ("pad_token_id", "bos_token_id", "eos_token_id")}
+
+
 class NezhaConfigError(ValueError):
     """A `NezhaConfig` value the model cannot honour (the message names the field)."""
 
@@ -250,4 +282,4 @@ def _value_errors(init):
 NezhaConfig.__init__ = _value_errors(NezhaConfig.__init__)
 
 
-__all__ = ["CARD_KINDS", "MAX_RELATIVE_POSITION", "NezhaConfig", "NezhaConfigError", "checked_card_settings"]
+__all__ = ["CARD_KINDS", "LOADER_CODE_KEYS", "MAX_RELATIVE_POSITION", "NezhaConfig", "NezhaConfigError", "checked_card_settings"]

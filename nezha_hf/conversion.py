@@ -85,12 +85,15 @@ REWRITTEN_CONFIG = {
     "dtype": "the weights keep their own dtype",
     "nezha_card": "the source's model-card settings: the converter writes its own",
 }
-# What a converted NEZHA config is built from: NezhaConfig's settings, `max_position_embeddings` (kept for
-# transformers 4.x, see NezhaConfig) and `num_labels` (transformers turns it into id2label).
-NEZHA_SETTINGS = {f.name for f in fields(NezhaConfig)} - set(REWRITTEN_CONFIG) | {
-    "max_position_embeddings", "num_labels"}
-BERT_SETTINGS = {f.name for f in fields(transformers.BertConfig)} - set(REWRITTEN_CONFIG) | {
-    "num_labels", "position_embedding_type"}
+# Settings of every transformers config worth carrying: `num_labels` (transformers turns it into id2label), the
+# tokenizer's class when config.json names it (`AutoTokenizer` reads it there), the fine-tuning task.
+GENERAL_SETTINGS = {"num_labels", "tokenizer_class", "finetuning_task"}
+# What a converted NEZHA config is built from: NezhaConfig's settings and `max_position_embeddings` (kept for
+# transformers 4.x, see NezhaConfig); a BERT output's, BertConfig's.
+NEZHA_SETTINGS = {f.name for f in fields(NezhaConfig)} - set(REWRITTEN_CONFIG) | GENERAL_SETTINGS | {
+    "max_position_embeddings"}
+BERT_SETTINGS = {f.name for f in fields(transformers.BertConfig)} - set(REWRITTEN_CONFIG) | GENERAL_SETTINGS | {
+    "position_embedding_type"}
 BERT_TO_NEZHA_CLASS = {bert: head.model_class.__name__ for head in NEZHA_HEADS for bert in head.bert_classes}
 # The masked-LM decoder and its source when tied (the same in every head that has one).
 TIED_DECODER = NezhaForMaskedLM._tied_weights_keys
@@ -512,17 +515,22 @@ HIERARCHICAL_MAX_LENGTH = 16_384
 POSITION_TABLE = re.compile(r"(^|\.)embeddings\.position_embeddings\.weight$")
 
 
+def check_alpha(alpha: float) -> None:
+    """A `ValueError` unless `alpha` suits `hierarchical_positions`. Positions a*n+b and b*n+a differ by
+    (2 alpha - 1)(u[a] - u[b]) and the block index weighs alpha: near 0.5 they (nearly) coincide, near 0 positions
+    repeat every n, near 1 `u` (divided by 1 - alpha) blows up."""
+    if not (0.05 <= alpha <= 0.45 or 0.55 <= alpha <= 0.95):
+        raise ValueError(f"alpha must lie in [0.05, 0.45] or [0.55, 0.95] (near 0.5 positions a*n+b and b*n+a nearly "
+                         f"coincide, near 0 they repeat every n learned positions, near 1 the table blows up); got {alpha}")
+
+
 def hierarchical_positions(table: torch.Tensor, length: int, alpha: float = HIERARCHICAL_ALPHA) -> torch.Tensor:
     """Su Jianlin's hierarchical decomposition of a learned position table `table` (n x hidden), extended to `length`
     (at most n^2) positions: with `u = (table - alpha * table[0]) / (1 - alpha)`, position `i` is
     `alpha * u[i // n] + (1 - alpha) * u[i % n]`. Computed in float64, returned in the table's dtype; the first n
     rows are the table's own, copied."""
     n = table.shape[0]
-    # Positions a*n+b and b*n+a differ by (2 alpha - 1)(u[a] - u[b]) and the block index weighs alpha: near 0.5 they
-    # (nearly) coincide, near 0 positions repeat every n, near 1 `u` (divided by 1 - alpha) blows up.
-    if not (0.05 <= alpha <= 0.45 or 0.55 <= alpha <= 0.95):
-        raise ValueError(f"alpha must lie in [0.05, 0.45] or [0.55, 0.95] (near 0.5 positions a*n+b and b*n+a nearly "
-                         f"coincide, near 0 they repeat every {n}, near 1 the table blows up); got {alpha}")
+    check_alpha(alpha)
     if not n < length <= n * n:
         raise ValueError(f"The length must be more than the {n} learned positions and at most {n}^2 = {n * n:,}; "
                          f"got {length}")
@@ -552,6 +560,7 @@ def convert_bert_hierarchical(
     """
     source = Path(source)
     output = check_destination(output, [source], overwrite)
+    check_alpha(alpha)
     state = read_pytorch_checkpoint(source)
     config_dict = _read_config(source / "config.json")
     if config_dict.get("model_type") != "bert":

@@ -90,11 +90,22 @@ def shared_staged_folder(state, destination, overwrite: bool = False) -> Iterato
 
 
 def on_main(state, work):
-    """`work()` on the main process (files only it may write); every process gets its result."""
-    result = [work() if state.is_main_process else None]
+    """`work()` on the main process (files only it may write); every process gets its result, or the error it raised
+    (so that no process waits for a result that will not come)."""
+    outcome = [(None, None)]
+    if state.is_main_process:
+        try:
+            outcome = [(work(), None)]
+        except Exception as error:
+            if state.num_processes == 1:
+                raise
+            outcome = [(None, error)]
     if state.num_processes > 1:
-        broadcast_object_list(result)
-    return result[0]
+        broadcast_object_list(outcome)
+    result, error = outcome[0]
+    if error is not None:
+        raise error
+    return result
 
 
 def all_true(state, flag: bool) -> bool:

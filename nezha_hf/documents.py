@@ -128,10 +128,12 @@ def _walk(folder: Path, problems: list | None) -> list[Path]:
             path = here / name
             if name.startswith(".") or _suffix(path) not in TEXT_SUFFIXES + JSONL_SUFFIXES:
                 continue
-            if not path.is_symlink():
-                found.append(path)
-            else:
+            if path.is_symlink():
                 _link_out(path, root, folder, problems)
+            elif path.is_file():
+                found.append(path)
+            else:  # a pipe or a device: reading it could wait, or run, for ever
+                report_problem(problems, path, None, "not a regular file: left out")
     return sorted(found)
 
 
@@ -167,8 +169,8 @@ def read_text(path, encoding: str | None = None) -> str:
 
     1. a byte-order mark says it (UTF-8, UTF-16 or UTF-32, either byte order);
     2. else a file with NUL bytes is UTF-16 if it decodes as such in the byte order its NULs point to (ASCII
-       characters, line breaks among them, have their NUL on one side); text has no NUL, so no UTF-8 text is
-       taken for UTF-16;
+       characters, line breaks among them, have their NUL on one side) and does not decode as UTF-8: bytes that are
+       both (UTF-8 text with a stray NUL, UTF-16 of ASCII alone) are refused, as either reading may be the wrong one;
     3. else it is UTF-8 if it decodes as UTF-8;
     4. else it is `encoding` if one is given and it decodes as that (`gb18030` reads GBK and GB2312 too).
 
@@ -181,6 +183,9 @@ def read_text(path, encoding: str | None = None) -> str:
         if data.startswith(mark):
             return _decode(path, data, codec, f"its byte-order mark says {name}, but it is not {name} text")
     if b"\x00" in data:
+        if _reads_as(data, "utf-8"):  # UTF-8 with NULs, or UTF-16 of ASCII alone: which, the bytes cannot say
+            raise InputFileError(path, "holds NUL bytes but reads as UTF-8 too, so its encoding is not certain: save it "
+                                       "as UTF-8 without NUL bytes, or as UTF-16 with a byte-order mark")
         at_odd = data[1::2].count(0)
         codec = "utf-16-le" if at_odd > data[0::2].count(0) else "utf-16-be"
         try:
@@ -197,6 +202,14 @@ def read_text(path, encoding: str | None = None) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         return _decode(path, data, encoding, f"neither UTF-8 nor {encoding} (--encoding) text")
+
+
+def _reads_as(data: bytes, codec: str) -> bool:
+    try:
+        data.decode(codec)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def read_input_text(path: Path, encoding: str | None = None) -> str:

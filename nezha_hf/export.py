@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoints import model_folder
+from .checkpoints import check_links, load_tokenizer, model_folder
 from .extras import require_extra
 from .modeling_nezha import (
     NezhaForMultipleChoice,
@@ -296,19 +296,19 @@ def load_exported_summarizer(directory, **settings) -> "Summarizer":
     `settings` override those of its `summarizer.json`; more than one beam is refused (an exported generator decodes
     greedily). A missing or damaged part is an error naming it."""
     require_extra("onnx", "Running an exported summariser")
-    from transformers import AutoTokenizer
     from transformers.exporters import ExportedModel
 
     directory = Path(directory)
+    check_links(directory)
     saved = {**summarizer_settings(directory), **settings}
-    if saved.get("num_beams", 1) != 1:
+    if saved.get("num_beams", Summarizer.num_beams) != 1:
         raise ValueError(f"{directory} is an exported summariser, which decodes greedily: it cannot use "
                          f"{saved['num_beams']} beams (pass 1, or run the trained summariser).")
     for part in (EXTRACTOR_DIR, GENERATOR_DIR):
         check_export(directory / part)
     summarizer = Summarizer(ExportedExtractor(ExportedModel.from_pretrained(directory / EXTRACTOR_DIR)),
                             ExportedGenerator(ExportedModel.from_pretrained(directory / GENERATOR_DIR)),
-                            AutoTokenizer.from_pretrained(directory), **saved)
+                            load_tokenizer(directory), **saved)
     summarizer.check(directory)
     return summarizer
 

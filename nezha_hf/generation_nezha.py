@@ -47,11 +47,11 @@ def check_cache_fits(cache: Cache, key: torch.Tensor, layer_idx: int, num_layers
     the batch size, heads or head size of its keys at `layer_idx` against this layer's new `key` (`[batch, heads,
     length, head_size]`). Shapes only; nothing is checked while tracing (compile, export), where shapes are the
     trace's."""
-    if tracing() or not cache.layers:
+    if tracing() or not cache.layers:  # a cache transformers builds layer by layer, on first use
         return
-    if layer_idx == 0 and cache.get_seq_length() and len(cache.layers) != num_layers:
+    if layer_idx == 0 and len(cache.layers) != num_layers:
         raise ValueError(f"The cache holds {len(cache.layers)} layers but this model has {num_layers}: it was made "
-                         "by another model. Pass a cache this model returned (or none).")
+                         "for another model. Pass a cache this model returned, or one built from its config (or none).")
     layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
     cached = getattr(layer, "keys", None) if getattr(layer, "is_initialized", False) else None
     if not isinstance(cached, torch.Tensor) or cached.dim() != 4 or not cached.numel():

@@ -789,6 +789,9 @@ class NezhaModel(NezhaPreTrainedModel):
         past_length = cache_length(cache)
         # A pre-allocated (static) cache has more key slots than are filled.
         key_length = cache.get_mask_sizes(length, 0)[0] if cache is not None else length
+        if isinstance(past_length, int) and past_length + length > key_length:
+            raise ValueError(f"The cache has room for {key_length} tokens: it holds {past_length} and this call adds "
+                             f"{length}. Build it with a larger max_cache_len.")
         device = self.relative_table.device
         key_position = torch.arange(key_length, device=device)
         partly_filled = not isinstance(past_length, int) or past_length + length != key_length

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, TrainerCallback, TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
 from transformers.distributed import DistributedConfig
 from transformers.utils import logging
 
-from .checkpoints import RunRecord, StopWhenNotFinite, check_tokenizer, finished, prepare_checkpoints
+from .checkpoints import RunRecord, StopWhenNotFinite, check_tokenizer, finished, load_tokenizer, prepare_checkpoints
 from .configuration_nezha import NezhaConfig
 from .distributed import (
     DistributedCheckpointTrainer,
@@ -213,7 +213,7 @@ def continue_pretraining(
     settings = {**defaults, **training_arguments}
     show_progress = show_progress and state.is_main_process
     with claimed_by_main(state, output_dir, checkpoints):
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = load_tokenizer(model_path)
         check_tokenizer(tokenizer, NezhaConfig.from_pretrained(model_path), model_path,
                         needs=("cls_token", "sep_token", "pad_token", "mask_token"))
         problems = []  # the data before the model: a file that cannot be read is refused before it is loaded

@@ -20,16 +20,18 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, TrainingArguments
+from transformers import TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.utils import logging
 
 from .cail import Judgment, lead, oracle_labels, rouge_scores
 from .checkpoints import (
     RunRecord,
+    check_links,
     check_tokenizer,
     StopWhenNotFinite,
     last_complete_checkpoint,
+    load_tokenizer,
     prepare_checkpoints,
 )
 from .configuration_nezha import NezhaConfig
@@ -166,6 +168,7 @@ class Summarizer:
         tokenizer that is not the models' own, is an error naming it. (`nezha_hf.export.load_summarizer` loads this
         kind and the exported kind alike.)"""
         directory = Path(directory)
+        check_links(directory)
         saved = {**summarizer_settings(directory), **settings}
         if is_exported(directory):
             raise ValueError(f"{directory} is an exported summariser (nezha-hf export onnx): load it with "
@@ -177,7 +180,7 @@ class Summarizer:
                                     "(train-summarizer writes it).")
         summarizer = cls(NezhaForSentenceExtraction.from_pretrained(directory / EXTRACTOR_DIR).eval(),
                          NezhaForUniLM.from_pretrained(directory / GENERATOR_DIR).eval(),
-                         AutoTokenizer.from_pretrained(directory), **saved)
+                         load_tokenizer(directory), **saved)
         summarizer.check(directory)
         return summarizer
 
@@ -258,12 +261,15 @@ def summarizer_settings(directory: Path) -> dict:
 
 
 SETTINGS = ("threshold", "token_budget", "num_beams")  # what `Summarizer.settings` (summarizer.json) holds
+# Beams beyond this buy nothing for summaries and multiply the generator's memory (a cache per beam): a downloaded
+# summarizer.json asking for a million is refused, not run out of memory.
+MAX_BEAMS = 64
 
 
 def settings_problem(settings: dict) -> str | None:
     """What is wrong with summariser settings (`summarizer.json`, or `Summarizer`'s fields), or None: the same rules
     as `nezha-hf summarize`'s options. `threshold` a probability in [0, 1]; `token_budget` and `num_beams` whole
-    numbers of at least 1; no other keys."""
+    numbers of at least 1, `num_beams` at most `MAX_BEAMS`; no other keys."""
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
         return f"unknown settings {', '.join(unknown)} (a summariser has {', '.join(SETTINGS)})"
@@ -274,6 +280,8 @@ def settings_problem(settings: dict) -> str | None:
         value = settings.get(name, 1)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             return f"{name} must be a whole number of at least 1, got {value!r}"
+    if settings.get("num_beams", 1) > MAX_BEAMS:
+        return f"num_beams must be at most {MAX_BEAMS}, got {settings['num_beams']}"
     return None
 
 
@@ -311,6 +319,7 @@ def train_summarizer(
     show_progress: bool = True,
     overwrite: bool = False,
     resume: bool = True,
+    encoding: str | None = None,
     **training_arguments,
 ) -> dict:
     """Train both stages from judgments with reference summaries; save a `Summarizer` in `output_dir`.
@@ -331,6 +340,8 @@ def train_summarizer(
     `output_dir` is replaced only with `overwrite=True`, and it may not be the base model's folder.
     `copy_mechanism=True` gives the generator the SPACES copy head (`unilm_copy_tags`), trained
     jointly on `copy_tags` labels; its `generate()` then keeps copied spans on source n-grams.
+    `encoding` is the one the judgments were read with (`read_judgments`), recorded with the run: it decides which
+    files of a folder could be read, so a resume with another is refused.
     Returns the validation metrics.
     """
     state = processes()
@@ -341,7 +352,8 @@ def train_summarizer(
     with claimed_by_main(state, output_dir, checkpoints):
         return _train_summarizer(state, judgments, base_model, output_dir, checkpoints, data_files,
                                  validation_fraction, epochs, {"extractor": extractor_steps, "generator": generator_steps},
-                                 max_length, copy_mechanism, seed, show_progress, overwrite, resume, training_arguments)
+                                 max_length, copy_mechanism, seed, show_progress, overwrite, resume, encoding,
+                                 training_arguments)
 
 
 def validation_split(count: int, fraction: float) -> int:
@@ -372,7 +384,7 @@ class StageProgress(ProgressCallback):
 
 def _train_summarizer(state, judgments, base_model, output_dir, checkpoints, data_files, validation_fraction,
                       epochs, stage_steps, max_length, copy_mechanism, seed, show_progress, overwrite,
-                      resume, training_arguments) -> dict:
+                      resume, encoding, training_arguments) -> dict:
     usable = [j for j in judgments if j.summary]
     if len(usable) < 2:
         raise ValueError("train_summarizer needs at least two judgments with a reference summary.")
@@ -381,7 +393,7 @@ def _train_summarizer(state, judgments, base_model, output_dir, checkpoints, dat
     labelled = [(j, extraction_labels(j)) for j in usable]
     random.Random(seed).shuffle(labelled)
     validation, train = labelled[:held], labelled[held:]
-    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    tokenizer = load_tokenizer(base_model)
     check_tokenizer(tokenizer, NezhaConfig.from_pretrained(base_model), base_model)
 
     def examples_for_extraction(items):
@@ -398,7 +410,7 @@ def _train_summarizer(state, judgments, base_model, output_dir, checkpoints, dat
     resumed = resumed_settings(settings, state.num_processes)
     record = RunRecord.create("train-summarizer", base_model, data_files, {
         "validation_fraction": validation_fraction, "max_length": max_length, "copy_mechanism": copy_mechanism,
-        "seed": seed, **resumed})
+        "seed": seed, "encoding": encoding, **resumed})
     on_main(state, lambda: prepare_checkpoints(checkpoints, record, resume))
     metrics = {}
 

@@ -239,6 +239,13 @@ def test_summarize_on_two_processes_equals_one_and_a_rerun_after_a_kill_skips_wh
         time.sleep(0.02)
     kill_everything(process)
     assert not killed.exists()
+    # Another setting is refused on every process, not only where the journal is read: no process waits for the
+    # main one's answer (round four's review).
+    before = {p.name: p.read_bytes() for p in journal.iterdir()}
+    refused = subprocess.run(summarize(killed, TORCHRUN, "--max-new-tokens", "30"), capture_output=True, text=True,
+                             timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert refused.returncode != 0 and "max_new_tokens 40 then, 30 now" in refused.stderr, refused.stderr[-4000:]
+    assert {p.name: p.read_bytes() for p in journal.iterdir()} == before
     done = launch(summarize(killed, [sys.executable], "--max-new-tokens", "40"))  # one process goes on from there
     skipped = int(done.stderr.split(" of 30 judgments already done")[0].split()[-1])
     assert skipped >= 4

@@ -12,6 +12,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 from helpers import synthetic_judgment, write_jsonl
@@ -79,7 +80,16 @@ UNREADABLE = {
                            ["gb18030"]),
     "truncated UTF-16": (lambda text: encoded(text, "utf-16-le+bom")[:-1], None, ["UTF-16"]),
     "NUL bytes, not UTF-16": (lambda text: b"\x00\x00\x00" + text.encode("utf-8"), None, ["NUL"]),
+    # Round four's review: UTF-8 with one stray NUL was read as UTF-16 mojibake at an even length.
+    "UTF-8 with a stray NUL, even length": (lambda text: _even(text.encode("utf-8") + b"\x00"), None, ["NUL", "UTF-8"]),
+    "UTF-8 with a stray NUL, odd length": (lambda text: _even(text.encode("utf-8") + b"\x00") + b"\n", None,
+                                           ["NUL", "UTF-8"]),
 }
+
+
+def _even(data: bytes) -> bytes:
+    """`data`, one space longer where its length is odd."""
+    return data if len(data) % 2 == 0 else data.replace(b"\x00", b" \x00", 1)
 
 
 def write(path, data: bytes):
@@ -202,6 +212,24 @@ def test_hidden_files_and_folders_are_not_inputs(tmp_path):
 
 
 @pytest.mark.skipif(os.name == "nt", reason="symbolic links need privileges on Windows")
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are a POSIX thing")
+def test_a_pipe_in_a_folder_is_left_out_not_waited_on(tmp_path):
+    """Round four's review: a FIFO named `b.txt` in a judgments folder made the reader wait for ever."""
+    folder = tmp_path / "judgments"
+    write(folder / "a.txt", JUDGMENT.encode("utf-8"))
+    os.mkfifo(folder / "b.txt")
+    problems, found = [], []
+    reader = threading.Thread(target=lambda: found.extend(read_judgments([folder], problems)), daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    if reader.is_alive():  # waiting on the pipe: give it a writer, so that the test ends, and fail
+        with open(folder / "b.txt", "w"):
+            pass
+        pytest.fail("the reader opened the pipe and waited on it")
+    assert [j.id for j in found] == ["a"]
+    check_refused(problems, folder / "b.txt", ["not a regular file"])
+
+
 def test_links_out_of_a_folder_are_named_not_followed(tmp_path):
     """A folder from elsewhere holding `notes.txt -> ~/.netrc` would have put that file's text into the summaries
     (or a model's weights)."""

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from nezha_hf import NezhaConfig, NezhaForMaskedLM, NezhaForUniLM, NezhaModel, hub
 from nezha_hf.configuration_nezha import CARD_KINDS, MAX_RELATIVE_POSITION, NezhaConfigError
-from nezha_hf.conversion import ConversionError, convert_bert, convert_bert_hierarchical, convert_legacy_nezha
+from nezha_hf.conversion import convert_bert, convert_bert_hierarchical, convert_legacy_nezha, convert_tf
 
 # A template that, rendered by a Jinja2 without a sandbox, creates a file (the path filled in per test).
 CODE_TEMPLATE = ("---\n{{ card_data }}\n---\n"
@@ -75,6 +75,14 @@ def test_card_texts_render_as_data_in_a_sandbox(tmp_path):
     assert not evidence.exists()
 
 
+def test_valid_card_settings_in_a_config_are_kept(caplog):
+    card = {"kind": "classifier", "license": "mit", "tags": ["law"], "language": ["zh", "en"], "datasets": "cail2020",
+            "eval_results": [{"task_type": "summarization", "dataset_type": "cail", "dataset_name": "CAIL2020",
+                              "metric_type": "rouge", "metric_value": 0.5}]}
+    assert NezhaConfig(**tiny_config().to_dict(), nezha_card={**card, "bogus": 1}).nezha_card == card
+    assert "bogus" in caplog.text
+
+
 @pytest.mark.parametrize("card", [
     {"kind": 3}, {"kind": None, "license": ["x"]}, {"tags": "nezha"}, {"eval_results": [{"task_type": 1}]},
     {"unknown": "x"}, "converted", ["kind"],
@@ -92,9 +100,9 @@ def test_malformed_card_settings_in_a_config_are_dropped_with_a_warning(card, ca
 LOADER_CODE = {"auto_map": {"AutoModel": "evil.Model"}, "custom_pipelines": {"evil": {"impl": "evil.Pipe"}}}
 
 
-def _poisoned_bert(tmp_path):
+def _poisoned_bert(tmp_path, layout="safetensors"):
     source = tmp_path / "source"
-    save_layout(small_bert(transformers.BertForMaskedLM), source, "safetensors")
+    save_layout(small_bert(transformers.BertForMaskedLM), source, layout)
     config = json.loads((source / "config.json").read_text())
     config.update(LOADER_CODE, made_up_setting=7, nezha_card={"kind": "../../card"})
     (source / "config.json").write_text(json.dumps(config))
@@ -105,14 +113,21 @@ def _poisoned_bert(tmp_path):
     return source
 
 
-@pytest.mark.parametrize("convert", ["bert", "nezha", "hierarchical", "bert --remote-code"])
+@pytest.mark.parametrize("convert", ["bert", "nezha", "hierarchical", "bert --remote-code", "tf"])
 def test_converters_carry_no_loader_code_keys_and_report_every_key_they_drop(tmp_path, convert):
-    source = _poisoned_bert(tmp_path)
+    source = _poisoned_bert(tmp_path, "gamma-beta" if convert == "nezha" else "safetensors")  # an older release's
     output = tmp_path / "out"
     if convert == "hierarchical":
         report = convert_bert_hierarchical(source, output, max_length=128)
     elif convert == "nezha":
         report = convert_legacy_nezha(source, output)
+    elif convert == "tf":
+        pytest.importorskip("tensorflow", reason="TensorFlow is part of the dev install (`[tf]`)")
+        from test_conversion import tf_variables, write_tf_checkpoint
+
+        write_tf_checkpoint(tf_variables(small_bert(transformers.BertForMaskedLM), "bert"), tmp_path / "tf" / "ckpt")
+        report = convert_tf(tmp_path / "tf" / "ckpt", output, config_file=source / "config.json",
+                            vocab_file=source / "vocab.txt")
     else:
         report = convert_bert(source, output, remote_code=convert.endswith("--remote-code"))
     written = json.loads((output / "config.json").read_text())
@@ -126,7 +141,8 @@ def test_converters_carry_no_loader_code_keys_and_report_every_key_they_drop(tmp
     assert "code" in report.config_dropped["auto_map"] and "code" in report.config_dropped["custom_pipelines"]
     assert "auto_map" in report.summary() and "custom_pipelines" in report.summary()
     assert "auto_map" not in json.loads((output / "tokenizer_config.json").read_text())
-    assert "code" in report.config_dropped["tokenizer_config.json: auto_map"]
+    if convert != "tf":  # the TensorFlow converter writes the tokenizer anew from vocab.txt: no config to carry
+        assert "code" in report.config_dropped["tokenizer_config.json: auto_map"]
     saved_report = json.loads((output / "conversion_report.json").read_text())
     assert set(saved_report["config_dropped"]) >= {"auto_map", "custom_pipelines", "made_up_setting"}
 
@@ -296,7 +312,7 @@ def _summarizer_folder(tmp_path, tokenizer):
 BAD_SETTINGS = [("threshold", 2), ("threshold", -0.01), ("threshold", math.nan), ("threshold", math.inf),
                 ("threshold", "0.5"), ("threshold", True), ("token_budget", -5), ("token_budget", 0),
                 ("token_budget", 2.5), ("num_beams", 0), ("num_beams", -1), ("num_beams", 1.0), ("num_beams", None),
-                ("beams", 3)]
+                ("num_beams", 65), ("num_beams", 10**6), ("beams", 3)]
 
 
 @pytest.mark.parametrize("name,value", BAD_SETTINGS)
@@ -369,3 +385,168 @@ def test_an_unknown_summary_suffix_is_refused_before_any_work(tmp_path, tokenize
     one_line_failure(run_cli("summarize", folder, tmp_path / "missing.jsonl", "--output", tmp_path / name), "--output",
                      ".jsonl")
     assert not (tmp_path / name).exists()
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_an_empty_cache_built_for_another_model_is_one_value_error(kind):
+    """Round four's review: an unfilled cache built from another config (2 layers, into a 3-layer model) was a raw
+    IndexError."""
+    from transformers import StaticCache
+
+    model = _decoder(num_hidden_layers=3)
+    other = tiny_config(is_decoder=True, num_hidden_layers=2)
+    cache = DynamicCache(config=other) if kind == "dynamic" else StaticCache(config=other, max_cache_len=32)
+    with pytest.raises(ValueError, match="layers"):
+        model(torch.randint(5, 90, (1, 4)), cache=cache, use_cache=True)
+
+
+def test_a_static_cache_too_small_for_the_call_is_one_value_error():
+    from transformers import StaticCache
+
+    model = _decoder()
+    cache = StaticCache(config=model.config, max_cache_len=4)
+    with pytest.raises(ValueError, match="room for 4 tokens"):
+        model(torch.randint(5, 90, (1, 6)), cache=cache, use_cache=True)
+
+
+def test_a_static_cache_runs_on_the_meta_device():
+    """The layer check read the cache's length (a tensor for a static cache: `.item()`, refused on the meta device and
+    a host synchronisation on a GPU)."""
+    from transformers import StaticCache
+
+    with torch.device("meta"):
+        model = _decoder()
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        output = model(torch.zeros(1, 4, dtype=torch.long), cache=cache, use_cache=True)
+    assert output.last_hidden_state.shape == (1, 4, 32)
+
+
+# --- round four's review: what a loaded checkpoint names as code is not saved again; links stay in their folder ---
+
+
+FOREIGN_CODE = {"auto_map": {"AutoModelForMaskedLM": "evil/repo--modeling_evil.Evil",
+                             "AutoConfig": "evil/repo--configuration_evil.EvilConfig"},
+                "custom_pipelines": {"evil": {"impl": "evil.Pipe"}}}
+
+
+def test_code_a_checkpoint_names_is_not_saved_again(tmp_path, caplog):
+    """A NEZHA checkpoint whose config.json names the publisher's code kept it through load and save, so a model
+    trained from it and pushed would run that code for whoever loads it with trust_remote_code."""
+    NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)).save_pretrained(tmp_path / "poisoned", model_card=False)
+    config = json.loads((tmp_path / "poisoned" / "config.json").read_text())
+    (tmp_path / "poisoned" / "config.json").write_text(json.dumps({**config, **FOREIGN_CODE}))
+    model = NezhaForMaskedLM.from_pretrained(tmp_path / "poisoned")
+    assert "evil/repo--modeling_evil.Evil" in caplog.text
+    model.save_pretrained(tmp_path / "plain")
+    model.save_pretrained(tmp_path / "remote", remote_code=True)
+    plain = json.loads((tmp_path / "plain" / "config.json").read_text())
+    remote = json.loads((tmp_path / "remote" / "config.json").read_text())
+    assert "auto_map" not in plain and "custom_pipelines" not in plain and "custom_pipelines" not in remote
+    assert all(value.startswith(("modeling_nezha.", "configuration_nezha.")) for value in remote["auto_map"].values())
+
+
+def test_nezha_hfs_own_auto_map_loads_without_a_warning(tmp_path, caplog):
+    NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)).save_pretrained(tmp_path / "m", remote_code=True)
+    NezhaForMaskedLM.from_pretrained(tmp_path / "m")
+    assert "auto_map" not in caplog.text
+
+
+def test_a_tokenizer_passes_through_without_the_code_its_config_names(tmp_path, caplog):
+    from nezha_hf.checkpoints import load_tokenizer
+
+    make_tokenizer(tmp_path / "t")
+    settings = json.loads((tmp_path / "t" / "tokenizer_config.json").read_text())
+    (tmp_path / "t" / "tokenizer_config.json").write_text(json.dumps({**settings, "auto_map": {
+        "AutoTokenizer": ["evil/repo--tok.Evil", None]}}))
+    load_tokenizer(tmp_path / "t").save_pretrained(tmp_path / "saved")
+    assert "auto_map" not in json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+    assert "evil/repo--tok.Evil" in caplog.text
+
+
+@pytest.mark.parametrize("linked", ["tokenizer_config.json", "vocab.txt", "sub/config.json", "nowhere"])
+def test_a_link_out_of_a_model_folder_is_refused_before_anything_is_read(tmp_path, linked):
+    """A BERT whose tokenizer_config.json linked to a credentials file outside it had the file's contents copied into
+    the converted model (and from there pushed)."""
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"token": "hf_SECRET"}')
+    source = tmp_path / "source"
+    save_layout(small_bert(transformers.BertForMaskedLM), source, "safetensors")
+    make_tokenizer(source)
+    link = source / linked if linked != "nowhere" else source / "vocab.txt"
+    link.parent.mkdir(exist_ok=True)
+    link.unlink(missing_ok=True)
+    link.symlink_to(secret if linked != "nowhere" else tmp_path / "missing")
+    with pytest.raises(ValueError, match="outside the model folder"):
+        convert_bert(source, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_hugging_face_caches_own_links_are_allowed(tmp_path):
+    """A snapshot of the Hub cache is links into its repository's blobs/: a model folder as transformers keeps it."""
+    from nezha_hf.checkpoints import model_folder
+
+    repo = tmp_path / "models--org--name"
+    NezhaModel(tiny_config()).save_pretrained(tmp_path / "saved", model_card=False)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    for file in (tmp_path / "saved").iterdir():
+        blob = repo / "blobs" / file.name
+        file.rename(blob)
+        (snapshot / file.name).symlink_to(Path("../..") / "blobs" / file.name)
+    assert model_folder(snapshot) == snapshot
+    assert NezhaModel.from_pretrained(snapshot) is not None
+
+
+def test_a_link_out_of_a_summariser_folder_is_one_line(tmp_path, tokenizer, run_cli):
+    from test_nothing_lost import one_line_failure
+
+    folder = _summarizer_folder(tmp_path, tokenizer)
+    (tmp_path / "elsewhere.json").write_text((folder / "summarizer.json").read_text())
+    (folder / "summarizer.json").unlink()
+    (folder / "summarizer.json").symlink_to(tmp_path / "elsewhere.json")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"id": "a", "text": "原告诉称。被告辩称。"}, ensure_ascii=False) + "\n")
+    one_line_failure(run_cli("summarize", folder, data, "--extract-only"), "outside the model folder")
+
+
+def test_converters_carry_the_tokenizer_class_config_json_names(tmp_path):
+    """Round four's first fix dropped `tokenizer_class` as unknown; AutoTokenizer reads it from config.json."""
+    source = _poisoned_bert(tmp_path)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "tokenizer_class": "BertTokenizer"}))
+    convert_bert(source, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tokenizer_class"] == "BertTokenizer"
+
+
+def test_the_hierarchical_alpha_is_checked_before_the_weights_are_read(tmp_path, monkeypatch):
+    from nezha_hf import conversion
+
+    source = tmp_path / "source"
+    save_layout(small_bert(transformers.BertForMaskedLM), source, "safetensors")
+    monkeypatch.setattr(conversion, "read_pytorch_checkpoint", lambda *a: pytest.fail("weights read first"))
+    with pytest.raises(ValueError, match="alpha"):
+        convert_bert_hierarchical(source, tmp_path / "out", alpha=0.5000001)
+
+
+def test_train_summarizer_records_the_encoding_its_judgments_were_read_with(tmp_path, tokenizer, monkeypatch):
+    """A folder run that left out GBK files, resumed with --encoding gb18030, would train on other judgments with the
+    checkpoints of the first: the encoding is part of the run's record."""
+    from nezha_hf import summarization
+    from nezha_hf.cail import Judgment
+
+    recorded = []
+
+    def stop(folder, record, resume):
+        recorded.append(record.settings)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(summarization, "prepare_checkpoints", stop)
+    base = tmp_path / "base"
+    NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)).save_pretrained(base, model_card=False)
+    tokenizer.save_pretrained(base)
+    judgments = [Judgment(f"j{i}", ["原告诉称。", "被告辩称。"], [1, 0], "原告诉称。") for i in range(3)]
+    for encoding in (None, "gb18030"):
+        with pytest.raises(KeyboardInterrupt):
+            summarization.train_summarizer(judgments, base, tmp_path / f"out-{encoding}", encoding=encoding)
+    assert [settings["encoding"] for settings in recorded] == [None, "gb18030"]
