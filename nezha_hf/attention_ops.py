@@ -27,6 +27,16 @@ import torch
 from torch import nn
 
 
+def tracing() -> bool:
+    """True under `torch.compile`, `torch.export` or `torch.jit.trace`: code must not branch on tensor values."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def values_known(tensor: torch.Tensor) -> bool:
+    """Whether code may read `tensor`'s values: not while tracing, and never on the meta device (shapes only)."""
+    return not tracing() and tensor.device.type != "meta"
+
+
 @dataclass(frozen=True)
 class RelativeAttentionMask:
     """Which keys each query may attend to, without an `L x L` tensor (`visible_keys` is the rule).
@@ -319,5 +329,7 @@ __all__ = [
     "sees_nothing",
     "sinusoid_frequencies",
     "sinusoid_relative_table",
+    "tracing",
+    "values_known",
     "visible_keys",
 ]

@@ -36,6 +36,8 @@ from .attention_ops import (
     relative_position_index,
     sinusoid_frequencies,
     sinusoid_relative_table,
+    tracing,
+    values_known,
 )
 from .chunked_attention import chunked_attention
 from .fused_attention import fused_attention, fused_kernel, fused_kernel_loaded
@@ -49,16 +51,6 @@ logger = logging.get_logger(__name__)
 
 # Below this length three regions are slower than the chunked path on CPU (benchmarks/attention.py).
 THREE_REGIONS_MIN_LENGTH = 513
-
-
-def tracing() -> bool:
-    """True under `torch.compile`, `torch.export` or `torch.jit.trace`: code must not branch on tensor values."""
-    return torch.compiler.is_compiling() or torch.jit.is_tracing()
-
-
-def values_known(tensor: torch.Tensor) -> bool:
-    """Whether code may read `tensor`'s values: not while tracing, and never on the meta device (shapes only)."""
-    return not tracing() and tensor.device.type != "meta"
 
 
 class Engine(enum.Enum):

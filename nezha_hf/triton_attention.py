@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
-from .attention_ops import AttentionProblem, EngineUnavailable, RelativeAttentionMask, engine_op
+from .attention_ops import AttentionProblem, EngineUnavailable, RelativeAttentionMask, engine_op, tracing
 
 logger = logging.get_logger(__name__)
 
@@ -319,8 +319,6 @@ def triton_attention(query, key, value, table, problem: AttentionProblem) -> tor
     `fused_attention.fused_attention`. float32, bfloat16 and float16 on CUDA GPUs (CPU tensors under
     TRITON_INTERPRET=1). Before the first call with a set of switches that needs gradients, the backward is compiled
     and run on a small problem; raises `TritonKernelFailed` where a kernel the call needs failed to compile here."""
-    from .relative_attention import tracing
-
     if not tracing() and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         _check_backward(Switches.of(query, problem), query.device)
     return _attention_op(query, key, value, table, problem)
