@@ -105,6 +105,65 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def kernel_profile(rows_case: tuple, sizes: dict, device: str) -> list[dict]:
+    """Where one NEZHA call's time goes: each kernel's share of the device time of `rows_case` (case, dtype,
+    queries, keys, dropout, train), from `torch.profiler` over 3 calls after a warm-up. On the CPU (rehearsing) the
+    operators' CPU time stands in."""
+    from torch.profiler import ProfilerActivity, profile
+
+    case, dtype_name, queries, keys, dropout, train = rows_case
+    dtype = DTYPES[dtype_name]
+    inputs = [tensor.requires_grad_(train) for tensor in gpu_ops.random_inputs(
+        sizes["batch"], sizes["heads"], queries, keys, sizes["head_size"], dtype, device)]
+    table_ = gpu_ops.relative_table(sizes["K"], sizes["head_size"], dtype, device)
+    mask = gpu_ops.RelativeAttentionMask(causal=queries < keys, query_offset=keys - queries)
+    problem = gpu_ops.problem_for(mask, sizes["head_size"], dropout, seed=1)
+    gpu_ops.require_triton(*inputs, table_, problem, f"the profiled {dtype_name} {case}")
+    attend = gpu_ops.nezha(table_, problem)
+    if train:
+        shape = (sizes["batch"], queries, sizes["heads"], sizes["head_size"])  # NEZHA's output: heads after queries
+        grad_output = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+        step = gpu_ops.training_step(attend, inputs, grad_output)
+    else:
+        step = gpu_ops.forward_step(attend, inputs)
+    step()
+    gpu_ops.synchronize(device)
+    activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as profiler:
+        for _ in range(3):
+            step()
+        gpu_ops.synchronize(device)
+    timed = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    events = [event for event in profiler.key_averages() if getattr(event, timed) > 0]
+    total = sum(getattr(event, timed) for event in events) or 1.0
+    events.sort(key=lambda event: getattr(event, timed), reverse=True)
+    return [{"case": f"{dtype_name} {case}, {keys:,} keys", "kernel": event.key[:80], "calls": event.count // 3,
+             "ms_per_call": getattr(event, timed) / 3 / 1e3, "share": getattr(event, timed) / total}
+            for event in events[:8]]
+
+
+def report(rows: list[dict], profiles: list[dict], sizes: dict, machine: dict, device: str, argv, output: Path):
+    """Write what is measured so far to `output`.md and .json (after every row: a step stopped at its budget keeps
+    its rows)."""
+    command = "python benchmarks/gpu_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    timer = "triton.testing.do_bench (CUDA events)" if device == "cuda" else "perf_counter (a CPU rehearsal)"
+    lines = [f"Command: `{command.strip()}`", "", summary(machine), "",
+             f"Batch {sizes['batch']} x {sizes['heads']} heads x head size {sizes['head_size']}, K = {sizes['K']}; "
+             f"NEZHA's Triton engine (checked to run each case) against SDPA on the same tensors; medians of {timer} "
+             "after a warm-up; ratio = NEZHA / SDPA; GB/s: the fewest bytes a forward moves (inputs read and output "
+             "written once) over its time.", "", *table(rows)]
+    if profiles:
+        lines += ["", "Where NEZHA's time goes (torch.profiler, 3 calls after a warm-up; the 8 largest kernels):", "",
+                  "| case | kernel | calls per call | ms per call | share |", "|---|---|---|---|---|"]
+        lines += [f"| {p['case']} | `{p['kernel']}` | {p['calls']} | {p['ms_per_call']:.3f} | {p['share']:.0%} |"
+                  for p in profiles]
+    write_staged(output.with_suffix(".md"), "\n".join(lines) + "\n")
+    write_staged(output.with_suffix(".json"), json.dumps(
+        {"command": command.strip(), "machine": machine, "sizes": sizes, "rows": rows, "profiles": profiles},
+        indent=1))
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rehearse", action="store_true", help="on the CPU under Triton's interpreter, tiny sizes")
@@ -112,6 +171,9 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", type=int, nargs="*", help="tokens of the full-attention cases (default 2048 8192)")
     parser.add_argument("--cache", type=int, help="cached keys of the decoding step (default 8192; 0: none)")
     parser.add_argument("--dropout", type=float, default=0.1, help="attention dropout of the dropout case")
+    parser.add_argument("--profile", action="store_true",
+                        help="then each kernel's share of the first dtype's training cases at the longest length "
+                             "and of the decoding step (torch.profiler)")
     parser.add_argument("--results", type=Path, help="folder to write to (default: the machine's results folder)")
     parser.add_argument("--output", default="gpu-attention", help="file name stem")
     args = parser.parse_args(argv)
@@ -124,7 +186,9 @@ def main(argv=None) -> int:
         device = gpu_ops.device_for(args.rehearse)
         machine = describe(torch.bfloat16, device)
         print(summary(machine), flush=True)
-        rows = []
+        output = (args.results or results_directory(machine)) / args.output
+        output.parent.mkdir(parents=True, exist_ok=True)
+        rows, profiles = [], []
         for dtype in args.dtypes:
             cases = [(case, length, length, dropout, train) for length in sizes["lengths"]
                      for case, dropout, train in (("forward", 0.0, False), ("forward+backward", 0.0, True),
@@ -136,23 +200,19 @@ def main(argv=None) -> int:
                 row = rows[-1]
                 print(f"{dtype:9s} {case:26s} {keys:6d} keys: NEZHA {row['nezha_ms']:.3f} ms, SDPA "
                       f"({row['sdpa_backend']}) {row['sdpa_ms']:.3f} ms, ratio {row['ratio']:.2f}", flush=True)
+                report(rows, profiles, sizes, machine, device, argv, output)
+        if args.profile:
+            longest = max(sizes["lengths"])
+            profiled = [(case, args.dtypes[0], longest, longest, dropout, True)
+                        for case, dropout in (("forward+backward", 0.0), ("forward+backward, dropout", args.dropout))]
+            profiled += [("decoding step", args.dtypes[0], 1, sizes["cache"], 0.0, False)] if sizes["cache"] else []
+            for profiled_case in profiled:
+                profiles += kernel_profile(profiled_case, sizes, device)
+                report(rows, profiles, sizes, machine, device, argv, output)
     except CheckFailed as error:
         print(f"gpu_attention.py: {error}", file=sys.stderr)
         return 1
-    results = args.results or results_directory(machine)
-    results.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/gpu_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    timer = "triton.testing.do_bench (CUDA events)" if device == "cuda" else "perf_counter (a CPU rehearsal)"
-    lines = [f"Command: `{command.strip()}`", "", summary(machine), "",
-             f"Batch {sizes['batch']} x {sizes['heads']} heads x head size {sizes['head_size']}, K = {sizes['K']}; "
-             f"NEZHA's Triton engine (checked to run each case) against SDPA on the same tensors; medians of {timer} "
-             "after a warm-up; ratio = NEZHA / SDPA; GB/s: the fewest bytes a forward moves (inputs read and output "
-             "written once) over its time.", "", *table(rows)]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    write_staged(results / f"{args.output}.md", text)
-    write_staged(results / f"{args.output}.json", json.dumps(
-        {"command": command.strip(), "machine": machine, "sizes": sizes, "rows": rows}, indent=1))
+    print("\n".join(report(rows, profiles, sizes, machine, device, argv, output)))
     return 0
 
 

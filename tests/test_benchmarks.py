@@ -208,9 +208,13 @@ def test_the_op_benchmark_fails_in_one_line_when_nezha_triton_does_not_run(trito
 def test_the_op_benchmark_rehearsed_times_every_case_against_sdpa(unmeasured_machine, tmp_path):
     from benchmarks import gpu_attention
 
-    assert gpu_attention.main(["--rehearse", "--dtypes", "float16", "--lengths", "16", "--cache", "24", "--results",
-                               str(tmp_path)]) == 0
+    assert gpu_attention.main(["--rehearse", "--dtypes", "float16", "--lengths", "16", "--cache", "24", "--profile",
+                               "--results", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "gpu-attention.json").read_text())
+    # the profile: the training cases at the longest length and the decoding step, each kernel's share of the time
+    assert sorted({profile["case"] for profile in result["profiles"]}) == [
+        "float16 decoding step, 24 keys", "float16 forward+backward, 16 keys", "float16 forward+backward, dropout, 16 keys"]
+    assert any(profile["kernel"] == "nezha_hf::triton_backward" for profile in result["profiles"])
     assert [(row["case"], row["queries"], row["keys"]) for row in result["rows"]] == [
         ("forward", 16, 16), ("forward+backward", 16, 16), ("forward+backward, dropout", 16, 16),
         ("decoding step", 1, 24)]
