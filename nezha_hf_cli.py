@@ -161,7 +161,8 @@ def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser
     tf.add_argument("--vocab", help="vocab.txt (copied beside the model, with a tokenizer config)")
     tf.add_argument("--max-relative-position", type=COUNT, help="K (default: the config's, else NezhaConfig's)")
     tf.add_argument("--cased", action="store_true", help="do not lower-case (the Chinese releases lower-case)")
-    legacy = command(convert, "nezha", "an older PyTorch NEZHA release (bert. prefix, persisted buffers)",
+    legacy = command(convert, "nezha", "an older PyTorch NEZHA release (bert. prefix, persisted buffers), or any "
+                     "NEZHA folder whose tokenizer caps the length at 512",
                      _examples("nezha-hf convert nezha nezha-cn-base-old/ nezha-cn-base/"), parent="convert")
     legacy.add_argument("source", help="the release's folder")
     _add_conversion_options(legacy)

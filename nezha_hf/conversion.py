@@ -623,7 +623,9 @@ def convert_legacy_nezha(
 ) -> ConversionReport:
     """Convert an older PyTorch NEZHA release (`bert.` prefix, persisted buffers) to the current layout.
 
-    Same arguments as `convert_bert`; `max_relative_position` comes from the source config.
+    Same arguments as `convert_bert`; `max_relative_position` comes from the source config. Any NEZHA folder
+    converts too, and its copy's tokenizer reads any length (`model_max_length` raised to 1,000,000): the step the
+    warning on loading a folder whose tokenizer says 512 names (`tokenizer_cap`).
     """
     return convert_bert(source, output, architecture, allow_missing, remote_code=remote_code, overwrite=overwrite)
 

@@ -57,6 +57,7 @@ from .relative_attention import (
     tracing,
     values_known,
 )
+from .tokenizer_cap import warn_if_tokenizer_caps_length
 
 logger = logging.get_logger(__name__)
 
@@ -533,7 +534,8 @@ class NezhaPreTrainedModel(PreTrainedModel):
         checkpoint, and for tensors whose shape does not fit the config, each tensor with both shapes.
 
         Changes from transformers: a path that is no model-hub id and no folder is a `FileNotFoundError` (transformers
-        would look it up on the Hub); a damaged weights file is a `ValueError` naming the checkpoint; tensors that do
+        would look it up on the Hub); a tokenizer beside the model that caps inputs at BERT's 512 tokens is one
+        warning (`tokenizer_cap`); a damaged weights file is a `ValueError` naming the checkpoint; tensors that do
         not fit the config are a `ValueError` naming each with both shapes (transformers raises a `RuntimeError`
         that points to the report it logged, so NEZHA loads with `ignore_mismatched_sizes=True` and raises itself
         unless it was asked for).
@@ -571,6 +573,7 @@ class NezhaPreTrainedModel(PreTrainedModel):
                 f"The checkpoint at {path} does not fit its config: {details}. "
                 "Fix config.json, or pass ignore_mismatched_sizes=True to re-initialise these tensors."
             )
+        warn_if_tokenizer_caps_length(path, folder, kwargs.get("cache_dir"), kwargs.get("revision"))
         return (model, info) if wants_info else model
 
 
