@@ -9,10 +9,15 @@ INSTALL := $(PY) -m pip install --quiet $(if $(CONSTRAINTS),--constraint $(CONST
 
 .PHONY: demo test test-main test-fast test-pythons mutations bench constraints clean gpu-prepare gpu-rehearse
 
-# Besides 3.11 (the environment above; the oldest Python pyproject.toml claims, as transformers 5.21 and later need
-# it), the newest: `make test` runs the fast test set on each in an environment of its own (.venv-3.13). torch 2.13.0
-# there is PyPI's build, which brings CUDA libraries (about 2.6 GB; it runs on the CPU): the CPU-only build is at
-# hand for 3.11 only. Each installs the versions `.ci/constraints-<version>.txt` records (`make constraints-<version>`).
+# The claimed ranges tested at both ends. The main environment (.venv) is the oldest Python and torch that
+# pyproject.toml accepts (3.11, as transformers 5.21 and later need it; torch 2.13.0); `make test` also runs the fast
+# test set on the newest Python with the newest torch release, in an environment of its own (.venv-3.13). There
+# every version, torch's included, is the one `.ci/constraints-<version>.txt` records (`make constraints-<version>`
+# writes it, after the tests passed), and nothing else caps it: PIP_CONSTRAINT names that file alone, so a pip
+# configuration's own constraints (a machine may cap torch at the releases on its disk) cannot hold the leg below the
+# release it records. `rm -r .venv-3.13; make test-pythons CONSTRAINTS=` takes the newest releases there. Its torch
+# is PyPI's build, which brings CUDA libraries (about 5 GB installed; it runs on the CPU): the CPU-only builds are not
+# on PyPI.
 PYTHONS := 3.13
 python_for = $(firstword $(wildcard $(HOME)/.pyenv/versions/$(1).*/bin/python$(1)) python$(1))
 
@@ -43,11 +48,14 @@ test: test-main test-pythons
 test-main: $(VENV)/.test
 	$(PY) -m pytest -q -p no:cacheprovider
 
-.venv-%/.test: pyproject.toml
+# The file that alone constrains the environment of Python $(1); /dev/null for none.
+leg_constraints = $(or $(if $(CONSTRAINTS),$(wildcard .ci/constraints-$(1).txt)),/dev/null)
+
+.SECONDEXPANSION:
+.venv-%/.test: pyproject.toml $$(wildcard .ci/constraints-$$*.txt)
 	test -x .venv-$*/bin/python || $(call python_for,$*) -m venv .venv-$*
 	.venv-$*/bin/python -m pip install --quiet --upgrade pip
-	.venv-$*/bin/python -m pip install --quiet torch==2.13.0
-	.venv-$*/bin/python -m pip install --quiet $(if $(wildcard .ci/constraints-$*.txt),--constraint .ci/constraints-$*.txt) -e ".[dev,tf,demo,onnx,triton]"
+	PIP_CONSTRAINT=$(call leg_constraints,$*) .venv-$*/bin/python -m pip install --quiet -e ".[dev,tf,demo,onnx,triton]"
 	.venv-$*/bin/python tests/fetch_transformers_tests.py
 	touch $@
 
@@ -118,7 +126,7 @@ constraints: $(VENV)/.test
 
 constraints-%: .venv-%/.test
 	{ echo "# Written by \`make constraints-$*\` after the fast tests passed on Python $* with these versions."; \
-	  .venv-$*/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > .ci/constraints-$*.txt
+	  .venv-$*/bin/python -m pip freeze --exclude-editable; } > .ci/constraints-$*.txt
 
 clean:
 	rm -rf $(VENV) $(PYTHONS:%=.venv-%) build *.egg-info

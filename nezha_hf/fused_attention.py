@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
+from packaging.version import Version
 from transformers.utils import logging
 
 from .attention_ops import AttentionProblem, engine_op
@@ -38,6 +39,10 @@ DEFAULT_LOCK_TIMEOUT = 300.0
 # What runs where the kernel is not built, in the words of the warning that says so.
 WITHOUT_KERNEL = ("the three-regions engine runs for long inputs on the CPU and the chunked engine otherwise, with the "
                   "same results")
+# PyTorch before 2.14 marks a build in progress by the mere existence of `lock` in the build folder, which a killed
+# build leaves behind and every later load waits on. From 2.14 on that file is an advisory lock the system releases
+# when its holder dies, and it stays after every build: its presence then says nothing.
+TORCH_WAITS_WHILE_ITS_LOCK_FILE_EXISTS = Version(torch.__version__).release < (2, 14)
 
 
 def compiler() -> str:
@@ -202,10 +207,10 @@ def _load_kernel():
     cflags, ldflags = kernel_flags(family)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        # One build at a time, through a lock the system releases if its holder dies: while it is held, torch's own
-        # lock file (`lock`) can only be what a killed build left, and is removed rather than waited on.
+        # One build at a time, through a lock the system releases if its holder dies: while it is held, an older
+        # torch's lock file (`lock`) can only be what a killed build left, and is removed rather than waited on.
         with FileLock(directory / "nezha_build.lock", timeout=lock_timeout()):
-            if (directory / "lock").exists():
+            if TORCH_WAITS_WHILE_ITS_LOCK_FILE_EXISTS and (directory / "lock").exists():
                 logger.warning(f"Removing {directory / 'lock'}, left by a build that was killed.")
                 (directory / "lock").unlink(missing_ok=True)
             source = _source_in(directory)
