@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
+from transformers.utils import logging
 
 from .documents import (
     InputFile,
@@ -27,8 +28,11 @@ from .documents import (
     read_files,
     read_input_text,
     record_id,
+    refused_files,
     report_problem,
 )
+
+logger = logging.get_logger(__name__)
 
 # A sentence ends after one of these, together with any closing quotes or brackets that follow.
 _SENTENCE_END = re.compile(r"([。！？；!?;]+[”’」』）)]*|\n+)")
@@ -134,6 +138,29 @@ def read_judgments(paths, problems: list | None = None, max_characters: int | No
                              f"{max_characters:,} accepted (real judgments have up to about 13,000): "
                              "pass --max-characters to raise the limit.")
     return judgments
+
+
+def read_command_inputs(paths, max_characters: int | None = None,
+                        encoding: str | None = None) -> tuple[list[Judgment], int]:
+    """`read_judgments` as the commands read their inputs: each skipped line and each file left out a warning, then
+    one saying how many files were left out; no judgment at all is a `ValueError`. Returns the judgments and the number
+    of files left out, for a command to repeat at its end (`input_files` words it). `max_characters` None:
+    `MAX_CHARACTERS`."""
+    problems = []
+    judgments = read_judgments(paths, problems, max_characters or MAX_CHARACTERS, encoding)
+    for problem in problems:
+        logger.warning(f"skipped {problem}")
+    refused = len(refused_files(problems))
+    if refused:
+        logger.warning(f"left out {input_files(refused)} (named above); the rest was read")
+    if not judgments:
+        raise ValueError(f"No judgments found in {', '.join(map(str, paths))}.")
+    return judgments, refused
+
+
+def input_files(count: int) -> str:
+    """`count` input file(s), in words."""
+    return f"{count} input file{'s' if count != 1 else ''}"
 
 
 def read_predictions(path, encoding: str | None = None) -> dict[str, str]:
@@ -311,5 +338,5 @@ def lead(sentences: list[str], count: int = 3) -> str:
     return "".join(sentences[:count])
 
 
-__all__ = ["Judgment", "cail_score", "lead", "oracle_labels", "read_judgments", "read_predictions", "rouge_l",
-           "rouge_scores", "split_sentences"]
+__all__ = ["Judgment", "cail_score", "input_files", "lead", "oracle_labels", "read_command_inputs", "read_judgments",
+           "read_predictions", "rouge_l", "rouge_scores", "split_sentences"]

@@ -29,6 +29,7 @@ import torch
 
 from .attention_ops import (
     AttentionProblem,
+    Engine,
     RelativeAttentionMask,
     engine_op,
     max_relative_position,
@@ -286,6 +287,6 @@ def _backward_fake(grad_output, query, key, value, table, problem, output):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)  # contiguous
 
 
-chunked_attention = engine_op("chunked", forward_chunks, _forward_fake, backward_chunks, _backward_fake)
+chunked_attention = engine_op(Engine.CHUNKED, forward_chunks, _forward_fake, backward_chunks, _backward_fake)
 chunked_attention.__doc__ = """NEZHA attention in chunks of queries, `[batch, queries, heads, head_size]`; arguments as
     `fused_attention.fused_attention`, on any device and floating dtype (float64 computed in float64)."""

@@ -374,7 +374,7 @@ class NezhaPreTrainedModel(PreTrainedModel):
     """Weight initialisation, checkpoint-loading rules and attention selection shared by every NEZHA class.
 
     `attn_implementation` is one of the engines of `relative_attention.Engine` (default `"nezha_fused"`); the
-    README's table "Attention implementations" says what each is and where it runs. `"sdpa"`, flash, flex and
+    table in docs/attention.md says what each is and where it runs. `"sdpa"`, flash, flex and
     every other registered attention cannot express NEZHA's relative value term and are refused.
 
     Besides `_init_weights`, it overrides what NEZHA needs and transformers offers no hook for; each override says

@@ -15,7 +15,8 @@ a decoding step's partial outputs; nothing per (query, table row).
 - Failures: an out-of-memory error reaches the caller as PyTorch's own, and the engine stays usable. A kernel that
   fails to compile (or launch) is set aside for its `Switches` and part (forward, decoding forward or backward) only,
   with one warning naming them: those calls raise `TritonKernelFailed` (an `EngineUnavailable`), which
-  `relative_attention` hands to the chunked engine; calls with other switches still run the kernels. Before the first
+  `relative_attention` hands to the next engine of the chain (`attention_ops.Engine`); calls with other switches still
+  run the kernels. Before the first
   forward that needs gradients with a set of switches, the backward is compiled and run on a 32-token problem with
   them, so that a backward that cannot compile is found while another engine can still take the call.
 - float32: every product is made in the kernels in IEEE float32, whatever `torch.backends.cuda.matmul.allow_tf32` or
@@ -35,7 +36,15 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
-from .attention_ops import AttentionProblem, EngineUnavailable, RelativeAttentionMask, engine_op, tracing
+from .attention_ops import (
+    AttentionProblem,
+    Engine,
+    EngineUnavailable,
+    RelativeAttentionMask,
+    engine_op,
+    fallback_words,
+    tracing,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -120,7 +129,7 @@ def unusable_reason(device: str, named: bool = True) -> str | None:
         return f"the Triton kernel runs on CUDA and ROCm GPUs, not {device}"
     if not triton_installed():
         reason = "Triton is not installed (pip install triton)"
-        logger.warning_once(f"NEZHA attention: {reason}; the chunked engine runs instead, with the same results.")
+        logger.warning_once(f"NEZHA attention: {reason}; {fallback_words(Engine.TRITON)}.")
         return reason
     failure = sys.exc_info()[1]
     return str(failure) if isinstance(failure, TritonKernelFailed) else None
@@ -155,8 +164,8 @@ def _launching(part: str, switches: Switches, device: torch.device):
                       f"{error})")
             if (part, switches) not in _set_aside:
                 _set_aside[(part, switches)] = reason
-                logger.warning(f"NEZHA attention: {reason}; such calls run the chunked engine from now on, with the "
-                               "same results.")
+                logger.warning(f"NEZHA attention: {reason}; from now on, for such calls, "
+                               f"{fallback_words(Engine.TRITON)}.")
             raise TritonKernelFailed(reason) from error
 
 
@@ -311,7 +320,7 @@ def _backward_fake(grad_output, query, key, value, table, problem, output, lse):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
-_attention_op = engine_op("triton", triton_forward, _forward_fake, triton_backward, _backward_fake)
+_attention_op = engine_op(Engine.TRITON, triton_forward, _forward_fake, triton_backward, _backward_fake)
 
 
 def triton_attention(query, key, value, table, problem: AttentionProblem) -> torch.Tensor:

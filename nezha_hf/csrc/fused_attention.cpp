@@ -30,8 +30,8 @@
 //   type before their products, as in PyTorch's kernel.
 // - bfloat16 / float16 elsewhere (float16 without AMX-FP16, any type with oneDNN switched off, CPUs without either):
 //   converted to float32 and computed as float32.
-// Which one ran is counted (`routine_calls`), so tests can tell. The loader in fused_attention.py falls back to the
-// chunked engine if this file does not build or load.
+// Which one ran is counted (`routine_calls`), so tests can tell. If this file does not build or load, the loader in
+// fused_attention.py says so and the engines after this one in the chain take its calls (docs/attention.md's table).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
