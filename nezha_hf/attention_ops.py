@@ -90,7 +90,8 @@ class RelativeAttentionMask:
         causal: queries see only keys at their position or before.
         key_is_source: `[batch, key_length]` bool for the UniLM prefix mask: with `causal`, a source
             key is visible to every query (source tokens see the whole source, target tokens see
-            the source and the targets before them). Ignored without `causal`.
+            the source and the targets before them). Without `causal` it means nothing and is dropped
+            (None), so that an engine finds it only where it acts.
         query_offset: position of the first query (the cache length while decoding): an int, or a
             0-dim tensor when a static cache reports it as one.
     """
@@ -99,6 +100,10 @@ class RelativeAttentionMask:
     causal: bool = False
     key_is_source: torch.Tensor | None = None
     query_offset: int | torch.Tensor = 0
+
+    def __post_init__(self):
+        if not self.causal and self.key_is_source is not None:
+            object.__setattr__(self, "key_is_source", None)
 
 
 @dataclass(frozen=True)
@@ -110,11 +115,6 @@ class AttentionProblem:
     scaling: float
     dropout: float = 0.0
     seed: torch.Tensor | None = None
-
-    @property
-    def key_is_source(self) -> torch.Tensor | None:
-        """The source flags where they act (under a causal mask), else None."""
-        return self.mask.key_is_source if self.mask.causal else None
 
 
 class EngineUnavailable(RuntimeError):

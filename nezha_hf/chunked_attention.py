@@ -201,7 +201,7 @@ def _chunks(query, key, table, problem: AttentionProblem, buffers: int) -> list[
     """The chunks, in order, of one call that holds `buffers` chunk buffers."""
     batch, heads, queries, _ = query.shape
     keys, K = key.shape[-2], max_relative_position(table)
-    query_offset, causal, key_is_source = problem.mask.query_offset, problem.mask.causal, problem.key_is_source
+    query_offset, causal, key_is_source = problem.mask.query_offset, problem.mask.causal, problem.mask.key_is_source
     offset = int(query_offset) if not isinstance(query_offset, torch.Tensor) or query_offset.device.type != "meta" else 0
     source_end = 0
     if causal and key_is_source is not None:

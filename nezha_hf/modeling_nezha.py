@@ -150,7 +150,6 @@ class NezhaSelfAttention(nn.Module):
         self.key = nn.Linear(config.hidden_size, self.all_head_size)
         self.value = nn.Linear(config.hidden_size, self.all_head_size)
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
-        self.is_causal = config.is_decoder and not is_cross_attention
         self.is_cross_attention = is_cross_attention
         self.layer_idx = layer_idx
 

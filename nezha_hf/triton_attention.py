@@ -78,7 +78,7 @@ class Switches:
     def of(cls, query: torch.Tensor, problem: AttentionProblem) -> "Switches":
         mask = problem.mask
         return cls(query.dtype, query.shape[-1], mask.key_is_valid is not None, bool(mask.causal),
-                   problem.key_is_source is not None, problem.dropout > 0,
+                   problem.mask.key_is_source is not None, problem.dropout > 0,
                    _offset_on_device(mask.query_offset, query.device))
 
     def __str__(self) -> str:
@@ -205,7 +205,7 @@ def _key_flags(flags: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor | 
 def _key_bounds(problem: AttentionProblem, key: torch.Tensor) -> torch.Tensor | None:
     """`[batch, 3]` int32 per sequence: its first valid key, last valid key + 1, and last valid source key + 1 (0 when
     none), so that the kernels skip the key blocks no query sees; None without padding or source keys."""
-    valid, source = problem.mask.key_is_valid, problem.key_is_source
+    valid, source = problem.mask.key_is_valid, problem.mask.key_is_source
     if valid is None and source is None:
         return None
     batch, _, keys, _ = key.shape
@@ -235,7 +235,7 @@ def _arguments(query, key, value, table, problem: AttentionProblem, switches: Sw
     keys, dropout, offset = key.shape[-2], problem.dropout, problem.mask.query_offset
     return dict(
         Table=table.to(query.dtype).contiguous(), KeyValid=_key_flags(problem.mask.key_is_valid, key),
-        KeyIsSource=_key_flags(problem.key_is_source, key), KeyBounds=_key_bounds(problem, key),
+        KeyIsSource=_key_flags(problem.mask.key_is_source, key), KeyBounds=_key_bounds(problem, key),
         Offset=offset if switches.offset_on_device else None, offset=0 if switches.offset_on_device else int(offset),
         **_strides(query, "q", "m"), **_strides(key, "k", "n"), **_strides(value, "v", "n"),
         heads=heads, Lq=queries, Lk=keys, D=size, K=(table.shape[0] - 1) // 2, scale_log2=problem.scaling * LOG2E,

@@ -566,7 +566,7 @@ Asked read_problem(const pybind11::handle& problem) {
   asked.seed = seed.is_none() ? 0 : as_int(seed);
   asked.causal = mask.attr("causal").cast<bool>();
   asked.key_valid = as_flags(mask.attr("key_is_valid"));
-  asked.key_source = as_flags(problem.attr("key_is_source"));  // only under a causal mask
+  asked.key_source = as_flags(mask.attr("key_is_source"));  // None unless causal (RelativeAttentionMask)
   asked.offset = as_int(mask.attr("query_offset"));
   return asked;
 }
