@@ -14,10 +14,10 @@
 """
 
 import re
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
-from transformers.utils import logging
 
 from .documents import (
     InputFile,
@@ -31,8 +31,6 @@ from .documents import (
     refused_files,
     report_problem,
 )
-
-logger = logging.get_logger(__name__)
 
 # A sentence ends after one of these, together with any closing quotes or brackets that follow.
 _SENTENCE_END = re.compile(r"([。！？；!?;]+[”’」』）)]*|\n+)")
@@ -142,17 +140,18 @@ def read_judgments(paths, problems: list | None = None, max_characters: int | No
 
 def read_command_inputs(paths, max_characters: int | None = None,
                         encoding: str | None = None) -> tuple[list[Judgment], int]:
-    """`read_judgments` as the commands read their inputs: each skipped line and each file left out a warning, then
-    one saying how many files were left out; no judgment at all is a `ValueError`. Returns the judgments and the number
-    of files left out, for a command to repeat at its end (`input_files` words it). `max_characters` None:
-    `MAX_CHARACTERS`."""
+    """`read_judgments` as the commands read their inputs: each skipped line and each file left out said on standard
+    error (a line each, as the command line says everything; not a log record, which a program's logging setup could
+    send elsewhere), then how many files were left out; no judgment at all is a `ValueError`. Returns the judgments
+    and the number of files left out, for a command to repeat at its end (`input_files` words it).
+    `max_characters` None: `MAX_CHARACTERS`."""
     problems = []
     judgments = read_judgments(paths, problems, max_characters or MAX_CHARACTERS, encoding)
     for problem in problems:
-        logger.warning(f"skipped {problem}")
+        print(f"skipped {problem}", file=sys.stderr)
     refused = len(refused_files(problems))
     if refused:
-        logger.warning(f"left out {input_files(refused)} (named above); the rest was read")
+        print(f"left out {input_files(refused)} (named above); the rest was read", file=sys.stderr)
     if not judgments:
         raise ValueError(f"No judgments found in {', '.join(map(str, paths))}.")
     return judgments, refused
