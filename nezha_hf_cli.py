@@ -275,22 +275,6 @@ def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser
     return parser
 
 
-def _report_problems(problems) -> int:
-    """Each skipped line and file left out, one line each; then how many files were left out, which it returns."""
-    from nezha_hf.documents import refused_files
-
-    for problem in problems:
-        print(f"skipped {problem}", file=sys.stderr)
-    refused = len(refused_files(problems))
-    if refused:
-        print(f"left out {_files(refused)} (named above); the rest was read", file=sys.stderr)
-    return refused
-
-
-def _files(count: int) -> str:
-    return f"{count} input file{'s' if count != 1 else ''}"
-
-
 def _add_length_limit(parser):
     parser.add_argument("--max-characters", type=COUNT,
                         help="refuse a judgment longer than this, before any work (default: 100,000 characters; real "
@@ -303,86 +287,38 @@ def _add_encoding(parser):
                              "e.g. gb18030, which reads GBK and GB2312 too (default: such files are refused)")
 
 
-def _read_inputs(paths, max_characters=None, encoding=None, left_out: list | None = None):
-    """The judgments in `paths`, each problem reported on stderr; `left_out` (a list) receives the number of input
-    files a folder held that could not be used, for the command to repeat at its end."""
-    from nezha_hf.cail import MAX_CHARACTERS, read_judgments
-
-    problems = []
-    judgments = read_judgments(paths, problems, max_characters or MAX_CHARACTERS, encoding)
-    refused = _report_problems(problems)
-    if left_out is not None:
-        left_out.append(refused)
-    if not judgments:
-        raise ValueError(f"No judgments found in {', '.join(map(str, paths))}.")
-    return judgments
-
-
-SUMMARY_SUFFIXES = (".jsonl", ".json", ".txt")  # what `summarize --output` writes: JSONL, or text for .txt
-
-
 def _summarize(args) -> None:
-    import json
-    import shutil
+    from nezha_hf.cail import input_files
+    from nezha_hf.summarization import summaries_text, summarize_files
 
-    from nezha_hf.checkpoints import RunRecord, model_folder
-    from nezha_hf.distributed import claimed_by_main, processes, run_batches
-    from nezha_hf.export import load_summarizer
-    from nezha_hf.safe_output import check_destination, write_text_atomically
-
-    state = processes()
-    model_folder(args.model, "summarizer.json")
+    done = summarize_files(
+        args.model, args.inputs, args.output, overwrite=args.overwrite, resume=not args.no_resume,
+        extract_only=args.extract_only, batch_size=args.batch_size, threshold=args.threshold,
+        token_budget=args.token_budget, num_beams=args.num_beams,
+        copy_constraint=False if args.no_copy_constraint else None, max_new_tokens=args.max_new_tokens,
+        max_characters=args.max_characters, encoding=args.encoding)
+    if done is None:  # not the main process of a multi-process run
+        return
     if args.output:
-        check_destination(args.output, [args.model, *args.inputs], args.overwrite, kind="file")
-        if args.output.suffix.lower() not in SUMMARY_SUFFIXES:
-            raise ValueError(f"--output {args.output}: summaries are written as JSONL (.jsonl, .json) or text (.txt)")
-    left_out = []
-    judgments = _read_inputs(args.inputs, args.max_characters, args.encoding, left_out)
-    settings = {key: value for key, value in (("threshold", args.threshold), ("token_budget", args.token_budget),
-                                              ("num_beams", args.num_beams)) if value is not None}
-    summarizer = load_summarizer(args.model, **settings)
-    options = {"max_new_tokens": args.max_new_tokens}
-    if args.no_copy_constraint:
-        options["copy_constraint"] = False
-
-    def summarize(start, stop):
-        return summarizer.summarize(judgments[start:stop], extract_only=args.extract_only, batch_size=args.batch_size,
-                                    **options)
-
-    # Finished batches are kept beside the output: a rerun after a kill goes on from there.
-    journal = args.output.with_name(f".{args.output.name}.progress") if args.output else None
-    record = RunRecord.create("summarize", args.model, args.inputs, {
-        **summarizer.settings(), **options, "extract_only": args.extract_only, "batch_size": args.batch_size,
-        "encoding": args.encoding})
-    with claimed_by_main(state, *([args.output] if args.output else [])):
-        results = run_batches(state, len(judgments), args.batch_size, summarize, journal, record,
-                              keys=[j.id for j in judgments], resume=not args.no_resume, show_progress=True,
-                              unit="judgments")
-        if not state.is_main_process:
-            return
-        if args.output and args.output.suffix.lower() == ".txt":
-            text = "\n\n".join(f"{r['id']}\n{r['summary']}" for r in results) + "\n"
-        else:
-            text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
-        if args.output:
-            write_text_atomically(args.output, text, overwrite=args.overwrite)
-            shutil.rmtree(journal)
-            print(f"wrote {len(results)} summar{'y' if len(results) == 1 else 'ies'} to {args.output}", file=sys.stderr)
-        else:
-            sys.stdout.write(text)
-        if left_out[0]:  # said again at the end, where a long run's reader looks
-            print(f"left out {_files(left_out[0])} that could not be read (named before the work began)",
-                  file=sys.stderr)
+        count = len(done.results)
+        print(f"wrote {count} summar{'y' if count == 1 else 'ies'} to {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(summaries_text(done.results))
+    if done.left_out:  # said again at the end, where a long run's reader looks
+        print(f"left out {input_files(done.left_out)} that could not be read (named before the work began)",
+              file=sys.stderr)
 
 
 def _train_summarizer(args) -> None:
+    from nezha_hf.cail import read_command_inputs
     from nezha_hf.checkpoints import model_folder
     from nezha_hf.distributed import processes
     from nezha_hf.summarization import train_summarizer
 
     model_folder(args.base)
+    judgments, _ = read_command_inputs(args.data, args.max_characters, args.encoding)
     metrics = train_summarizer(
-        _read_inputs(args.data, args.max_characters, args.encoding), args.base, args.output,
+        judgments, args.base, args.output,
         validation_fraction=args.validation_fraction,
         epochs=args.epochs, extractor_steps=args.extractor_steps, generator_steps=args.generator_steps, max_length=args.max_length,
         learning_rate=args.learning_rate, save_steps=args.save_steps, copy_mechanism=args.copy,
@@ -395,7 +331,7 @@ def _train_summarizer(args) -> None:
 def _evaluate(args) -> None:
     import json
 
-    from nezha_hf.cail import read_predictions
+    from nezha_hf.cail import read_command_inputs, read_predictions
     from nezha_hf.safe_output import check_destination, write_text_atomically
     from nezha_hf.summarization import evaluate_summaries, format_scores
 
@@ -407,8 +343,8 @@ def _evaluate(args) -> None:
         if not args.predictions.is_file():
             raise FileNotFoundError(f"No such predictions file: {args.predictions}")
         predictions = read_predictions(args.predictions, args.encoding)
-    results = evaluate_summaries(_read_inputs(args.data, args.max_characters, args.encoding), predictions,
-                                 lead_count=args.lead)
+    judgments, _ = read_command_inputs(args.data, args.max_characters, args.encoding)
+    results = evaluate_summaries(judgments, predictions, lead_count=args.lead)
     print(format_scores(results))
     if args.output:
         write_text_atomically(args.output, json.dumps(results, indent=2, ensure_ascii=False) + "\n",
@@ -470,12 +406,13 @@ def _pretrain(args) -> None:
 
 def _export(args) -> None:
     from nezha_hf.export import export_onnx, export_summarizer
+    from nezha_hf.summarization import SETTINGS_FILE
 
-    if (Path(args.model) / "summarizer.json").is_file():
+    if (Path(args.model) / SETTINGS_FILE).is_file():
         report = export_summarizer(args.model, args.output, atol=args.atol, overwrite=args.overwrite,
                                    greedy=args.greedy)
     elif args.greedy:
-        raise ValueError(f"--greedy is for summarisers; {args.model} has no summarizer.json")
+        raise ValueError(f"--greedy is for summarisers; {args.model} has no {SETTINGS_FILE}")
     else:
         report = export_onnx(args.model, args.output, atol=args.atol, overwrite=args.overwrite)
     print(report.summary())

@@ -6,6 +6,7 @@ For a head of size `d`, query position `i`, key position `j` and `K = max_relati
     s_ij    = (q_i . k_j + q_i . T[r(i, j)]) * scale       over the keys query i sees
     out_i   = sum_j softmax_j(s_ij) (v_j + T[r(i, j)])     0 for a query that sees no key
 
+- `Engine` names the engines, in the order of their fallback chain: one that cannot run a call hands it to the next.
 - `RelativeAttentionMask` says which keys each query sees (padding, causal, UniLM prefix, a KV cache's offset)
   without an `L x L` tensor; `AttentionProblem` is one call's whole description (the mask, the score scale, attention
   dropout and its seed), built once per call and passed by name.
@@ -18,6 +19,7 @@ For a head of size `d`, query position `i`, key position `j` and `K = max_relati
 """
 
 import dataclasses
+import enum
 import math
 import typing
 from collections.abc import Callable
@@ -37,6 +39,48 @@ def values_known(tensor: torch.Tensor) -> bool:
     return not tracing() and tensor.device.type != "meta"
 
 
+class Engine(enum.Enum):
+    """The engines that compute NEZHA attention, in the order of the fallback chain: an engine that cannot run a call
+    hands it to the next one, down to the gather engine, which runs everywhere (`relative_attention.ENGINES` says when
+    each cannot run, and renders where that leads: the table in docs/attention.md).
+
+    Each engine has one name, its member's, from which the others follow: its `attn_implementation` (the member's
+    value) is `nezha_<name>`, except the gather engine's, transformers' `"eager"` (a model's own attention function);
+    its ops are `nezha_hf::<name>_forward` / `_backward` (`op_name`); logs and docs call it `label`."""
+
+    def _generate_next_value_(name, start, count, last_values):
+        return "eager" if name == "GATHER" else f"nezha_{name.lower()}"
+
+    FUSED = enum.auto()
+    TRITON = enum.auto()
+    THREE_REGIONS = enum.auto()
+    CHUNKED = enum.auto()
+    GATHER = enum.auto()
+
+    @property
+    def op_name(self) -> str:
+        """The name of its `torch.library` ops (`nezha_hf::<op_name>_forward`)."""
+        return self.name.lower()
+
+    @property
+    def label(self) -> str:
+        """How logs and the docs name it ("the three-regions engine")."""
+        return self.name.lower().replace("_", "-")
+
+    @property
+    def fallbacks(self) -> tuple["Engine", ...]:
+        """The engines after it in the chain, in order."""
+        members = list(Engine)
+        return tuple(members[members.index(self) + 1 :])
+
+
+def fallback_words(engine: Engine) -> str:
+    """What takes a call `engine` cannot run, in words from the chain, for the messages that say so."""
+    *others, last = (f"the {fallback.label} engine" for fallback in engine.fallbacks)
+    return (f"the first that can run of {', '.join(others)} or {last} takes its calls (docs/attention.md says which, "
+            "where), with the same results")
+
+
 @dataclass(frozen=True)
 class RelativeAttentionMask:
     """Which keys each query may attend to, without an `L x L` tensor (`visible_keys` is the rule).
@@ -46,7 +90,8 @@ class RelativeAttentionMask:
         causal: queries see only keys at their position or before.
         key_is_source: `[batch, key_length]` bool for the UniLM prefix mask: with `causal`, a source
             key is visible to every query (source tokens see the whole source, target tokens see
-            the source and the targets before them). Ignored without `causal`.
+            the source and the targets before them). Without `causal` it means nothing and is dropped
+            (None), so that an engine finds it only where it acts.
         query_offset: position of the first query (the cache length while decoding): an int, or a
             0-dim tensor when a static cache reports it as one.
     """
@@ -55,6 +100,10 @@ class RelativeAttentionMask:
     causal: bool = False
     key_is_source: torch.Tensor | None = None
     query_offset: int | torch.Tensor = 0
+
+    def __post_init__(self):
+        if not self.causal and self.key_is_source is not None:
+            object.__setattr__(self, "key_is_source", None)
 
 
 @dataclass(frozen=True)
@@ -66,11 +115,6 @@ class AttentionProblem:
     scaling: float
     dropout: float = 0.0
     seed: torch.Tensor | None = None
-
-    @property
-    def key_is_source(self) -> torch.Tensor | None:
-        """The source flags where they act (under a causal mask), else None."""
-        return self.mask.key_is_source if self.mask.causal else None
 
 
 class EngineUnavailable(RuntimeError):
@@ -237,9 +281,9 @@ def _plain_forward(query, key, value, table, problem: AttentionProblem) -> tuple
 _library = torch.library.Library("nezha_hf", "DEF")
 
 
-def engine_op(name: str, forward: Callable, forward_fake: Callable, backward: Callable, backward_fake: Callable,
+def engine_op(engine: Engine, forward: Callable, forward_fake: Callable, backward: Callable, backward_fake: Callable,
               device_types: str | None = None) -> Callable:
-    """Register an engine as the ops `nezha_hf::{name}_forward` / `_backward`, with autograd, a fake and a
+    """Register `engine` as the ops `nezha_hf::{engine.op_name}_forward` / `_backward`, with autograd, a fake and a
     decomposition, and return the function the attention code calls.
 
     The engine writes four plain functions of the tensors and an `AttentionProblem`:
@@ -254,6 +298,7 @@ def engine_op(name: str, forward: Callable, forward_fake: Callable, backward: Ca
 
     Returns `attention(query, key, value, table, problem) -> output [batch, queries, heads, head_size]`.
     """
+    name = engine.op_name
     tensors = ", ".join(f"Tensor {argument}" for argument in TENSOR_ARGUMENTS)
     _library.define(f"{name}_forward({tensors}, {PROBLEM_SCHEMA}) -> Tensor[]")
     _library.define(f"{name}_backward(Tensor grad_output, {tensors}, {PROBLEM_SCHEMA}, Tensor[] saved) -> Tensor[]")
@@ -319,9 +364,11 @@ def engine_op(name: str, forward: Callable, forward_fake: Callable, backward: Ca
 
 __all__ = [
     "AttentionProblem",
+    "Engine",
     "EngineUnavailable",
     "RelativeAttentionMask",
     "engine_op",
+    "fallback_words",
     "gather_attention",
     "max_relative_position",
     "query_positions",

@@ -14,6 +14,7 @@
 """
 
 import re
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,7 @@ from .documents import (
     read_files,
     read_input_text,
     record_id,
+    refused_files,
     report_problem,
 )
 
@@ -134,6 +136,30 @@ def read_judgments(paths, problems: list | None = None, max_characters: int | No
                              f"{max_characters:,} accepted (real judgments have up to about 13,000): "
                              "pass --max-characters to raise the limit.")
     return judgments
+
+
+def read_command_inputs(paths, max_characters: int | None = None,
+                        encoding: str | None = None) -> tuple[list[Judgment], int]:
+    """`read_judgments` as the commands read their inputs: each skipped line and each file left out said on standard
+    error (a line each, as the command line says everything; not a log record, which a program's logging setup could
+    send elsewhere), then how many files were left out; no judgment at all is a `ValueError`. Returns the judgments
+    and the number of files left out, for a command to repeat at its end (`input_files` words it).
+    `max_characters` None: `MAX_CHARACTERS`."""
+    problems = []
+    judgments = read_judgments(paths, problems, max_characters or MAX_CHARACTERS, encoding)
+    for problem in problems:
+        print(f"skipped {problem}", file=sys.stderr)
+    refused = len(refused_files(problems))
+    if refused:
+        print(f"left out {input_files(refused)} (named above); the rest was read", file=sys.stderr)
+    if not judgments:
+        raise ValueError(f"No judgments found in {', '.join(map(str, paths))}.")
+    return judgments, refused
+
+
+def input_files(count: int) -> str:
+    """`count` input file(s), in words."""
+    return f"{count} input file{'s' if count != 1 else ''}"
 
 
 def read_predictions(path, encoding: str | None = None) -> dict[str, str]:
@@ -311,5 +337,5 @@ def lead(sentences: list[str], count: int = 3) -> str:
     return "".join(sentences[:count])
 
 
-__all__ = ["Judgment", "cail_score", "lead", "oracle_labels", "read_judgments", "read_predictions", "rouge_l",
-           "rouge_scores", "split_sentences"]
+__all__ = ["Judgment", "cail_score", "input_files", "lead", "oracle_labels", "read_command_inputs", "read_judgments",
+           "read_predictions", "rouge_l", "rouge_scores", "split_sentences"]

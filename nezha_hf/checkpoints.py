@@ -11,7 +11,8 @@ skips such folders, with a warning naming each, and returns the newest checkpoin
 A run's checkpoints folder holds a `RunRecord` (`nezha_run.json`): what the run started from (the base
 model's and the data's content, the settings that shape training). `prepare_checkpoints` resumes only a
 run with the same record and refuses any other with one line naming the difference. `StopWhenNotFinite`
-ends a run whose loss or weights stop being finite before anything of it is saved.
+ends a run whose loss or weights stop being finite before anything of it is saved. `TrainingRun` is the skeleton
+every training command (`pretrain`, `train-summarizer`) is written on: these pieces, in their order.
 """
 
 import hashlib
@@ -27,11 +28,22 @@ import torch
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from safetensors import SafetensorError, safe_open
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
-from .distributed import OPTIMIZER_DCP, SCHEDULER_FILE, all_true, local_tensor, processes
+from .distributed import (
+    OPTIMIZER_DCP,
+    SCHEDULER_FILE,
+    DistributedCheckpointTrainer,
+    all_true,
+    claimed_by_main,
+    local_tensor,
+    on_main,
+    processes,
+    shared_staged_folder,
+)
+from .safe_output import check_destination
 
 logger = logging.get_logger(__name__)
 TRAINER_STATE = "trainer_state.json"
@@ -235,6 +247,17 @@ class RunRecord:
         return None
 
 
+def resumed_settings(training_arguments: dict, processes: int) -> dict:
+    """What a resumed run must share with the run it resumes, as its `RunRecord` keeps them: the examples of a step
+    (the global batch: per process, times the processes, times the accumulation steps; a run may resume on another
+    number of processes with a batch per process that keeps it) and how a step is computed (bf16). Others
+    (max_steps, the learning rate) may change between a run and its continuation."""
+    global_batch = (training_arguments.get("per_device_train_batch_size", 8) * processes
+                    * training_arguments.get("gradient_accumulation_steps", 1))
+    return {"global_batch": global_batch,
+            "bf16": bool(training_arguments.get("bf16", False))}
+
+
 def prepare_checkpoints(folder, record: RunRecord, resume: bool = True) -> Path | None:
     """Get a run's checkpoints folder ready; returns the checkpoint to resume from, or None.
 
@@ -290,5 +313,61 @@ class StopWhenNotFinite(TrainerCallback):
                                  f"(learning rate {args.learning_rate:g}); nothing was written")
 
 
-__all__ = ["NotFiniteError", "RunRecord", "StopWhenNotFinite", "check_links", "check_tokenizer", "checkpoint_problem",
-           "finished", "fingerprint", "last_complete_checkpoint", "load_tokenizer", "model_folder", "prepare_checkpoints"]
+class TrainingRun:
+    """One run of a training command (`pretrain`, `train-summarizer`), from its checked destinations to its output in
+    place:
+
+        run = TrainingRun("pretrain", base, data, output_dir, overwrite)
+        with run.claimed():                             # the output and its checkpoints held by the main process
+            record = run.record(settings, training_arguments)
+            on_main(run.state, lambda: prepare_checkpoints(run.checkpoints, record, resume))
+            trainer = run.trainer(model=..., args=TrainingArguments(str(run.checkpoints), ...), ...)
+            run.train(trainer, run.last_checkpoint())   # resumed from the last complete checkpoint, if any
+            with run.staged_output() as staging:        # written there, put in place whole
+                trainer.save_model(staging)
+
+    The output folder may not be `base` nor inside the data (`safe_output.check_destination`); an existing non-empty
+    one is replaced only with `overwrite`. Trainer checkpoints go to its sibling `<output_dir>.checkpoints/` (a
+    subfolder per stage of a run with several), with the `RunRecord` a resume must match."""
+
+    def __init__(self, command: str, base, data, output_dir, overwrite: bool = False):
+        self.command, self.base, self.data, self.overwrite = command, base, list(data), overwrite
+        self.state = processes()
+        self.output_dir = check_destination(output_dir, [base, *self.data], overwrite)
+        self.checkpoints = self.output_dir.with_name(self.output_dir.name + ".checkpoints")
+        check_destination(self.checkpoints, [base, *self.data], overwrite=True)
+
+    def claimed(self):
+        """The output folder and the checkpoints held by the main process for the block (`claimed_by_main`)."""
+        return claimed_by_main(self.state, self.output_dir, self.checkpoints)
+
+    def record(self, settings: dict, training_arguments: dict) -> RunRecord:
+        """The run's `RunRecord`: `settings` (what shapes the training) and what a resume keeps of the
+        `TrainingArguments` (`resumed_settings`)."""
+        return RunRecord.create(self.command, self.base, self.data,
+                                {**settings, **resumed_settings(training_arguments, self.state.num_processes)})
+
+    def trainer(self, callbacks=(), **trainer_arguments) -> DistributedCheckpointTrainer:
+        """Trainer (`DistributedCheckpointTrainer`, for any number of processes), ending the run as soon as its loss or
+        weights are not finite (`StopWhenNotFinite`)."""
+        return DistributedCheckpointTrainer(callbacks=[*callbacks, StopWhenNotFinite()], **trainer_arguments)
+
+    def last_checkpoint(self, stage: str | None = None) -> Path | None:
+        """The last complete checkpoint of the run (of its `stage`), found by the main process for all."""
+        folder = self.checkpoints / stage if stage else self.checkpoints
+        return on_main(self.state, lambda: last_complete_checkpoint(folder))
+
+    def train(self, trainer, last: Path | None) -> dict:
+        """`trainer.train()`, resumed from `last` when there is one (a line says so); returns Trainer's metrics."""
+        if last and self.state.is_main_process:
+            logger.warning(f"Resuming from {last}.")
+        return trainer.train(resume_from_checkpoint=str(last) if last else None).metrics
+
+    def staged_output(self):
+        """The folder to write the output into, put in place whole once the block ends (`shared_staged_folder`)."""
+        return shared_staged_folder(self.state, self.output_dir, self.overwrite)
+
+
+__all__ = ["NotFiniteError", "RunRecord", "StopWhenNotFinite", "TrainingRun", "check_links", "check_tokenizer", "checkpoint_problem",
+           "finished", "fingerprint", "last_complete_checkpoint", "load_tokenizer", "model_folder", "prepare_checkpoints",
+           "resumed_settings"]

@@ -29,6 +29,7 @@ import torch
 
 from .attention_ops import (
     AttentionProblem,
+    Engine,
     RelativeAttentionMask,
     engine_op,
     max_relative_position,
@@ -200,7 +201,7 @@ def _chunks(query, key, table, problem: AttentionProblem, buffers: int) -> list[
     """The chunks, in order, of one call that holds `buffers` chunk buffers."""
     batch, heads, queries, _ = query.shape
     keys, K = key.shape[-2], max_relative_position(table)
-    query_offset, causal, key_is_source = problem.mask.query_offset, problem.mask.causal, problem.key_is_source
+    query_offset, causal, key_is_source = problem.mask.query_offset, problem.mask.causal, problem.mask.key_is_source
     offset = int(query_offset) if not isinstance(query_offset, torch.Tensor) or query_offset.device.type != "meta" else 0
     source_end = 0
     if causal and key_is_source is not None:
@@ -286,6 +287,6 @@ def _backward_fake(grad_output, query, key, value, table, problem, output):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)  # contiguous
 
 
-chunked_attention = engine_op("chunked", forward_chunks, _forward_fake, backward_chunks, _backward_fake)
+chunked_attention = engine_op(Engine.CHUNKED, forward_chunks, _forward_fake, backward_chunks, _backward_fake)
 chunked_attention.__doc__ = """NEZHA attention in chunks of queries, `[batch, queries, heads, head_size]`; arguments as
     `fused_attention.fused_attention`, on any device and floating dtype (float64 computed in float64)."""

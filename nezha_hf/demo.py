@@ -32,6 +32,7 @@ from .extras import require_extra
 from .relative_attention import DEFAULT_ENGINE
 from .safe_output import staged_folder, write_text_atomically
 from .summarization import (
+    SETTINGS_FILE,
     Summarizer,
     evaluate_summaries,
     format_scores,
@@ -200,7 +201,7 @@ def summarizer_pipeline(workdir: Path, quick: bool = False, copy: bool = False) 
     model_dir = workdir / ("toy-summarizer-copy" if copy else "toy-summarizer")
     print(f"[3] The legal summariser, end to end. A toy: a small NEZHA trained on {len(training)} judgments shows the "
           "pipeline, not summary quality")
-    if (model_dir / "summarizer.json").exists():
+    if (model_dir / SETTINGS_FILE).exists():
         print(f"    reusing the summariser trained by an earlier run: {model_dir}")
     else:
         toy_base_model(workdir / "toy-base", [*training, held_out])

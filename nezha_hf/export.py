@@ -11,7 +11,6 @@ Needs `pip install "nezha_hf[onnx]"` (onnx, onnxscript, onnxruntime).
 """
 
 import copy
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,18 +18,27 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoints import check_links, load_tokenizer, model_folder
+from .checkpoints import model_folder
 from .extras import require_extra
 from .modeling_nezha import (
     NezhaForMultipleChoice,
     NezhaForSentenceExtraction,
     NezhaForUniLM,
     NezhaPreTrainedModel,
-    NezhaSentenceExtractionOutput,
-    sentence_means,
 )
 from .safe_output import check_destination, staged_file, staged_folder
-from .summarization import EXTRACTOR_DIR, GENERATOR_DIR, Summarizer, is_exported, summarizer_settings
+from .summarization import (
+    EXTRACTOR_DIR,
+    GENERATOR_DIR,
+    SETTINGS_FILE,
+    ExtractionCollator,
+    Summarizer,
+    encode_document,
+    load_exported_summarizer,
+    load_summarizer,  # its home is summarization; importable here too, where it was first documented
+    save_settings,
+    summarizer_settings,
+)
 
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
 # Heads whose inputs are not the three above, or that generate: not exported.
@@ -148,64 +156,9 @@ def export_onnx(model_or_path, output: str | os.PathLike, atol: float = 1e-4, ov
 # --- summarisers: the extractor and the generator through transformers' exporters -------------------------
 
 
-def generate_exported(generator, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
-                      eos_token_id: int | None, pad_token_id: int, logits_processor=None) -> torch.Tensor:
-    """Greedy decoding with a `NezhaForUniLM` exported by transformers' `export_for_generation` (its `prefill` and
-    `decode` components; a dynamic or a static cache, any backend): the tokens `model.generate(..., num_beams=1,
-    do_sample=False)` gives with the same logits processors. Returns the prompt followed by the new tokens, as
-    `generate` does.
-
-    The prompt is the UniLM source (token type 0); decoding steps take no token types (the model treats tokens
-    after its cache as targets). A `CopySpanLogitsProcessor` among the processors reads each step's copy logits.
-    A static cache's size is the one it was exported with; the prompt and the new tokens must fit in it.
-    """
-    from transformers import DynamicCache, StaticCache
-    from transformers.generation import LogitsProcessorList
-
-    from .generation_nezha import CopySpanLogitsProcessor
-
-    processors = LogitsProcessorList(logits_processor or [])
-    traced = generator.components["decode"].metadata.kwargs
-    if "cache" not in traced:
-        raise ValueError("This generator was exported without a KV cache (its config says use_cache=False): export it "
-                         "again from a model whose config has use_cache=True.")
-    size = None
-    if traced["cache"].get("container") == "StaticCache":
-        size = traced["attention_mask"]["shape"][1]  # a static cache's masks span the whole cache
-        if input_ids.shape[1] + max_new_tokens > size:
-            raise ValueError(f"The prompt ({input_ids.shape[1]} tokens) and {max_new_tokens} new tokens do not fit the "
-                             f"static cache of {size} the generator was exported with.")
-        cache = StaticCache(config=generator.config, max_cache_len=size)
-    else:
-        cache = DynamicCache(config=generator.config)
-
-    def mask_for(mask):
-        return mask if size is None else nn.functional.pad(mask, (0, size - mask.shape[1]))
-
-    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    out = generator.runners["prefill"](input_ids=input_ids, attention_mask=mask_for(attention_mask),
-                                       token_type_ids=torch.zeros_like(input_ids), cache=cache)
-    sequences, unfinished = input_ids, torch.ones(input_ids.shape[0], dtype=torch.bool)
-    for _ in range(max_new_tokens):
-        for processor in processors:
-            if isinstance(processor, CopySpanLogitsProcessor):
-                processor.read_copy_logits(None, None, out)
-        token = processors(sequences, out.logits[:, -1].float()).argmax(-1)
-        token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
-        sequences = torch.cat([sequences, token[:, None]], 1)
-        attention_mask = torch.cat([attention_mask, torch.ones_like(token[:, None])], 1)
-        if eos_token_id is not None:
-            unfinished &= token != eos_token_id
-        if not unfinished.any():
-            break
-        out = generator.runners["decode"](input_ids=token[:, None], attention_mask=mask_for(attention_mask),
-                                          cache=out.cache)
-    return sequences
-
-
 class TokenScores(nn.Module):
     """A `NezhaForSentenceExtraction` up to its per-token scores (`[batch, length]`): what is exported, so that the
-    graph has no data-dependent sentence count; `ExportedExtractor` pools them (`sentence_means`)."""
+    graph has no data-dependent sentence count; `summarization.ExportedExtractor` pools them (`sentence_means`)."""
 
     def __init__(self, extractor: NezhaForSentenceExtraction):
         super().__init__()
@@ -214,111 +167,6 @@ class TokenScores(nn.Module):
     def forward(self, input_ids, attention_mask):
         hidden = self.extractor.nezha(input_ids, attention_mask=attention_mask).last_hidden_state
         return self.extractor.classifier(hidden).squeeze(-1)
-
-
-class ExportedExtractor:
-    """An exported `TokenScores` where `Summarizer` takes the extractor: called like the model, it returns the
-    sentence logits the model returns."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, exported):
-        self.exported, self.config = exported, exported.config
-
-    def eval(self):
-        return self
-
-    def __call__(self, input_ids, attention_mask, sentence_ids):
-        scores = self.exported(input_ids=input_ids, attention_mask=attention_mask)
-        logits, _ = sentence_means(scores, sentence_ids, int(sentence_ids.max().clamp(min=0)) + 1)
-        return NezhaSentenceExtractionOutput(logits=logits)
-
-
-class ExportedGenerator:
-    """A `NezhaForUniLM` exported by transformers' `export_for_generation`, where `Summarizer` takes the model:
-    `generate` decodes greedily (`generate_exported`), with no repeated n-grams and, for a generator with a copy
-    head, the SPACES copy constraint, as the model's own `generate` would."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, exported):
-        self.exported, self.config, self.generation_config = exported, exported.config, exported.generation_config
-
-    def generate(self, input_ids, attention_mask=None, token_type_ids=None, max_new_tokens: int = 20, num_beams: int = 1,
-                 no_repeat_ngram_size: int = 0, eos_token_id=None, pad_token_id=None, copy_constraint: bool | None = None,
-                 do_sample: bool = False):
-        """Greedy decoding (`num_beams=1`, `do_sample=False`) of the prompt `input_ids` (all source)."""
-        from transformers.generation import NoRepeatNGramLogitsProcessor
-
-        from .generation_nezha import CopySpanLogitsProcessor
-
-        if num_beams != 1 or do_sample:
-            raise ValueError("An exported generator decodes greedily: pass num_beams=1 and do_sample=False.")
-        eos = self.generation_config.eos_token_id if eos_token_id is None else eos_token_id
-        pad = self.generation_config.pad_token_id if pad_token_id is None else pad_token_id
-        processors = [NoRepeatNGramLogitsProcessor(no_repeat_ngram_size)] if no_repeat_ngram_size else []
-        if copy_constraint if copy_constraint is not None else self.config.unilm_copy_tags:
-            special = {t for t in (pad, eos, self.generation_config.bos_token_id) if t is not None}
-            processors.append(CopySpanLogitsProcessor.for_prompt(input_ids, attention_mask, special))
-        return generate_exported(self.exported, input_ids, attention_mask, max_new_tokens, eos, pad, processors)
-
-
-def check_export(folder: Path) -> None:
-    """An error naming what a folder `ExportedModel.save_pretrained` wrote lacks (its manifest, a program file it
-    names, its config), before transformers would look the folder up on the model hub. The manifest is data from
-    whoever made the folder: it must name ONNX programs (what `export_summarizer` writes; other formats can run code
-    when loaded) by plain file names inside the folder."""
-    from transformers.exporters.auto import get_exporter_class
-
-    manifest_path = folder / "export.json"
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        files = [name for entry in manifest["components"].values()
-                 for name in get_exporter_class(manifest["export_format"]).program_files(entry["file"])]
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{manifest_path} is missing: export the summariser again.") from None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"{manifest_path} is damaged ({type(error).__name__}): export the summariser again.") from None
-    if manifest["export_format"] != "onnx":
-        raise ValueError(f"{manifest_path} names {manifest['export_format']!r} programs; an exported summariser holds "
-                         "ONNX programs (nezha-hf export onnx).")
-    outside = [name for name in files if Path(name).name != name or name in ("", ".", "..")]
-    if outside:
-        raise ValueError(f"{manifest_path} names files outside its folder ({', '.join(map(repr, outside[:3]))}): "
-                         "export the summariser again.")
-    for name in [*files, "config.json"]:
-        if not (folder / name).is_file():
-            raise FileNotFoundError(f"{folder / name} is missing: export the summariser again.")
-
-
-def load_exported_summarizer(directory, **settings) -> "Summarizer":
-    """The summariser `export_summarizer` wrote, running on onnxruntime: `.summarize(judgments)` as usual (greedy).
-    `settings` override those of its `summarizer.json`; more than one beam is refused (an exported generator decodes
-    greedily). A missing or damaged part is an error naming it."""
-    require_extra("onnx", "Running an exported summariser")
-    from transformers.exporters import ExportedModel
-
-    directory = Path(directory)
-    check_links(directory)
-    saved = {**summarizer_settings(directory), **settings}
-    if saved.get("num_beams", Summarizer.num_beams) != 1:
-        raise ValueError(f"{directory} is an exported summariser, which decodes greedily: it cannot use "
-                         f"{saved['num_beams']} beams (pass 1, or run the trained summariser).")
-    for part in (EXTRACTOR_DIR, GENERATOR_DIR):
-        check_export(directory / part)
-    summarizer = Summarizer(ExportedExtractor(ExportedModel.from_pretrained(directory / EXTRACTOR_DIR)),
-                            ExportedGenerator(ExportedModel.from_pretrained(directory / GENERATOR_DIR)),
-                            load_tokenizer(directory), **saved)
-    summarizer.check(directory)
-    return summarizer
-
-
-def load_summarizer(directory, **settings) -> "Summarizer":
-    """A summariser folder of either kind: `train-summarizer`'s (`Summarizer.from_pretrained`) or
-    `nezha-hf export onnx`'s (`load_exported_summarizer`). `settings` override those of its `summarizer.json`."""
-    if is_exported(directory):
-        return load_exported_summarizer(directory, **settings)
-    return Summarizer.from_pretrained(directory, **settings)
 
 
 # Judgments the export is verified on (real CAIL2020 judgments shipped with the package), and how far.
@@ -347,7 +195,7 @@ def export_summarizer(directory, output, atol: float = 1e-4, overwrite: bool = F
     `OnnxExporter`, the generator with its `export_for_generation` (dynamic shapes and cache), the tokenizer and
     settings beside them. Verified before it is put in place at `output`: on the real judgments shipped with the
     package, the extraction probabilities within `atol` and `VERIFY_NEW_TOKENS` greedily generated tokens equal
-    to PyTorch `generate()`'s. `load_exported_summarizer(output)` runs it.
+    to PyTorch `generate()`'s. `nezha_hf.summarization.load_summarizer(output)` runs it.
 
     The exported generator decodes greedily (one beam). A summariser that decodes with more beams (the default of
     `train-summarizer` is 3) would write other summaries once exported, so it is refused unless `greedy=True`
@@ -357,10 +205,9 @@ def export_summarizer(directory, output, atol: float = 1e-4, overwrite: bool = F
 
     from .cail import read_judgments
     from .demo import EXAMPLES
-    from .summarization import ExtractionCollator, encode_document
     from .unilm import encode_sources
 
-    directory = model_folder(directory, "summarizer.json")
+    directory = model_folder(directory, SETTINGS_FILE)
     output = check_destination(output, [directory], overwrite)
     beams = summarizer_settings(directory).get("num_beams", 1)
     if beams != 1 and not greedy:
@@ -383,7 +230,7 @@ def export_summarizer(directory, output, atol: float = 1e-4, overwrite: bool = F
                                        generation_config=summarizer.generator.generation_config,
                                        ).save_pretrained(staging / GENERATOR_DIR)
         tokenizer.save_pretrained(staging)
-        (staging / "summarizer.json").write_text(json.dumps({**summarizer.settings(), "num_beams": 1}))
+        save_settings(staging, {**summarizer.settings(), "num_beams": 1})
         exported = load_exported_summarizer(staging)
         probabilities = [summarizer.extract_probabilities(judgments), exported.extract_probabilities(judgments)]
         difference = max(abs(a - b) for x, y in zip(*probabilities) for a, b in zip(x, y))
@@ -397,5 +244,4 @@ def export_summarizer(directory, output, atol: float = 1e-4, overwrite: bool = F
     return SummarizerExport(str(output), len(judgments), difference, VERIFY_NEW_TOKENS)
 
 
-__all__ = ["OnnxExport", "SummarizerExport", "export_onnx", "export_summarizer", "generate_exported",
-           "load_exported_summarizer", "load_summarizer"]
+__all__ = ["OnnxExport", "SummarizerExport", "TokenScores", "export_onnx", "export_summarizer", "load_summarizer"]

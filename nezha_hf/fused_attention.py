@@ -26,7 +26,7 @@ import torch
 from packaging.version import Version
 from transformers.utils import logging
 
-from .attention_ops import AttentionProblem, engine_op
+from .attention_ops import AttentionProblem, Engine, engine_op, fallback_words
 
 logger = logging.get_logger(__name__)
 
@@ -37,8 +37,7 @@ KERNEL_BLOCK_SIZES = (0, 0)
 LOCK_TIMEOUT_VARIABLE = "NEZHA_HF_KERNEL_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT = 300.0
 # What runs where the kernel is not built, in the words of the warning that says so.
-WITHOUT_KERNEL = ("the three-regions engine runs for long inputs on the CPU and the chunked engine otherwise, with the "
-                  "same results")
+WITHOUT_KERNEL = fallback_words(Engine.FUSED)
 # PyTorch before 2.14 marks a build in progress by the mere existence of `lock` in the build folder, which a killed
 # build leaves behind and every later load waits on. From 2.14 on that file is an advisory lock the system releases
 # when its holder dies, and it stays after every build: its presence then says nothing.
@@ -168,8 +167,8 @@ def fused_kernel():
     """The fused NEZHA attention kernel, built on first use and then cached; None if unavailable.
 
     It is built with PyTorch's `torch.utils.cpp_extension.load` (a C++ compiler, `kernel_flags` for its family, and
-    `ninja`) into `build_directory()`, for the CPU it runs on. It is not used, and the PyTorch engines run instead,
-    when the environment variable `NEZHA_HF_KERNEL=0` is set, the source file is absent (remote-code checkpoints copy
+    `ninja`) into `build_directory()`, for the CPU it runs on. It is not used (the engines after it in the chain,
+    `attention_ops.Engine`, take its calls) when the environment variable `NEZHA_HF_KERNEL=0` is set, the source file is absent (remote-code checkpoints copy
     only the Python files), no C++ compiler is found, the build fails, or another process's build of the same kernel
     is still going after `NEZHA_HF_KERNEL_LOCK_TIMEOUT` seconds (default 300); each of these is logged once.
     `forget_fused_kernel()` forgets the result, so the next call tries again.
@@ -276,7 +275,7 @@ def _backward_fake(grad_output, query, key, value, table, problem, output, lse):
     return like(query), like(key), like(value)
 
 
-fused_attention = engine_op("fused", _forward, _forward_fake, _backward, _backward_fake, device_types="cpu")
+fused_attention = engine_op(Engine.FUSED, _forward, _forward_fake, _backward, _backward_fake, device_types="cpu")
 fused_attention.__doc__ = """NEZHA attention by the fused kernel, `[batch, queries, heads, head_size]`.
 
     Args:

@@ -30,20 +30,12 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.distributed import DistributedConfig
 from transformers.utils import logging
 
-from .checkpoints import RunRecord, StopWhenNotFinite, check_tokenizer, finished, load_tokenizer, prepare_checkpoints
+from .checkpoints import TrainingRun, check_tokenizer, finished, load_tokenizer, prepare_checkpoints
 from .configuration_nezha import NezhaConfig
-from .distributed import (
-    DistributedCheckpointTrainer,
-    claimed_by_main,
-    cpu_only,
-    on_main,
-    processes,
-    shared_staged_folder,
-)
+from .distributed import cpu_only, on_main
 from .documents import jieba_words, read_documents, refused_files
 from .modeling_nezha import NezhaForMaskedLM
 from .padding import attention_mask_for, pad_rows
-from .safe_output import check_destination
 
 logger = logging.get_logger(__name__)
 NOT_A_WORD = -1
@@ -202,17 +194,15 @@ def continue_pretraining(
         Trainer's training metrics (`train_loss`, `train_runtime`, ...); empty when the run had already ended.
         A loss or weights that stop being finite end the run with `checkpoints.NotFiniteError`, writing nothing.
     """
-    state = processes()
-    output_dir = check_destination(output_dir, [model_path, *files], overwrite)
-    checkpoints = output_dir.with_name(output_dir.name + ".checkpoints")
-    check_destination(checkpoints, [model_path, *files], overwrite=True)
+    run = TrainingRun("pretrain", model_path, files, output_dir, overwrite)
+    state = run.state
     defaults = dict(
         per_device_train_batch_size=8, learning_rate=5e-5, warmup_steps=0.06, weight_decay=0.01, save_steps=500,
         save_total_limit=2, logging_steps=50, report_to=[], disable_tqdm=not show_progress, use_cpu=cpu_only(),
     )
     settings = {**defaults, **training_arguments}
     show_progress = show_progress and state.is_main_process
-    with claimed_by_main(state, output_dir, checkpoints):
+    with run.claimed():
         tokenizer = load_tokenizer(model_path)
         check_tokenizer(tokenizer, NezhaConfig.from_pretrained(model_path), model_path,
                         needs=("cls_token", "sep_token", "pad_token", "mask_token"))
@@ -231,12 +221,11 @@ def continue_pretraining(
             refused = len(refused_files(problems))
             logger.warning(f"Packed {len(texts)} documents into {len(dataset)} sequences of up to {max_length} "
                            f"tokens ({len(problems) - refused} input lines skipped, {refused} files left out).")
-        arguments = TrainingArguments(output_dir=str(checkpoints), remove_unused_columns=False, **settings)
-        record = RunRecord.create("pretrain", model_path, files, {
-            "max_length": max_length, "mlm_probability": mlm_probability, "txt_split": txt_split, "encoding": encoding,
-            "seed": arguments.seed, **resumed_settings(settings, state.num_processes)})
-        last = on_main(state, lambda: prepare_checkpoints(checkpoints, record, resume))
-        with shared_staged_folder(state, output_dir, overwrite) as staging:  # model and tokenizer appear together
+        arguments = TrainingArguments(output_dir=str(run.checkpoints), remove_unused_columns=False, **settings)
+        record = run.record({"max_length": max_length, "mlm_probability": mlm_probability, "txt_split": txt_split,
+                             "encoding": encoding, "seed": arguments.seed}, settings)
+        last = on_main(state, lambda: prepare_checkpoints(run.checkpoints, record, resume))
+        with run.staged_output() as staging:  # model and tokenizer appear together
             if finished(last, arguments.max_steps):
                 if state.is_main_process:
                     logger.warning(f"{last} already ends this run: nothing more to train.")
@@ -244,24 +233,10 @@ def continue_pretraining(
                 metrics = {}
             else:
                 collator = WholeWordMaskCollator(tokenizer, mlm_probability, seed=arguments.seed)
-                trainer = DistributedCheckpointTrainer(
-                    model=model, args=arguments, train_dataset=dataset, data_collator=collator,
-                    callbacks=[MaskingEpochCallback(collator), StopWhenNotFinite()])
-                if last and state.is_main_process:
-                    logger.warning(f"Resuming from {last}.")
-                metrics = trainer.train(resume_from_checkpoint=str(last) if last else None).metrics
+                trainer = run.trainer(model=model, args=arguments, train_dataset=dataset, data_collator=collator,
+                                      callbacks=[MaskingEpochCallback(collator)])
+                metrics = run.train(trainer, last)
                 trainer.save_model(str(staging))
             if state.is_main_process:
                 tokenizer.save_pretrained(str(staging))
     return metrics
-
-
-def resumed_settings(training_arguments: dict, processes: int) -> dict:
-    """What a resumed run must share with the run it resumes, as its `RunRecord` keeps them: the examples of a step
-    (the global batch: per process, times the processes, times the accumulation steps; a run may resume on another
-    number of processes with a batch per process that keeps it) and how a step is computed (bf16). Others
-    (max_steps, the learning rate) may change between a run and its continuation."""
-    global_batch = (training_arguments.get("per_device_train_batch_size", 8) * processes
-                    * training_arguments.get("gradient_accumulation_steps", 1))
-    return {"global_batch": global_batch,
-            "bf16": bool(training_arguments.get("bf16", False))}

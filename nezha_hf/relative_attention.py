@@ -10,7 +10,7 @@ For a head of size `d`, query position `i`, key position `j` and `K = max_relati
 shape. Four engines compute it exactly: `ENGINES` declares each one (what it is, when it cannot run
 and what runs instead), `relative_attention` is the one function every `attn_implementation` goes
 through, and `implementation_table()` renders the declarations as the table of which engine runs
-where (README.md holds it; a test keeps the two equal). The engine that ran is logged once
+where (docs/attention.md holds it; a test keeps the two equal). The engine that ran is logged once
 per situation at INFO and recorded for `recorded_attention_calls()`.
 
 The mask is a `RelativeAttentionMask` (key padding, causal or UniLM prefix) rather than a dense
@@ -19,7 +19,6 @@ The mask is a `RelativeAttentionMask` (key padding, causal or UniLM prefix) rath
 """
 
 import contextlib
-import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -29,6 +28,7 @@ from transformers.utils import logging
 
 from .attention_ops import (
     AttentionProblem,
+    Engine,
     EngineUnavailable,
     RelativeAttentionMask,
     gather_attention,
@@ -51,21 +51,6 @@ logger = logging.get_logger(__name__)
 
 # Below this length three regions are slower than the chunked path on CPU (benchmarks/attention.py).
 THREE_REGIONS_MIN_LENGTH = 513
-
-
-class Engine(enum.Enum):
-    """The engines that compute NEZHA attention; each value is the `attn_implementation` that asks for it."""
-
-    FUSED = "nezha_fused"
-    TRITON = "nezha_triton"
-    THREE_REGIONS = "nezha_three_regions"
-    CHUNKED = "nezha_chunked"
-    GATHER = "eager"
-
-    @property
-    def label(self) -> str:
-        """How logs and the docs name the engine."""
-        return ENGINES[self].label
 
 
 DEFAULT_ENGINE = Engine.FUSED
@@ -99,15 +84,13 @@ class Situation:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """One engine: its label, what it is, the function that runs it, why it cannot run a call, and what runs
-    then. `run(query, key, value, table, problem)` returns `(output [batch, queries, heads, head_size], probabilities
-    or None)`; `unusable(situation)` returns a reason, or None when it runs."""
+    """One engine: what it is, the function that runs it, and why it cannot run a call (the next engine of `Engine`
+    then takes it). `run(query, key, value, table, problem)` returns `(output [batch, queries, heads, head_size],
+    probabilities or None)`; `unusable(situation)` returns a reason, or None when it runs."""
 
-    label: str
     summary: str
     run: Callable
     unusable: Callable[[Situation], str | None]
-    fallback: Engine | None
 
 
 def _no_probabilities(situation: Situation) -> str | None:
@@ -179,53 +162,48 @@ def _gather(query, key, value, table, problem):
     return output, probs
 
 
-# Every engine, in the order of the docs' table. Fallbacks end at the gather engine, which runs everywhere.
+# Every engine, in the order of `Engine`: the fallback chain, which ends at the gather engine (it runs everywhere).
 ENGINES = {
     Engine.FUSED: EngineSpec(
-        "fused kernel",
         "Linear memory, the fastest on CPU: a compiled C++ kernel (`csrc/fused_attention.cpp`), flash attention with "
         "the relative terms as per-row lookups and bucket sums; bfloat16 blocks multiplied in bfloat16 where the CPU "
         "has AMX or AVX512-BF16 (float16: AMX-FP16).",
-        _op_engine(fused_attention), _fused_unusable, Engine.TRITON,
+        _op_engine(fused_attention), _fused_unusable,
     ),
     Engine.TRITON: EngineSpec(
-        "Triton kernel",
         "Linear memory on CUDA and ROCm GPUs: Triton kernels (`triton_kernels.py`), flash attention whose tiles "
         "left and right of the band `|j - i| < K` are plain FlashAttention-2 tiles (a per-row key constant, the value "
         "term as row sums) and whose band tiles multiply by the table on chip; decoding steps split over the keys. "
         "Needs Triton; correct on an H100, 1.4-2.1x SDPA's FlashAttention there (docs/performance.md).",
-        _triton, _triton_unusable, Engine.THREE_REGIONS,
+        _triton, _triton_unusable,
     ),
     # Where the kernel is not built (remote code, no compiler), the fastest for long inputs on the CPU
     # (docs/performance.md); otherwise the chunked engine.
     Engine.THREE_REGIONS: EngineSpec(
-        "three regions",
         "Linear memory from PyTorch's CPU flash kernel: the band `|j - i| < K` and the two tails are plain "
         "attentions merged by their log-sum-exps.",
-        _op_engine(three_regions_attention), _three_regions_unusable, Engine.CHUNKED,
+        _op_engine(three_regions_attention), _three_regions_unusable,
     ),
     Engine.CHUNKED: EngineSpec(
-        "chunked",
         "Linear memory from PyTorch ops only, on any device and dtype: queries in chunks, the tails' relative "
         "terms as extra head dimensions.",
-        _op_engine(chunked_attention), _no_probabilities, Engine.GATHER,
+        _op_engine(chunked_attention), _no_probabilities,
     ),
     Engine.GATHER: EngineSpec(
-        "gather",
         "`L x L` scores per head, the relative terms gathered from `q @ T^T`; the reference, and the only engine "
         "that returns attention probabilities.",
-        _gather, lambda situation: None, None,
+        _gather, lambda situation: None,
     ),
 }
 
 
 def choose_engine(requested: Engine, situation: Situation) -> tuple[Engine, str]:
     """The engine that runs `situation` when `requested` is asked for, and why the requested one does not ("" if it
-    does): the first one along the fallbacks that is usable."""
+    does): the first usable one of `requested` and its fallbacks (the gather engine always is)."""
     engine, why = requested, ""
     while (reason := ENGINES[engine].unusable(situation)) is not None:
         why = why or reason
-        engine = ENGINES[engine].fallback
+        engine = engine.fallbacks[0]
     return engine, why
 
 
@@ -378,7 +356,7 @@ DOCUMENTED_SITUATIONS = {
 
 def implementation_table() -> str:
     """The Markdown table of which engine runs for each `attn_implementation` in `DOCUMENTED_SITUATIONS`,
-    computed from `ENGINES` (README.md holds its output)."""
+    computed from `ENGINES` (docs/attention.md holds its output)."""
     header = "| situation | " + " | ".join(f"`{engine.value}`" for engine in Engine) + " |"
     lines = [header, "|---" * (len(Engine) + 1) + "|"]
     for label, situation in DOCUMENTED_SITUATIONS.items():
@@ -388,8 +366,8 @@ def implementation_table() -> str:
 
 
 def engine_descriptions() -> str:
-    """The Markdown list of what each engine is, from `ENGINES` (README.md holds its output under the table)."""
-    return "\n".join(f"- **{spec.label}** (`{engine.value}`): {spec.summary}" for engine, spec in ENGINES.items())
+    """The Markdown list of what each engine is, from `ENGINES` (docs/attention.md holds its output under the table)."""
+    return "\n".join(f"- **{engine.label}** (`{engine.value}`): {spec.summary}" for engine, spec in ENGINES.items())
 
 
 def prepare_attention(implementation: str | None, device: torch.device | str | None) -> str:

@@ -1,6 +1,6 @@
 """Long-judgment summarisation: extract sentences with NEZHA over the whole document, then generate.
 
-    summarizer = Summarizer.from_pretrained("my-summarizer/")
+    summarizer = load_summarizer("my-summarizer/")     # trained, or exported to ONNX: the folder says which
     summaries = summarizer.summarize(read_judgments(["judgments/"]))
 
 Stage 1, `NezhaForSentenceExtraction`, reads the entire judgment in one pass (no 512-token
@@ -8,49 +8,51 @@ windows, unlike SPACES, which encoded one sentence at a time) and scores every s
 selection keeps sentences whose probability reaches `threshold`, in document order, within a
 token budget for the generator. Stage 2, `NezhaForUniLM`, writes the summary from the selected
 sentences. `train_summarizer` trains both from one CAIL2020 JSONL file (labels from the file, or
-from `oracle_labels` when a record has none); `evaluate_summaries` scores against references.
+from `oracle_labels` when a record has none); `summarize_files` is `nezha-hf summarize` (files in, a JSONL or text
+file out, resumable); `evaluate_summaries` scores against references.
+
+A summariser folder holds `extractor/`, `generator/`, the tokenizer and `summarizer.json` (`SETTINGS_FILE`). Its
+models are PyTorch models (`train-summarizer`) or ONNX programs (`nezha-hf export onnx`, `nezha_hf.export`), run
+here by `ExportedExtractor` and `ExportedGenerator` on onnxruntime; `load_summarizer` loads either kind.
 """
 
 import json
 import math
 import random
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 from transformers import TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.utils import logging
 
-from .cail import Judgment, lead, oracle_labels, rouge_scores
+from .cail import Judgment, lead, oracle_labels, read_command_inputs, rouge_scores
 from .checkpoints import (
     RunRecord,
+    TrainingRun,
     check_links,
     check_tokenizer,
-    StopWhenNotFinite,
-    last_complete_checkpoint,
     load_tokenizer,
+    model_folder,
     prepare_checkpoints,
 )
 from .configuration_nezha import NezhaConfig
-from .modeling_nezha import NezhaForSentenceExtraction, NezhaForUniLM
+from .distributed import claimed_by_main, cpu_only, on_main, processes, run_batches
+from .extras import require_extra
+from .generation_nezha import CopySpanLogitsProcessor
+from .modeling_nezha import NezhaForSentenceExtraction, NezhaForUniLM, NezhaSentenceExtractionOutput, sentence_means
 from .padding import attention_mask_for, pad_rows
-from .pretraining import resumed_settings
-from .distributed import (
-    DistributedCheckpointTrainer,
-    claimed_by_main,
-    cpu_only,
-    on_main,
-    processes,
-    shared_staged_folder,
-)
-from .safe_output import check_destination
+from .safe_output import check_destination, write_text_atomically
 from .unilm import UniLMDataCollator, generate_text
 
 logger = logging.get_logger(__name__)
 EXTRACTOR_DIR, GENERATOR_DIR = "extractor", "generator"
+SETTINGS_FILE = "summarizer.json"  # a summariser folder's settings (`Summarizer.settings`)
 
 
 # --- stage 1: extraction ---------------------------------------------------------------------
@@ -165,14 +167,14 @@ class Summarizer:
     def from_pretrained(cls, directory: str | Path, **settings) -> "Summarizer":
         """Load the summariser folder `train-summarizer` wrote: the models `extractor/` and `generator/`, their
         tokenizer and `summarizer.json`, whose settings `settings` override. A part that is missing or damaged, or a
-        tokenizer that is not the models' own, is an error naming it. (`nezha_hf.export.load_summarizer` loads this
-        kind and the exported kind alike.)"""
+        tokenizer that is not the models' own, is an error naming it. (`load_summarizer` loads this kind and the
+        exported kind alike.)"""
         directory = Path(directory)
         check_links(directory)
         saved = {**summarizer_settings(directory), **settings}
         if is_exported(directory):
             raise ValueError(f"{directory} is an exported summariser (nezha-hf export onnx): load it with "
-                             "nezha_hf.export.load_summarizer.")
+                             "nezha_hf.summarization.load_summarizer.")
         missing = [f"{part}/config.json" for part in (EXTRACTOR_DIR, GENERATOR_DIR)
                    if not (directory / part / "config.json").is_file()]
         if missing:
@@ -200,7 +202,7 @@ class Summarizer:
         self.extractor.save_pretrained(directory / EXTRACTOR_DIR)
         self.generator.save_pretrained(directory / GENERATOR_DIR)
         self.tokenizer.save_pretrained(directory)
-        (directory / "summarizer.json").write_text(json.dumps(self.settings()))
+        save_settings(directory, self.settings())
 
     def settings(self) -> dict:
         """What `summarizer.json` holds: the extraction threshold, the generator's source budget, the beams."""
@@ -241,14 +243,23 @@ def is_exported(directory: Path) -> bool:
     return (Path(directory) / EXTRACTOR_DIR / "export.json").is_file()
 
 
+def save_settings(directory: Path, settings: dict) -> None:
+    """Write a summariser folder's `summarizer.json` (`SETTINGS_FILE`): `settings` as `Summarizer.settings` gives
+    them (checked by `settings_problem`)."""
+    problem = settings_problem(settings)
+    if problem:
+        raise ValueError(f"Summarizer: {problem}.")
+    (Path(directory) / SETTINGS_FILE).write_text(json.dumps(settings))
+
+
 def summarizer_settings(directory: Path) -> dict:
     """What `summarizer.json` in a summariser folder holds (`Summarizer.settings`); an error naming the file if it is
     missing or damaged."""
-    path = directory / "summarizer.json"
+    path = directory / SETTINGS_FILE
     try:
         settings = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise FileNotFoundError(f"{directory} is not a summariser folder: it has no summarizer.json (train-summarizer "
+        raise FileNotFoundError(f"{directory} is not a summariser folder: it has no {SETTINGS_FILE} (train-summarizer "
                                 "and export onnx write one).") from None
     except (OSError, ValueError) as error:
         raise ValueError(f"{path} is damaged ({type(error).__name__}): write the summariser again.") from None
@@ -283,6 +294,242 @@ def settings_problem(settings: dict) -> str | None:
     if settings.get("num_beams", 1) > MAX_BEAMS:
         return f"num_beams must be at most {MAX_BEAMS}, got {settings['num_beams']}"
     return None
+
+
+# --- an exported summariser, on onnxruntime --------------------------------------------------------------------
+
+
+def generate_exported(generator, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
+                      eos_token_id: int | None, pad_token_id: int, logits_processor=None) -> torch.Tensor:
+    """Greedy decoding with a `NezhaForUniLM` exported by transformers' `export_for_generation` (its `prefill` and
+    `decode` components; a dynamic or a static cache, any backend): the tokens `model.generate(..., num_beams=1,
+    do_sample=False)` gives with the same logits processors. Returns the prompt followed by the new tokens, as
+    `generate` does.
+
+    The prompt is the UniLM source (token type 0); decoding steps take no token types (the model treats tokens
+    after its cache as targets). A `CopySpanLogitsProcessor` among the processors reads each step's copy logits.
+    A static cache's size is the one it was exported with; the prompt and the new tokens must fit in it.
+    """
+    from transformers import DynamicCache, StaticCache
+    from transformers.generation import LogitsProcessorList
+
+    processors = LogitsProcessorList(logits_processor or [])
+    traced = generator.components["decode"].metadata.kwargs
+    if "cache" not in traced:
+        raise ValueError("This generator was exported without a KV cache (its config says use_cache=False): export it "
+                         "again from a model whose config has use_cache=True.")
+    size = None
+    if traced["cache"].get("container") == "StaticCache":
+        size = traced["attention_mask"]["shape"][1]  # a static cache's masks span the whole cache
+        if input_ids.shape[1] + max_new_tokens > size:
+            raise ValueError(f"The prompt ({input_ids.shape[1]} tokens) and {max_new_tokens} new tokens do not fit the "
+                             f"static cache of {size} the generator was exported with.")
+        cache = StaticCache(config=generator.config, max_cache_len=size)
+    else:
+        cache = DynamicCache(config=generator.config)
+
+    def mask_for(mask):
+        return mask if size is None else nn.functional.pad(mask, (0, size - mask.shape[1]))
+
+    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    out = generator.runners["prefill"](input_ids=input_ids, attention_mask=mask_for(attention_mask),
+                                       token_type_ids=torch.zeros_like(input_ids), cache=cache)
+    sequences, unfinished = input_ids, torch.ones(input_ids.shape[0], dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        for processor in processors:
+            if isinstance(processor, CopySpanLogitsProcessor):
+                processor.read_copy_logits(None, None, out)
+        token = processors(sequences, out.logits[:, -1].float()).argmax(-1)
+        token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
+        sequences = torch.cat([sequences, token[:, None]], 1)
+        attention_mask = torch.cat([attention_mask, torch.ones_like(token[:, None])], 1)
+        if eos_token_id is not None:
+            unfinished &= token != eos_token_id
+        if not unfinished.any():
+            break
+        out = generator.runners["decode"](input_ids=token[:, None], attention_mask=mask_for(attention_mask),
+                                          cache=out.cache)
+    return sequences
+
+
+class ExportedExtractor:
+    """An exported extractor (`nezha_hf.export.TokenScores`: per-token scores) where `Summarizer` takes the extractor: called like the model, it returns the
+    sentence logits the model returns."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, exported):
+        self.exported, self.config = exported, exported.config
+
+    def eval(self):
+        return self
+
+    def __call__(self, input_ids, attention_mask, sentence_ids):
+        scores = self.exported(input_ids=input_ids, attention_mask=attention_mask)
+        logits, _ = sentence_means(scores, sentence_ids, int(sentence_ids.max().clamp(min=0)) + 1)
+        return NezhaSentenceExtractionOutput(logits=logits)
+
+
+class ExportedGenerator:
+    """A `NezhaForUniLM` exported by transformers' `export_for_generation`, where `Summarizer` takes the model:
+    `generate` decodes greedily (`generate_exported`), with no repeated n-grams and, for a generator with a copy
+    head, the SPACES copy constraint, as the model's own `generate` would."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, exported):
+        self.exported, self.config, self.generation_config = exported, exported.config, exported.generation_config
+
+    def generate(self, input_ids, attention_mask=None, token_type_ids=None, max_new_tokens: int = 20, num_beams: int = 1,
+                 no_repeat_ngram_size: int = 0, eos_token_id=None, pad_token_id=None, copy_constraint: bool | None = None,
+                 do_sample: bool = False):
+        """Greedy decoding (`num_beams=1`, `do_sample=False`) of the prompt `input_ids` (all source)."""
+        from transformers.generation import NoRepeatNGramLogitsProcessor
+
+        if num_beams != 1 or do_sample:
+            raise ValueError("An exported generator decodes greedily: pass num_beams=1 and do_sample=False.")
+        eos = self.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+        pad = self.generation_config.pad_token_id if pad_token_id is None else pad_token_id
+        processors = [NoRepeatNGramLogitsProcessor(no_repeat_ngram_size)] if no_repeat_ngram_size else []
+        if copy_constraint if copy_constraint is not None else self.config.unilm_copy_tags:
+            special = {t for t in (pad, eos, self.generation_config.bos_token_id) if t is not None}
+            processors.append(CopySpanLogitsProcessor.for_prompt(input_ids, attention_mask, special))
+        return generate_exported(self.exported, input_ids, attention_mask, max_new_tokens, eos, pad, processors)
+
+
+def check_export(folder: Path) -> None:
+    """An error naming what a folder `ExportedModel.save_pretrained` wrote lacks (its manifest, a program file it
+    names, its config), before transformers would look the folder up on the model hub. The manifest is data from
+    whoever made the folder: it must name ONNX programs (what `export_summarizer` writes; other formats can run code
+    when loaded) by plain file names inside the folder."""
+    from transformers.exporters.auto import get_exporter_class
+
+    manifest_path = folder / "export.json"
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = [name for entry in manifest["components"].values()
+                 for name in get_exporter_class(manifest["export_format"]).program_files(entry["file"])]
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{manifest_path} is missing: export the summariser again.") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{manifest_path} is damaged ({type(error).__name__}): export the summariser again.") from None
+    if manifest["export_format"] != "onnx":
+        raise ValueError(f"{manifest_path} names {manifest['export_format']!r} programs; an exported summariser holds "
+                         "ONNX programs (nezha-hf export onnx).")
+    outside = [name for name in files if Path(name).name != name or name in ("", ".", "..")]
+    if outside:
+        raise ValueError(f"{manifest_path} names files outside its folder ({', '.join(map(repr, outside[:3]))}): "
+                         "export the summariser again.")
+    for name in [*files, "config.json"]:
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{folder / name} is missing: export the summariser again.")
+
+
+def load_exported_summarizer(directory, **settings) -> Summarizer:
+    """The summariser `export_summarizer` wrote, running on onnxruntime: `.summarize(judgments)` as usual (greedy).
+    `settings` override those of its `summarizer.json`; more than one beam is refused (an exported generator decodes
+    greedily). A missing or damaged part is an error naming it."""
+    require_extra("onnx", "Running an exported summariser")
+    from transformers.exporters import ExportedModel
+
+    directory = Path(directory)
+    check_links(directory)
+    saved = {**summarizer_settings(directory), **settings}
+    if saved.get("num_beams", Summarizer.num_beams) != 1:
+        raise ValueError(f"{directory} is an exported summariser, which decodes greedily: it cannot use "
+                         f"{saved['num_beams']} beams (pass 1, or run the trained summariser).")
+    for part in (EXTRACTOR_DIR, GENERATOR_DIR):
+        check_export(directory / part)
+    summarizer = Summarizer(ExportedExtractor(ExportedModel.from_pretrained(directory / EXTRACTOR_DIR)),
+                            ExportedGenerator(ExportedModel.from_pretrained(directory / GENERATOR_DIR)),
+                            load_tokenizer(directory), **saved)
+    summarizer.check(directory)
+    return summarizer
+
+
+def load_summarizer(directory, **settings) -> Summarizer:
+    """A summariser folder of either kind: `train-summarizer`'s (`Summarizer.from_pretrained`) or
+    `nezha-hf export onnx`'s (`load_exported_summarizer`). `settings` override those of its `summarizer.json`."""
+    if is_exported(directory):
+        return load_exported_summarizer(directory, **settings)
+    return Summarizer.from_pretrained(directory, **settings)
+
+
+# --- the `summarize` command: files in, one file out ------------------------------------------------------------
+
+
+SUMMARY_SUFFIXES = (".jsonl", ".json", ".txt")  # what `summarize_files` writes: JSONL, or text for .txt
+
+
+@dataclass
+class SummarizedFiles:
+    """What `summarize_files` did: a result per judgment (`Summarizer.summarize`'s), in input order, and how many
+    input files it left out (each named in a warning when it was found)."""
+
+    results: list[dict]
+    left_out: int
+
+
+def summaries_text(results: list[dict], text: bool = False) -> str:
+    """Results of `Summarizer.summarize` as JSONL (one `{id, extracted, summary}` a line) or, with `text`, as text
+    (each id on a line, its summary below it, a blank line between)."""
+    if text:
+        return "\n\n".join(f"{r['id']}\n{r['summary']}" for r in results) + "\n"
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
+
+
+def summarize_files(summarizer_dir, inputs, output=None, *, overwrite: bool = False, resume: bool = True,
+                    extract_only: bool = False, batch_size: int = 4, threshold: float | None = None,
+                    token_budget: int | None = None, num_beams: int | None = None, copy_constraint: bool | None = None,
+                    max_new_tokens: int = 512, max_characters: int | None = None, encoding: str | None = None,
+                    show_progress: bool = True) -> SummarizedFiles | None:
+    """`nezha-hf summarize`: summarise the judgments in `inputs` (`.txt` files, folders, JSONL: `cail.read_judgments`)
+    with the summariser folder `summarizer_dir` (either kind: `load_summarizer`) into `output`.
+
+    `output` is a JSONL file (`.jsonl`, `.json`) or text (`.txt`): checked (never an input, nor inside one; replaced
+    only with `overwrite`) before any input is read, and written whole at the end. Finished batches are kept beside it
+    (`.<name>.progress/`), so that a rerun after a kill goes on from there when nothing it depends on changed
+    (`resume=False` starts over); the batches are shared out among the processes of a multi-process launch. Without
+    `output` nothing is written (the caller prints the results: `summaries_text`).
+
+    `threshold`, `token_budget`, `num_beams` override the summariser's own settings (None keeps them);
+    `copy_constraint=False` decodes freely even if the generator has a copy head; `extract_only` gives the extracted
+    sentences as the summary. `max_characters` and `encoding`: as `cail.read_command_inputs` takes them.
+
+    Returns a `SummarizedFiles` on the main process, None on the others.
+    """
+    state = processes()
+    summarizer_dir = model_folder(summarizer_dir, SETTINGS_FILE)
+    if output is not None:
+        output = check_destination(output, [summarizer_dir, *inputs], overwrite, kind="file")
+        if output.suffix.lower() not in SUMMARY_SUFFIXES:
+            raise ValueError(f"--output {output}: summaries are written as JSONL (.jsonl, .json) or text (.txt)")
+    judgments, left_out = read_command_inputs(inputs, max_characters, encoding)
+    settings = {key: value for key, value in (("threshold", threshold), ("token_budget", token_budget),
+                                              ("num_beams", num_beams)) if value is not None}
+    summarizer = load_summarizer(summarizer_dir, **settings)
+    options = {"max_new_tokens": max_new_tokens}
+    if copy_constraint is not None:
+        options["copy_constraint"] = copy_constraint
+
+    def summarize(start, stop):
+        return summarizer.summarize(judgments[start:stop], extract_only=extract_only, batch_size=batch_size, **options)
+
+    journal = output.with_name(f".{output.name}.progress") if output is not None else None
+    record = RunRecord.create("summarize", summarizer_dir, inputs, {
+        **summarizer.settings(), **options, "extract_only": extract_only, "batch_size": batch_size,
+        "encoding": encoding})
+    with claimed_by_main(state, *([output] if output is not None else [])):
+        results = run_batches(state, len(judgments), batch_size, summarize, journal, record,
+                              keys=[j.id for j in judgments], resume=resume, show_progress=show_progress,
+                              unit="judgments")
+        if not state.is_main_process:
+            return None
+        if output is not None:
+            write_text_atomically(output, summaries_text(results, output.suffix.lower() == ".txt"),
+                                  overwrite=overwrite)
+            shutil.rmtree(journal)
+    return SummarizedFiles(results, left_out)
 
 
 def extractor_from(base_model) -> NezhaForSentenceExtraction:
@@ -344,16 +591,12 @@ def train_summarizer(
     files of a folder could be read, so a resume with another is refused.
     Returns the validation metrics.
     """
-    state = processes()
     data_files = list(dict.fromkeys(re.sub(r":\d+$", "", j.source) for j in judgments if j.source))  # in order
-    output_dir = check_destination(output_dir, [base_model, *data_files], overwrite)
-    checkpoints = output_dir.with_name(output_dir.name + ".checkpoints")
-    check_destination(checkpoints, [base_model], overwrite=True)
-    with claimed_by_main(state, output_dir, checkpoints):
-        return _train_summarizer(state, judgments, base_model, output_dir, checkpoints, data_files,
-                                 validation_fraction, epochs, {"extractor": extractor_steps, "generator": generator_steps},
-                                 max_length, copy_mechanism, seed, show_progress, overwrite, resume, encoding,
-                                 training_arguments)
+    run = TrainingRun("train-summarizer", base_model, data_files, output_dir, overwrite)
+    with run.claimed():
+        return _train_summarizer(run, judgments, base_model, validation_fraction, epochs,
+                                 {"extractor": extractor_steps, "generator": generator_steps}, max_length,
+                                 copy_mechanism, seed, show_progress, resume, encoding, training_arguments)
 
 
 def validation_split(count: int, fraction: float) -> int:
@@ -382,9 +625,8 @@ class StageProgress(ProgressCallback):
             self.training_bar.set_description(self.name)
 
 
-def _train_summarizer(state, judgments, base_model, output_dir, checkpoints, data_files, validation_fraction,
-                      epochs, stage_steps, max_length, copy_mechanism, seed, show_progress, overwrite,
-                      resume, encoding, training_arguments) -> dict:
+def _train_summarizer(run, judgments, base_model, validation_fraction, epochs, stage_steps, max_length, copy_mechanism,
+                      seed, show_progress, resume, encoding, training_arguments) -> dict:
     usable = [j for j in judgments if j.summary]
     if len(usable) < 2:
         raise ValueError("train_summarizer needs at least two judgments with a reference summary.")
@@ -407,14 +649,11 @@ def _train_summarizer(state, judgments, base_model, output_dir, checkpoints, dat
                     save_total_limit=1, report_to=[], seed=seed, disable_tqdm=not show_progress,
                     remove_unused_columns=False, use_cpu=cpu_only())
     settings = {**defaults, **training_arguments}
-    resumed = resumed_settings(settings, state.num_processes)
-    record = RunRecord.create("train-summarizer", base_model, data_files, {
-        "validation_fraction": validation_fraction, "max_length": max_length, "copy_mechanism": copy_mechanism,
-        "seed": seed, "encoding": encoding, **resumed})
-    on_main(state, lambda: prepare_checkpoints(checkpoints, record, resume))
+    record = run.record({"validation_fraction": validation_fraction, "max_length": max_length,
+                         "copy_mechanism": copy_mechanism, "seed": seed, "encoding": encoding}, settings)
+    on_main(run.state, lambda: prepare_checkpoints(run.checkpoints, record, resume))
     metrics = {}
-
-    global_batch = resumed["global_batch"]
+    global_batch = record.settings["global_batch"]
 
     def train_stage(name, model, collator, make_examples, steps, label_names):
         if steps is None:
@@ -422,20 +661,18 @@ def _train_summarizer(state, judgments, base_model, output_dir, checkpoints, dat
             plan = f"{epochs:g} epochs of {len(train)} judgments"
         else:
             plan = f"{steps * global_batch / len(train):.3g} epochs of {len(train)} judgments"
-        if state.is_main_process:
+        if run.state.is_main_process:
             logger.warning(f"Training the {name}: {steps} steps ({plan}).")
-        trainer = DistributedCheckpointTrainer(
+        trainer = run.trainer(
             model=model, data_collator=collator, train_dataset=make_examples(train),
             eval_dataset=make_examples(validation) if validation else None,
-            args=TrainingArguments(str(checkpoints / name), max_steps=steps, label_names=label_names, **settings),
-            callbacks=[StopWhenNotFinite()])
+            args=TrainingArguments(str(run.checkpoints / name), max_steps=steps, label_names=label_names, **settings))
         if show_progress:
             trainer.remove_callback(ProgressCallback)
             trainer.add_callback(StageProgress(name))
         else:  # with its progress bar off, Trainer would print every log line instead
             trainer.remove_callback(PrinterCallback)
-        last = on_main(state, lambda: last_complete_checkpoint(checkpoints / name))
-        trainer.train(resume_from_checkpoint=str(last) if last else None)
+        run.train(trainer, run.last_checkpoint(name))
         if validation:
             metrics[f"{name}_eval_loss"] = trainer.evaluate()["eval_loss"]
         return model
@@ -454,8 +691,8 @@ def _train_summarizer(state, judgments, base_model, output_dir, checkpoints, dat
     generator.generation_config.pad_token_id = tokenizer.pad_token_id
     generator.generation_config.bos_token_id = tokenizer.cls_token_id  # never a copy candidate
     generator.generation_config.use_cache = True
-    with shared_staged_folder(state, output_dir, overwrite) as staging:
-        if state.is_main_process:
+    with run.staged_output() as staging:
+        if run.state.is_main_process:
             Summarizer(extractor.eval(), generator.eval(), tokenizer,
                        token_budget=max_length // 2).save_pretrained(staging)
             (staging / "validation_ids.json").write_text(json.dumps([j.id for j, _ in validation]))

@@ -18,6 +18,7 @@ from torch import nn
 
 from .attention_ops import (
     AttentionProblem,
+    Engine,
     RelativeAttentionMask,
     engine_op,
     max_relative_position,
@@ -406,7 +407,7 @@ def _backward_fake(grad_output, query, key, value, table, problem, output, lse, 
     return [query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)]
 
 
-three_regions_attention = engine_op("three_regions", _forward, _forward_fake, _backward, _backward_fake,
+three_regions_attention = engine_op(Engine.THREE_REGIONS, _forward, _forward_fake, _backward, _backward_fake,
                                     device_types="cpu")
 three_regions_attention.__doc__ = """NEZHA attention in three regions, `[batch, queries, heads, head_size]`: queries and
     keys of one length on the CPU (no KV cache, no dropout; `relative_attention` decides when it runs). Arguments as

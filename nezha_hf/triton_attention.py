@@ -15,7 +15,8 @@ a decoding step's partial outputs; nothing per (query, table row).
 - Failures: an out-of-memory error reaches the caller as PyTorch's own, and the engine stays usable. A kernel that
   fails to compile (or launch) is set aside for its `Switches` and part (forward, decoding forward or backward) only,
   with one warning naming them: those calls raise `TritonKernelFailed` (an `EngineUnavailable`), which
-  `relative_attention` hands to the chunked engine; calls with other switches still run the kernels. Before the first
+  `relative_attention` hands to the next engine of the chain (`attention_ops.Engine`); calls with other switches still
+  run the kernels. Before the first
   forward that needs gradients with a set of switches, the backward is compiled and run on a 32-token problem with
   them, so that a backward that cannot compile is found while another engine can still take the call.
 - float32: every product is made in the kernels in IEEE float32, whatever `torch.backends.cuda.matmul.allow_tf32` or
@@ -35,7 +36,15 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
-from .attention_ops import AttentionProblem, EngineUnavailable, RelativeAttentionMask, engine_op, tracing
+from .attention_ops import (
+    AttentionProblem,
+    Engine,
+    EngineUnavailable,
+    RelativeAttentionMask,
+    engine_op,
+    fallback_words,
+    tracing,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -69,7 +78,7 @@ class Switches:
     def of(cls, query: torch.Tensor, problem: AttentionProblem) -> "Switches":
         mask = problem.mask
         return cls(query.dtype, query.shape[-1], mask.key_is_valid is not None, bool(mask.causal),
-                   problem.key_is_source is not None, problem.dropout > 0,
+                   problem.mask.key_is_source is not None, problem.dropout > 0,
                    _offset_on_device(mask.query_offset, query.device))
 
     def __str__(self) -> str:
@@ -120,7 +129,7 @@ def unusable_reason(device: str, named: bool = True) -> str | None:
         return f"the Triton kernel runs on CUDA and ROCm GPUs, not {device}"
     if not triton_installed():
         reason = "Triton is not installed (pip install triton)"
-        logger.warning_once(f"NEZHA attention: {reason}; the chunked engine runs instead, with the same results.")
+        logger.warning_once(f"NEZHA attention: {reason}; {fallback_words(Engine.TRITON)}.")
         return reason
     failure = sys.exc_info()[1]
     return str(failure) if isinstance(failure, TritonKernelFailed) else None
@@ -155,8 +164,8 @@ def _launching(part: str, switches: Switches, device: torch.device):
                       f"{error})")
             if (part, switches) not in _set_aside:
                 _set_aside[(part, switches)] = reason
-                logger.warning(f"NEZHA attention: {reason}; such calls run the chunked engine from now on, with the "
-                               "same results.")
+                logger.warning(f"NEZHA attention: {reason}; from now on, for such calls, "
+                               f"{fallback_words(Engine.TRITON)}.")
             raise TritonKernelFailed(reason) from error
 
 
@@ -196,7 +205,7 @@ def _key_flags(flags: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor | 
 def _key_bounds(problem: AttentionProblem, key: torch.Tensor) -> torch.Tensor | None:
     """`[batch, 3]` int32 per sequence: its first valid key, last valid key + 1, and last valid source key + 1 (0 when
     none), so that the kernels skip the key blocks no query sees; None without padding or source keys."""
-    valid, source = problem.mask.key_is_valid, problem.key_is_source
+    valid, source = problem.mask.key_is_valid, problem.mask.key_is_source
     if valid is None and source is None:
         return None
     batch, _, keys, _ = key.shape
@@ -226,7 +235,7 @@ def _arguments(query, key, value, table, problem: AttentionProblem, switches: Sw
     keys, dropout, offset = key.shape[-2], problem.dropout, problem.mask.query_offset
     return dict(
         Table=table.to(query.dtype).contiguous(), KeyValid=_key_flags(problem.mask.key_is_valid, key),
-        KeyIsSource=_key_flags(problem.key_is_source, key), KeyBounds=_key_bounds(problem, key),
+        KeyIsSource=_key_flags(problem.mask.key_is_source, key), KeyBounds=_key_bounds(problem, key),
         Offset=offset if switches.offset_on_device else None, offset=0 if switches.offset_on_device else int(offset),
         **_strides(query, "q", "m"), **_strides(key, "k", "n"), **_strides(value, "v", "n"),
         heads=heads, Lq=queries, Lk=keys, D=size, K=(table.shape[0] - 1) // 2, scale_log2=problem.scaling * LOG2E,
@@ -311,7 +320,7 @@ def _backward_fake(grad_output, query, key, value, table, problem, output, lse):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
-_attention_op = engine_op("triton", triton_forward, _forward_fake, triton_backward, _backward_fake)
+_attention_op = engine_op(Engine.TRITON, triton_forward, _forward_fake, triton_backward, _backward_fake)
 
 
 def triton_attention(query, key, value, table, problem: AttentionProblem) -> torch.Tensor:

@@ -155,7 +155,7 @@ def test_exported_generation_gives_generate_tokens(backend, cache):
     decoding step give generate()'s greedy tokens for sources of 16, 600 and 3,000 tokens."""
     from transformers import GenerationConfig
 
-    from nezha_hf.export import generate_exported
+    from nezha_hf.summarization import generate_exported
 
     backend_exporter, config = exporter(backend)
     torch.manual_seed(0)
@@ -180,7 +180,7 @@ def test_a_summariser_exports_whole_and_runs_on_onnxruntime(tmp_path, run_cli):
     before the folder is put in place; loaded back, it summarises as the PyTorch summariser does (greedily)."""
     from nezha_hf.cail import read_judgments
     from nezha_hf.demo import EXAMPLES, summarizer_pipeline
-    from nezha_hf.export import load_exported_summarizer
+    from nezha_hf.summarization import load_exported_summarizer
     from nezha_hf.summarization import Summarizer
 
     summarizer_pipeline(tmp_path, quick=True)

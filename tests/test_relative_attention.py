@@ -227,11 +227,11 @@ def test_the_engine_that_ran_is_logged_once_at_info(caplog, monkeypatch):
 
 
 @pytest.mark.parametrize("render", [ra.implementation_table, ra.engine_descriptions], ids=lambda f: f.__name__)
-def test_the_readme_shows_the_engine_table(render):
-    """The README shows which engine runs where and what each is; both must be what `ENGINES` declares."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
-    assert render() in readme, (
-        f"README.md's attention section is out of date: paste the output of "
+def test_the_docs_show_the_engine_table(render):
+    """docs/attention.md shows which engine runs where and what each is; both must be what `ENGINES` declares."""
+    page = (Path(__file__).parents[1] / "docs" / "attention.md").read_text(encoding="utf-8")
+    assert render() in page, (
+        f"docs/attention.md's table of engines is out of date: paste the output of "
         f"`python -c 'from nezha_hf.relative_attention import {render.__name__}; print({render.__name__}())'`"
     )
 

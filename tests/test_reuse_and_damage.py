@@ -20,8 +20,7 @@ from safetensors.torch import load_file
 from test_nothing_lost import CLI, PRETRAIN, base_model, corpus, one_line_failure, pretrain
 
 from nezha_hf import NezhaForSentenceExtraction, NezhaForUniLM
-from nezha_hf.checkpoints import RunRecord, checkpoint_problem, fingerprint, last_complete_checkpoint
-from nezha_hf.pretraining import resumed_settings
+from nezha_hf.checkpoints import RunRecord, checkpoint_problem, fingerprint, last_complete_checkpoint, resumed_settings
 from nezha_hf.summarization import Summarizer
 
 SUMMARIZE = ["--batch-size", "2", "--max-new-tokens", "40"]

@@ -96,3 +96,42 @@ def test_validation_split_never_silently_holds_out_what_it_cannot(caplog):
     assert "No validation" in caplog.text
     with pytest.raises(ValueError, match="leaves none to train on"):
         validation_split(2, 0.9)
+
+
+@pytest.mark.slow
+def test_the_summarisation_module_alone_loads_a_trained_and_an_exported_summariser(tokenizer, tmp_path):
+    """The summariser's runtime has one home: `summarization.load_summarizer` loads the folder `train-summarizer`
+    writes and its ONNX export (telling them apart by the folder), in a process that never imports `nezha_hf.export`,
+    and the two write the same greedy summaries."""
+    import subprocess
+    import sys
+
+    from nezha_hf import NezhaForUniLM
+    from nezha_hf.export import export_summarizer
+    from nezha_hf.summarization import Summarizer
+
+    torch.manual_seed(0)
+    config = tiny_config(vocab_size=VOCAB)
+    generator = NezhaForUniLM(config)
+    generator.generation_config.eos_token_id = tokenizer.sep_token_id
+    generator.generation_config.pad_token_id = tokenizer.pad_token_id
+    Summarizer(NezhaForSentenceExtraction(config), generator, tokenizer, num_beams=1).save_pretrained(
+        tmp_path / "trained")
+    export_summarizer(tmp_path / "trained", tmp_path / "exported")
+    write_jsonl(tmp_path / "j.jsonl", [synthetic_judgment(random.Random(0), 0)])
+    code = (
+        "import sys\n"
+        "from nezha_hf import NezhaForUniLM\n"
+        "from nezha_hf.cail import read_judgments\n"
+        "from nezha_hf.summarization import ExportedGenerator, Summarizer, load_summarizer\n"
+        "judgments = read_judgments([sys.argv[3]])\n"
+        "trained, exported = load_summarizer(sys.argv[1]), load_summarizer(sys.argv[2])\n"
+        "assert isinstance(trained, Summarizer) and isinstance(trained.generator, NezhaForUniLM)\n"
+        "assert isinstance(exported.generator, ExportedGenerator)\n"
+        "assert trained.summarize(judgments, max_new_tokens=8) == exported.summarize(judgments, max_new_tokens=8)\n"
+        "print('nezha_hf.export' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "trained"), str(tmp_path / "exported"),
+                           str(tmp_path / "j.jsonl")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "False"

@@ -30,8 +30,8 @@
 //   type before their products, as in PyTorch's kernel.
 // - bfloat16 / float16 elsewhere (float16 without AMX-FP16, any type with oneDNN switched off, CPUs without either):
 //   converted to float32 and computed as float32.
-// Which one ran is counted (`routine_calls`), so tests can tell. The loader in fused_attention.py falls back to the
-// chunked engine if this file does not build or load.
+// Which one ran is counted (`routine_calls`), so tests can tell. If this file does not build or load, the loader in
+// fused_attention.py says so and the engines after this one in the chain take its calls (docs/attention.md's table).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -566,7 +566,7 @@ Asked read_problem(const pybind11::handle& problem) {
   asked.seed = seed.is_none() ? 0 : as_int(seed);
   asked.causal = mask.attr("causal").cast<bool>();
   asked.key_valid = as_flags(mask.attr("key_is_valid"));
-  asked.key_source = as_flags(problem.attr("key_is_source"));  // only under a causal mask
+  asked.key_source = as_flags(mask.attr("key_is_source"));  // None unless causal (RelativeAttentionMask)
   asked.offset = as_int(mask.attr("query_offset"));
   return asked;
 }
