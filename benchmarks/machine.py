@@ -44,17 +44,19 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def cpu_flags() -> list[str]:
-    """Which of `REDUCED_PRECISION_FLAGS` the CPU has: from /proc/cpuinfo, else from PyTorch's own CPU detection."""
+def cpu_flags(names: tuple[str, ...] = REDUCED_PRECISION_FLAGS) -> list[str]:
+    """Which of `names` (flags as Linux names them; `REDUCED_PRECISION_FLAGS` unless said) the CPU has: from
+    /proc/cpuinfo, else from PyTorch's own CPU detection (which knows AMX, AVX512-BF16 and AVX512-VNNI)."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         for line in cpuinfo.read_text().splitlines():
             if line.startswith("flags"):
                 present = set(line.split(":", 1)[1].split())
-                return [flag for flag in REDUCED_PRECISION_FLAGS if flag in present]
+                return [flag for flag in names if flag in present]
     detected = {"amx_bf16": torch.cpu._is_amx_tile_supported(), "amx_fp16": torch.cpu._is_amx_fp16_supported(),
-                "avx512_bf16": torch.cpu._is_avx512_bf16_supported()}
-    return [flag for flag, present in detected.items() if present]
+                "avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx_int8": torch.cpu._is_amx_tile_supported(),
+                "avx512_vnni": torch.cpu._is_vnni_supported()}
+    return [flag for flag in names if detected.get(flag)]
 
 
 def matmul_throughput(dtype: torch.dtype, device: str = "cpu", size: int = MATMUL_SIZE, repeats: int = 5) -> float:

