@@ -52,8 +52,9 @@ def target(case: str, dtype: str, length: int, device: str) -> float | None:
     return TARGETS.get((case, length), TARGETS.get((case, None)))
 
 
-def measure(case, dtype_name, queries, keys, sizes, device, backends, dropout=0.0, train=False) -> dict:
-    """One row: the Triton engine checked to run the problem, then NEZHA and SDPA timed on the same tensors."""
+def prepared(case, dtype_name, queries, keys, sizes, device, dropout=0.0, train=False) -> tuple[list, dict, str]:
+    """One case's inputs and its NEZHA and SDPA steps (`{"nezha": step, "sdpa": step}`, forward or forward and
+    backward) on the same tensors, with the Triton engine checked to run NEZHA's; and the case in words."""
     dtype = DTYPES[dtype_name]
     batch, heads, head_size = sizes["batch"], sizes["heads"], sizes["head_size"]
     inputs = [tensor.requires_grad_(train) for tensor in
@@ -64,8 +65,6 @@ def measure(case, dtype_name, queries, keys, sizes, device, backends, dropout=0.
     problem = gpu_ops.problem_for(mask, head_size, dropout, seed=1)
     what = f"the {dtype_name} {case} at {keys:,} keys"
     gpu_ops.require_triton(*inputs, table, problem, what)
-    row = {"case": case, "dtype": dtype_name, "queries": queries, "keys": keys, "dropout": dropout,
-           "target": target(case, dtype_name, keys, device)}
     steps = {}
     for name, attend in (("nezha", gpu_ops.nezha(table, problem)), ("sdpa", gpu_ops.sdpa(dropout))):
         if train:
@@ -74,6 +73,15 @@ def measure(case, dtype_name, queries, keys, sizes, device, backends, dropout=0.
             steps[name] = gpu_ops.training_step(attend, inputs, grad_output)
         else:
             steps[name] = gpu_ops.forward_step(attend, inputs)
+    return inputs, steps, what
+
+
+def measure(case, dtype_name, queries, keys, sizes, device, backends, dropout=0.0, train=False) -> dict:
+    """One row: the Triton engine checked to run the problem, then NEZHA and SDPA timed on the same tensors."""
+    batch, heads, head_size = sizes["batch"], sizes["heads"], sizes["head_size"]
+    inputs, steps, what = prepared(case, dtype_name, queries, keys, sizes, device, dropout, train)
+    row = {"case": case, "dtype": dtype_name, "queries": queries, "keys": keys, "dropout": dropout,
+           "target": target(case, dtype_name, keys, device)}
     row["sdpa_backend"], steps["sdpa"] = gpu_ops.under_backend(steps["sdpa"], backends, what)
     flops = gpu_ops.attention_flops(batch, heads, queries, keys, head_size, backward=train)
     # The fewest bytes a forward moves: each input read once, the output (the query's size) written once.
@@ -112,20 +120,7 @@ def kernel_profile(rows_case: tuple, sizes: dict, device: str) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     case, dtype_name, queries, keys, dropout, train = rows_case
-    dtype = DTYPES[dtype_name]
-    inputs = [tensor.requires_grad_(train) for tensor in gpu_ops.random_inputs(
-        sizes["batch"], sizes["heads"], queries, keys, sizes["head_size"], dtype, device)]
-    table_ = gpu_ops.relative_table(sizes["K"], sizes["head_size"], dtype, device)
-    mask = gpu_ops.RelativeAttentionMask(causal=queries < keys, query_offset=keys - queries)
-    problem = gpu_ops.problem_for(mask, sizes["head_size"], dropout, seed=1)
-    gpu_ops.require_triton(*inputs, table_, problem, f"the profiled {dtype_name} {case}")
-    attend = gpu_ops.nezha(table_, problem)
-    if train:
-        shape = (sizes["batch"], queries, sizes["heads"], sizes["head_size"])  # NEZHA's output: heads after queries
-        grad_output = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(device, dtype)
-        step = gpu_ops.training_step(attend, inputs, grad_output)
-    else:
-        step = gpu_ops.forward_step(attend, inputs)
+    step = prepared(case, dtype_name, queries, keys, sizes, device, dropout, train)[1]["nezha"]
     step()
     gpu_ops.synchronize(device)
     activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
