@@ -215,9 +215,11 @@ class NezhaConfig(PreTrainedConfig):
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             for token in value if isinstance(value, list) else [value]:
-                if token is not None and not 0 <= token < self.vocab_size:
+                # A negative id matches no token (transformers' meaning); only one past the vocabulary is refused.
+                if token is not None and token >= self.vocab_size:
                     default = " (its default: pass another, or None)" if value == _DEFAULT_IDS[name] else ""
-                    raise ValueError(f"{name} must lie in [0, vocab_size={self.vocab_size}), got {value}{default}.")
+                    raise ValueError(f"{name} must lie below vocab_size={self.vocab_size} (or be negative: no token), "
+                                     f"got {value}{default}.")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < 1:

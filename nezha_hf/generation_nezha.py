@@ -194,16 +194,26 @@ class NezhaUniLMGenerationMixin(GenerationMixin):
                 hook.remove()
 
     def _check_special_ids(self, kwargs: dict) -> None:
-        """A `ValueError` for a padding, start or end id outside the vocabulary, whether the call or a generation
-        config (a checkpoint's `generation_config.json`) gives it: an end id the model can never produce would let
-        every summary run to the length limit without a word."""
+        """A `ValueError` for a padding, start or end id that cannot mean anything, whether the call or a generation
+        config (a checkpoint's `generation_config.json`) gives it: one at or above the vocabulary size (an end id
+        the model can never produce would let every summary run to the length limit without a word), or one that
+        is not an integer. A negative id is accepted, as transformers accepts it: it matches no token (transformers'
+        own generation checks set `eos_token_id=-1` to run every sequence to its full length)."""
         configs = [c for c in (kwargs.get("generation_config"), self.generation_config) if c is not None]
         for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
             value = kwargs.get(name, next((getattr(c, name) for c in configs if getattr(c, name, None) is not None),
                                           None))
+            if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dtype != torch.bool:
+                value = value.tolist()
             for token in value if isinstance(value, list) else [value]:
-                if token is not None and not 0 <= token < self.config.vocab_size:
-                    raise ValueError(f"{name} {value} lies outside the vocabulary [0, {self.config.vocab_size}) "
+                if token is None:
+                    continue
+                if not isinstance(token, int) or isinstance(token, bool):
+                    raise ValueError(f"{name} {value!r} is not a token id: give an integer (or a list of them) "
+                                     "(given to generate, or in the model's generation_config.json).")
+                if token >= self.config.vocab_size:
+                    raise ValueError(f"{name} {value} lies outside the vocabulary: ids are below "
+                                     f"{self.config.vocab_size} (a negative id matches no token, as in transformers) "
                                      "(given to generate, or in the model's generation_config.json).")
 
     def _length_given(self, kwargs: dict) -> bool:

@@ -434,3 +434,85 @@ def test_compiled_static_cache_gives_the_uncompiled_tokens():
     compiled = model.generate(input_ids, attention_mask=attention_mask, cache_implementation="static",
                               compile_config=config, **settings)
     assert compiled_forwards and torch.equal(compiled, plain)
+
+
+# --- negative special ids: "matches no token", as transformers reads them (issue 56) -----------------------------
+# transformers' generation checks set eos_token_id / pad_token_id to -1 so that every sequence runs to its length;
+# generate refused them as "outside the vocabulary", and six of those checks failed on that alone.
+
+NEVER = dict(eos_token_id=-1, pad_token_id=-1, do_sample=False, max_new_tokens=6)
+
+
+def never_ending_setup(prompt_lengths=(9,)):
+    """A model, left-padded prompts, and its uncached greedy tokens with end and padding ids of -1."""
+    model = tiny_unilm(3)
+    _, input_ids, attention_mask = left_padded_prompts(list(prompt_lengths), seed=3)
+    plain = model.generate(input_ids, attention_mask=attention_mask, use_cache=False, **NEVER)
+    assert plain.shape[1] == input_ids.shape[1] + NEVER["max_new_tokens"]
+    return model, input_ids, attention_mask, plain
+
+
+@pytest.mark.parametrize("assistant_layers", [None, 1])  # None: the model assists itself
+def test_assisted_decoding_with_negative_special_ids_gives_greedy_tokens(assistant_layers):
+    model, input_ids, _, plain = never_ending_setup()
+    assistant = model if assistant_layers is None else tiny_unilm(7, num_hidden_layers=assistant_layers)
+    assert torch.equal(model.generate(input_ids, assistant_model=assistant, **NEVER), plain)
+
+
+def test_assisted_sampling_with_negative_special_ids_runs_to_its_length():
+    model, input_ids, _, plain = never_ending_setup()
+    torch.manual_seed(0)
+    sampled = model.generate(input_ids, assistant_model=tiny_unilm(7, num_hidden_layers=1),
+                             **{**NEVER, "do_sample": True, "top_k": 5})
+    assert sampled.shape == plain.shape and torch.equal(sampled[:, : input_ids.shape[1]], input_ids)
+    assert bool(((sampled >= 0) & (sampled < model.config.vocab_size)).all())
+
+
+def test_prompt_lookup_with_negative_special_ids_gives_greedy_tokens():
+    model, input_ids, _, plain = never_ending_setup()
+    assert torch.equal(model.generate(input_ids, prompt_lookup_num_tokens=3, **NEVER), plain)
+
+
+def test_continuing_from_a_cache_with_negative_special_ids():
+    from transformers import DynamicCache
+
+    model, input_ids, _, plain = never_ending_setup()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids, token_type_ids=torch.zeros_like(input_ids), cache=cache, use_cache=True)
+    start = input_ids.shape[1] + 1
+    continued = model.generate(plain[:, :start], cache=cache, **{**NEVER, "max_new_tokens": NEVER["max_new_tokens"] - 1})
+    assert torch.equal(continued, plain)
+
+
+def test_continuing_from_inputs_embeds_with_negative_special_ids():
+    model, input_ids, attention_mask, plain = never_ending_setup((9, 5))
+    embed = model.get_input_embeddings()
+    first = model.generate(inputs_embeds=embed(input_ids), attention_mask=attention_mask, return_dict_in_generate=True,
+                           **{**NEVER, "max_new_tokens": 3})
+    so_far = torch.cat([input_ids, first.sequences], 1)
+    mask = torch.cat([attention_mask, torch.ones_like(first.sequences)], 1)
+    more = model.generate(inputs_embeds=embed(so_far), attention_mask=mask, cache=first.cache,
+                          **{**NEVER, "max_new_tokens": 3})
+    assert torch.equal(torch.cat([first.sequences, more], 1), plain[:, input_ids.shape[1]:])
+
+
+def test_static_cache_fed_inputs_embeds_with_negative_special_ids():
+    model, input_ids, attention_mask, plain = never_ending_setup((9, 5))
+    out = model.generate(inputs_embeds=model.get_input_embeddings()(input_ids), attention_mask=attention_mask,
+                         cache_implementation="static", **NEVER)
+    assert torch.equal(out, plain[:, input_ids.shape[1]:])
+
+
+def test_negative_special_ids_in_the_model_and_generation_configs(tmp_path):
+    """A config or generation_config.json with -1 for the padding and end ids loads and generates to the length (the
+    padding id gives the embedding no padding row: -1 is not the vocabulary's last row)."""
+    torch.manual_seed(0)
+    model = NezhaForUniLM(tiny_config(pad_token_id=-1, eos_token_id=-1)).eval()
+    assert model.nezha.embeddings.word_embeddings.padding_idx is None
+    model.save_pretrained(tmp_path / "m", model_card=False)
+    settings = json.loads((tmp_path / "m" / "generation_config.json").read_text())
+    assert settings["eos_token_id"] == -1 and settings["pad_token_id"] == -1
+    loaded = NezhaForUniLM.from_pretrained(tmp_path / "m").eval()
+    _, input_ids, _ = left_padded_prompts([7])
+    assert loaded.generate(input_ids, max_new_tokens=5).shape[1] == input_ids.shape[1] + 5

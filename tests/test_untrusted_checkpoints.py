@@ -169,11 +169,17 @@ def test_an_oversized_max_relative_position_in_a_config_file_is_refused_before_a
         NezhaModel.from_pretrained(tmp_path / "m")
 
 
-@pytest.mark.parametrize("field,value", [("pad_token_id", 99), ("pad_token_id", -1), ("bos_token_id", 500),
-                                         ("eos_token_id", [3, 99]), ("eos_token_id", -2)])
+@pytest.mark.parametrize("field,value", [("pad_token_id", 99), ("bos_token_id", 500), ("eos_token_id", [3, 99]),
+                                         ("pad_token_id", 2.5), ("eos_token_id", [3, True])])
 def test_special_token_ids_lie_inside_the_vocabulary(field, value):
     with pytest.raises(NezhaConfigError, match=field):
         tiny_config(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", [("pad_token_id", -1), ("eos_token_id", -2), ("eos_token_id", [3, -1])])
+def test_negative_special_token_ids_mean_no_token(field, value):
+    """transformers reads a negative id as "matches no token" (its own checks set them to -1); they were refused."""
+    assert getattr(tiny_config(**{field: value}), field) == value
 
 
 def test_convert_refuses_an_oversized_max_relative_position_before_reading_weights(tmp_path, monkeypatch):
@@ -345,8 +351,8 @@ def test_summarizer_settings_are_checked_when_constructed(tokenizer):
         Summarizer(NezhaForSentenceExtraction(config), NezhaForUniLM(config), tokenizer, threshold=math.nan)
 
 
-@pytest.mark.parametrize("name,value", [("eos_token_id", VOCAB), ("eos_token_id", [3, 10**6]), ("pad_token_id", -1),
-                                        ("bos_token_id", 2**40)])
+@pytest.mark.parametrize("name,value", [("eos_token_id", VOCAB), ("eos_token_id", [3, 10**6]), ("pad_token_id", 2.5),
+                                        ("bos_token_id", 2**40), ("eos_token_id", [3, "4"]), ("pad_token_id", True)])
 def test_generation_ids_outside_the_vocabulary_are_refused(tmp_path, name, value):
     """A generator whose generation_config.json ends summaries at an id the model can never produce ran every summary
     to the length limit."""
