@@ -36,9 +36,13 @@ DEFAULT_NEW_TOKENS = 20
 
 def cache_length(cache: Cache | None) -> int | torch.Tensor:
     """Tokens already in the cache (0 without one). A static cache reports a tensor: eager code gets an int,
-    traced code keeps the tensor (its value changes from one decoding step to the next)."""
+    traced code a copy of the tensor (its value changes from one decoding step to the next). A copy, because the
+    cache reports its own counter, which each layer's `update` then advances in place: read after layer 0's
+    update, the exported step would place its queries one token too far."""
     length = cache.get_seq_length() if cache is not None else 0
-    return int(length) if isinstance(length, torch.Tensor) and values_known(length) else length
+    if not isinstance(length, torch.Tensor):
+        return length
+    return int(length) if values_known(length) else length.clone()
 
 
 def check_cache_fits(cache: Cache, key: torch.Tensor, layer_idx: int, num_layers: int) -> None:
