@@ -43,6 +43,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+# Triton 3.9 warns unless told; floating-point contraction (fused multiply-adds) on, as Triton 3.6 on the GPU machine.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS_FILE = ROOT / "nezha_hf" / "triton_kernels.py"
 YARDSTICK_FILE = ROOT / "benchmarks" / "triton_yardstick.py"
@@ -391,7 +393,11 @@ def main(argv=None) -> int:
     parser.add_argument("--output", type=Path, help="write every count as JSON here")
     parser.add_argument("--compile-only", type=Path, help=argparse.SUPPRESS)  # a --triton-python worker's input
     parser.add_argument("--plant", action="append", default=[], metavar="KERNEL:M,N,WARPS,STAGES",
-                        help="add a configuration to a NEZHA kernel's tuned ones (to see a gate fail)")
+                        help="add a configuration to a NEZHA kernel's tuned ones (to see a gate fail), e.g. "
+                             "nezha_forward_kernel:64,64,8,3")
+    parser.add_argument("--only", nargs="+", choices=[SHORT[name] for name in YARDSTICK_OF],
+                        help="compile these kernels only (and their yardsticks)")
+    parser.add_argument("--case", choices=["bfloat16", "bfloat16, dropout"], help="compile this case only")
     args = parser.parse_args(argv)
     planted = {}
     for text in args.plant:
@@ -402,7 +408,9 @@ def main(argv=None) -> int:
         job = json.loads(args.compile_only.read_text())
         print(json.dumps(compile_launches(job["launches"], job["planted"])))
         return 0
-    launches = record_launches()
+    launches = [launch for launch in record_launches()
+                if (not args.only or SHORT.get(launch["kernel"], "").removeprefix("yardstick ") in args.only)
+                and (not args.case or launch["module"] == "yardstick" or launch["case"] == args.case)]
     if args.triton_python:
         with tempfile.NamedTemporaryFile("w", suffix=".json") as job:
             json.dump({"launches": launches, "planted": planted}, job)
