@@ -233,6 +233,8 @@ def _arguments(query, key, value, table, problem: AttentionProblem, switches: Sw
     threshold, and the switches."""
     _, heads, queries, size = query.shape
     keys, dropout, offset = key.shape[-2], problem.dropout, problem.mask.query_offset
+    if not problem.scaling > 0:  # the kernels take a row's maximum before the scale (plain FlashAttention-2's way)
+        raise TritonKernelFailed(f"the Triton kernels take a positive score scale, not {problem.scaling}")
     return dict(
         Table=table.to(query.dtype).contiguous(), KeyValid=_key_flags(problem.mask.key_is_valid, key),
         KeyIsSource=_key_flags(problem.mask.key_is_source, key), KeyBounds=_key_bounds(problem, key),

@@ -60,24 +60,23 @@ def _config(block_m: int, block_n: int, stages: int = 1, warps: int = 4) -> "tri
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_stages=stages, num_warps=warps)
 
 
-# FlashAttention-2's Triton sets, and the decoding step's block of 16 queries, kept where the cubins Triton 3.6 and
-# 3.9 make of the bfloat16 and float16 kernels for an H100 (sm_90) spill about 1 KB per thread or less to the stack
-# (64 x 64 forward blocks on 8 warps: 16 to 400 bytes); larger blocks spill kilobytes. float32, whose IEEE products
-# run on the CUDA cores, has smaller blocks of its own. Under the interpreter one small block, so that
-# tests cross block edges.
+# FlashAttention-2's Triton sets, and the decoding step's block of 16 queries. No block of 64 rows (queries, the rows
+# of every score tile here) runs on 8 warps: a Hopper wgmma gives each warp group of 4 warps 64 rows, so the second
+# group would compute the same products again (Triton's tutorial filters such sets out; `make gpu-gates` checks).
+# float32, whose IEEE products run on the CUDA cores, has smaller blocks of its own. Under the interpreter one small
+# block, so that tests cross block edges.
 if INTERPRETING:
     FORWARD_CONFIGS = KEY_VALUE_GRAD_CONFIGS = QUERY_GRAD_CONFIGS = [_config(16, 16)]
     FLOAT32_CONFIGS = []
 else:
     FLOAT32_CONFIGS = [_config(16, 32, 2, 4), _config(32, 32, 2, 8), _config(32, 16, 2, 4)]
     FORWARD_CONFIGS = [
-        *(_config(64, 64, stages, 8) for stages in (2, 3, 4)), _config(64, 64, 3, 4), _config(128, 64, 3, 8),
+        _config(64, 64, 3, 4), _config(128, 64, 3, 8),
         *(_config(DECODING_BLOCK_M, block_n, 2, 4) for block_n in (64, 128)),
         *FLOAT32_CONFIGS[:2],
     ]
-    KEY_VALUE_GRAD_CONFIGS = [_config(32, 64, 2, 8), _config(64, 64, 2, 8), _config(32, 128, 2, 8),
-                              *FLOAT32_CONFIGS[:2]]
-    QUERY_GRAD_CONFIGS = [_config(64, 32, 2, 8), _config(64, 64, 2, 8), _config(128, 32, 2, 8),
+    KEY_VALUE_GRAD_CONFIGS = [_config(64, 64, 2, 4), _config(128, 64, 2, 8), *FLOAT32_CONFIGS[:2]]
+    QUERY_GRAD_CONFIGS = [_config(64, 64, 2, 4), _config(128, 32, 2, 8), _config(128, 64, 2, 8),
                           FLOAT32_CONFIGS[0], FLOAT32_CONFIGS[2]]
 
 # A split of a decoding step's keys is a whole number of this many keys, so that every tuned key block divides it.
@@ -111,10 +110,22 @@ STEP_VALUES = ["Lk", "offset"]
 
 
 @triton.jit
-def _rows(base, offs, offs_d, stride_row, stride_d, rows, D):
-    """Rows `offs` of a `[rows, D]` matrix at `base` with the given strides, zeros outside it."""
-    return tl.load(base + offs[:, None] * stride_row + offs_d[None, :] * stride_d,
-                   mask=(offs < rows)[:, None] & (offs_d < D)[None, :], other=0.0)
+def _columns(offs_d, D: tl.constexpr):
+    """Which of a block's columns `offs_d` hold the head's `D`: a constant when `D` fills the block (a power of two
+    of at least 16), so that no mask is left on the head size."""
+    if D == offs_d.shape[0]:
+        return tl.full(offs_d.shape, 1, tl.int1)
+    return offs_d < D
+
+
+@triton.jit
+def _rows(base, offs, offs_d, stride_row, stride_d, rows, D: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """Rows `offs` of a `[rows, D]` matrix at `base` with the given strides, zeros outside it (rows past `rows`
+    masked only where `MASK_ROWS`: a block that may end past the last row)."""
+    pointers = base + offs[:, None] * stride_row + offs_d[None, :] * stride_d
+    if MASK_ROWS:
+        return tl.load(pointers, mask=(offs < rows)[:, None] & _columns(offs_d, D)[None, :], other=0.0)
+    return tl.load(pointers, mask=_columns(offs_d, D)[None, :], other=0.0)
 
 
 @triton.jit
@@ -131,7 +142,7 @@ def _product(a, b, WIDEN: tl.constexpr, IEEE: tl.constexpr):
 @triton.jit
 def _table_row(Table, row, D, offs_d):
     """Row `row` of the `[2K + 1, D]` table, float32."""
-    return tl.load(Table + row * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    return tl.load(Table + row * D + offs_d, mask=_columns(offs_d, D), other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -144,7 +155,7 @@ def _row_term(x, row):
 def _window(Table, first, K, D, offs_d, BLOCK_N: tl.constexpr):
     """The table rows `clip(first + w, 0, 2K)` for `w < BLOCK_N`: one part of a band tile's window (`_diagonals`)."""
     rows = tl.minimum(tl.maximum(first + tl.arange(0, BLOCK_N), 0), 2 * K)
-    return tl.load(Table + rows[:, None] * D + offs_d[None, :], mask=(offs_d < D)[None, :], other=0.0)
+    return tl.load(Table + rows[:, None] * D + offs_d[None, :], mask=_columns(offs_d, D)[None, :], other=0.0)
 
 
 @triton.jit
@@ -187,11 +198,12 @@ def _add_times_window(acc, weights, Table, first, K, D, offs_d, WIDEN: tl.conste
 
 
 @triton.jit
-def _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, BLOCK_N: tl.constexpr):
-    """`(offs_n, k, v)` of the key block at `n0`."""
+def _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D: tl.constexpr,
+               EDGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`(offs_n, k, v)` of the key block at `n0` (`EDGE`: it may end past the last key)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    return (offs_n, _rows(Kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D),
-            _rows(Vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D))
+    return (offs_n, _rows(Kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D, EDGE),
+            _rows(Vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D, EDGE))
 
 
 @triton.jit
@@ -203,11 +215,14 @@ def _window_start(n0, m0, offset, K, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
-             CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr):
-    """Which pairs of a tile are seen (broadcastable to `[BLOCK_M, BLOCK_N]`): keys inside the call, not padding, and
-    under a causal mask at or before the query or a source key (the flags of the sequence at `key_row`). A left tail
-    key precedes every query of its tile."""
-    visible = (offs_n < Lk)[None, :]
+             CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, EDGE: tl.constexpr):
+    """Which pairs of a tile are seen (broadcastable to `[BLOCK_M, BLOCK_N]`): keys inside the call (checked where the
+    block may end past the last key, `EDGE`), not padding, and under a causal mask at or before the query or a source
+    key (the flags of the sequence at `key_row`). A left tail key precedes every query of its tile."""
+    if EDGE:
+        visible = (offs_n < Lk)[None, :]
+    else:
+        visible = tl.full(offs_n.shape, 1, tl.int1)[None, :]
     if HAS_VALID:
         visible = visible & (tl.load(KeyValid + key_row + offs_n, mask=offs_n < Lk, other=0) != 0)[None, :]
     if CAUSAL and KIND != LEFT:
@@ -219,19 +234,22 @@ def _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND: t
 
 
 @triton.jit
-def _scores(q, k, Table, first, K, D, offs_d, row_term, offs_m, offs_n, offset, Lk, scale_log2, KeyValid,
-            KeyIsSource, key_row, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
-            HAS_SOURCE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+def _scores(q, k, Table, first, K, D: tl.constexpr, offs_d, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource,
+            key_row, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
+            EDGE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr):
-    """A tile's scores in base 2, `(q . k + q . T[r]) * scale * log2(e)`, -inf where not seen: the key term from the
-    band's window (its first row `first`) or a tail's `row_term`."""
+    """A tile's scores before the scale: `q . k`, plus `q . T[r]` from a band tile's window (its first row `first`);
+    -inf where not seen, masked only where a pair may be unseen (a block past the last key, padding, a causal mask
+    right of the queries, the band). A tail's key term is the same for a whole row: the callers fold it into the row's
+    maximum or log-sum-exp, so that a tail tile costs what a plain FlashAttention-2 tile does."""
     scores = _product(q, tl.trans(k), WIDEN, IEEE)
     if KIND == BAND:
         scores += _by_pair(q, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    else:
-        scores += row_term[:, None]
-    visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL, HAS_SOURCE)
-    return tl.where(visible, scores * scale_log2, float("-inf"))
+    if EDGE or HAS_VALID or KIND == BAND or (CAUSAL and KIND != LEFT):
+        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL,
+                           HAS_SOURCE, EDGE)
+        scores = tl.where(visible, scores, float("-inf"))
+    return scores
 
 
 @triton.jit
@@ -298,23 +316,26 @@ def _row_statistics(Lse, RowDot, offs_m, Lq):
 
 
 @triton.jit
-def _forward_tiles(acc, row_max, row_sum, mass, q, row_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, hi, m0,
-                   offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
-                   head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
-                   HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The online softmax over the key blocks `lo .. hi` of one class: `(acc, row_max, row_sum, mass)`, the tails'
-    value term gathered in `mass`, the band's added to `acc` tile by tile."""
+def _forward_loop(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, hi, m0,
+                   offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                   scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+                   CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
+                   IEEE: tl.constexpr, EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax over the key blocks `lo .. hi` of one class (`_forward_tiles`). `key_term` is a tail's key
+    term per row in base 2 (`q_i . T[row] * scale * log2(e)`; 0 for the band), folded into the maximum: a pair's
+    exponent is then one multiply-add, `scores * scale_log2 - (max - key_term)`, as in plain FlashAttention-2
+    (`scale_log2` > 0). `EDGE`: the blocks may end past the last key (only the last one can)."""
     OPERAND = Vh.dtype.element_ty
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, BLOCK_N)
+        offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, EDGE,
+                                  BLOCK_N)
         first = _window_start(n0, m0, offset, K, BLOCK_M)
-        scores = _scores(q, k, Table, first, K, D, offs_d, row_term, offs_m, offs_n, offset, Lk, scale_log2, KeyValid,
-                         KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        scores = _scores(q, k, Table, first, K, D, offs_d, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row,
+                         KIND, HAS_VALID, CAUSAL, HAS_SOURCE, EDGE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        new_max = tl.maximum(row_max, tl.max(scores, 1) * scale_log2 + key_term)
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that has seen nothing yet stays at 0
         rescale = tl.exp2(row_max - shift)
-        p = tl.exp2(scores - shift[:, None])
+        p = tl.exp2(scores * scale_log2 - (shift - key_term)[:, None])
         tile_sum = tl.sum(p, 1)
         row_sum = row_sum * rescale + tile_sum
         if DROPOUT:
@@ -330,6 +351,28 @@ def _forward_tiles(acc, row_max, row_sum, mass, q, row_term, Kh, Vh, Table, KeyV
 
 
 @triton.jit
+def _forward_tiles(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, hi, m0,
+                   offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                   scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+                   CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
+                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax over the key blocks `lo .. hi` of one class: `(acc, row_max, row_sum, mass)`, the tails'
+    value term gathered in `mass`, the band's added to `acc` tile by tile. A tail's whole blocks run without a key
+    mask, the one that may end past the last key after them."""
+    edge = lo
+    if KIND != BAND:
+        edge = tl.maximum(tl.minimum(hi, Lk // BLOCK_N * BLOCK_N), lo)
+        acc, row_max, row_sum, mass = _forward_loop(
+            acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, edge, m0,
+            offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+            threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
+    return _forward_loop(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, edge,
+                         hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                         scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
+                         WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
 def _store_output(Out, Lse, acc, row_max, row_sum, b, h, head, offs_m, offs_d, Lq, D, stride_ob, stride_oh,
                   stride_om, stride_od):
     """`acc / row_sum` into `Out` (`[batch, queries, heads, d]` strides) and the rows' natural log-sum-exp into
@@ -338,7 +381,7 @@ def _store_output(Out, Lse, acc, row_max, row_sum, b, h, head, offs_m, offs_d, L
     out = acc / tl.where(nothing, 1.0, row_sum)[:, None]
     rows_in = offs_m < Lq
     tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-             out.to(Out.dtype.element_ty), mask=rows_in[:, None] & (offs_d < D)[None, :])
+             out.to(Out.dtype.element_ty), mask=rows_in[:, None] & _columns(offs_d, D)[None, :])
     lse = tl.where(nothing, float("-inf"), (row_max + tl.log2(tl.where(nothing, 1.0, row_sum))) * LN2)
     tl.store(Lse + head.to(tl.int64) * Lq + offs_m, lse, mask=rows_in)
 
@@ -349,7 +392,8 @@ def nezha_forward_kernel(
     Q, Kx, V, Table, Out, Lse, Partial, PartialStats, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D, K, offset, scale_log2, seed, threshold, keep_scale, splits, key_chunk, LQ_CLASS, LK_CLASS,
+    heads, Lq, Lk, D: tl.constexpr, K, offset, scale_log2, seed, threshold, keep_scale, splits, key_chunk, LQ_CLASS,
+    LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, SPLIT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -364,7 +408,7 @@ def nezha_forward_kernel(
     m0 = block * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D)
+    q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
     Kh, Vh = Kx + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
     key_row = b * Lk  # the sequence's key flags
     first_row, last_row = _table_row(Table, 0, D, offs_d), _table_row(Table, 2 * K, D, offs_d)
@@ -377,18 +421,19 @@ def nezha_forward_kernel(
     zeros = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row_max = zeros + float("-inf")
+    left_term, right_term = _row_term(q, first_row) * scale_log2, _row_term(q, last_row) * scale_log2
     acc, row_max, row_sum, mass = _forward_tiles(
-        acc, row_max, zeros, zeros, q, _row_term(q, first_row), Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo,
+        acc, row_max, zeros, zeros, q, left_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo,
         band_lo, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
         head, threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     acc += mass[:, None] * first_row[None, :]
     acc, row_max, row_sum, _ = _forward_tiles(
-        acc, row_max, row_sum, zeros, q, None, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_lo, band_hi, m0,
+        acc, row_max, row_sum, zeros, q, zeros, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_lo, band_hi, m0,
         offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
         keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     acc, row_max, row_sum, mass = _forward_tiles(
-        acc, row_max, row_sum, zeros, q, _row_term(q, last_row), Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_hi,
-        hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+        acc, row_max, row_sum, zeros, q, right_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_hi, hi, m0,
+        offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
         threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     acc += mass[:, None] * last_row[None, :]
 
@@ -404,8 +449,8 @@ def nezha_forward_kernel(
 
 
 @triton.jit(do_not_specialize=["splits"])
-def nezha_merge_kernel(Partial, PartialStats, Out, Lse, stride_ob, stride_oh, stride_om, stride_od, heads, Lq, D,
-                       splits, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def nezha_merge_kernel(Partial, PartialStats, Out, Lse, stride_ob, stride_oh, stride_om, stride_od, heads, Lq,
+                       D: tl.constexpr, splits, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """A decoding step's splits merged by their log-sum-exps, for one block of queries of one head: the output and
     log-sum-exp."""
     block, head, b, h, _ = _program(tl.cdiv(Lq, BLOCK_M), heads, None, 0, False)
@@ -434,28 +479,30 @@ def nezha_merge_kernel(Partial, PartialStats, Out, Lse, stride_ob, stride_oh, st
 
 
 @triton.jit
-def _tile_gradients(q, do, k, v, Table, first, K, D, offs_d, query_term, output_term, lse, row_dot, offs_m, offs_n, n0,
-                    offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, keep_scale,
-                    KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
-                    DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
-    """A tile's dropped-out probabilities `P~` and `dS = P (dP - D)`, recomputing `P` from the forward's lse:
+def _tile_gradients(q, do, k, v, Table, first, K, D: tl.constexpr, offs_d, query_term, output_term, lse, row_dot,
+                    offs_m, offs_n, n0, offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold,
+                    keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
+                    HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+                    EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile's dropped-out probabilities `P~` and `dS = P (dP - D)`, recomputing `P` from the forward's lse (base 2):
     `dP_ij = z_ij dO_i . (v_j + T[r])` for dropout's factor `z` (the table parts from a band tile's window, its first
-    row `first`, or a tail's `query_term` and `output_term`)."""
-    scores = _scores(q, k, Table, first, K, D, offs_d, query_term, offs_m, offs_n, offset, Lk, scale_log2, KeyValid,
-                     KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    p = tl.exp2(scores - lse[:, None])
+    row `first`, or a tail's per-row `query_term`, in base 2, and `output_term`, 0 for the band). A tail's terms are
+    folded into the row's statistics (`lse - query_term`, and without dropout `D - output_term`), so that its tile
+    costs a plain FlashAttention-2 tile's instructions."""
+    scores = _scores(q, k, Table, first, K, D, offs_d, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row,
+                     KIND, HAS_VALID, CAUSAL, HAS_SOURCE, EDGE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    p = tl.exp2(scores * scale_log2 - (lse - query_term)[:, None])
     grad_p = _product(do, tl.trans(v), WIDEN, IEEE)
     if KIND == BAND:
         grad_p += _by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    else:
-        grad_p += output_term[:, None]
     kept = p
     if DROPOUT:
         keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
         kept = tl.where(keep, p * keep_scale, 0.0)
-        grad_p = tl.where(keep, grad_p * keep_scale, 0.0)
-    return kept, p * (grad_p - row_dot[:, None])
+        grad_s = p * (tl.where(keep, (grad_p + output_term[:, None]) * keep_scale, 0.0) - row_dot[:, None])
+    else:
+        grad_s = p * (grad_p - (row_dot - output_term)[:, None])
+    return kept, grad_s
 
 
 @triton.jit
@@ -469,16 +516,18 @@ def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, Lse, RowDot, Table, table_ro
     OPERAND = Qh.dtype.element_ty
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D)
-        do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D)
+        q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
+        do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
         lse, row_dot = _row_statistics(Lse, RowDot, offs_m, Lq)
-        query_term, output_term = None, None
+        query_term = tl.zeros([BLOCK_M], tl.float32)
+        output_term = tl.zeros([BLOCK_M], tl.float32)
         if KIND != BAND:
-            query_term, output_term = _row_term(q, table_row), _row_term(do, table_row)
+            query_term, output_term = _row_term(q, table_row) * scale_log2, _row_term(do, table_row)
         kept, grad_s = _tile_gradients(q, do, k, v, Table, _window_start(n0, m0, offset, K, BLOCK_M), K, D, offs_d,
                                        query_term, output_term, lse, row_dot, offs_m, offs_n, n0, offset, Lk,
                                        KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, keep_scale,
-                                       KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+                                       KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M,
+                                       BLOCK_N)
         grad_v += _product(tl.trans(kept.to(OPERAND)), do, WIDEN, IEEE)
         grad_k += _product(tl.trans(grad_s.to(OPERAND)), q, WIDEN, IEEE)
     return grad_k, grad_v
@@ -490,7 +539,7 @@ def nezha_key_value_grad_kernel(
     Q, Kx, V, DO, Table, Lse, RowDot, DK, DV, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
+    heads, Lq, Lk, D: tl.constexpr, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -502,8 +551,8 @@ def nezha_key_value_grad_kernel(
     n0 = block * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _rows(Kx + b * stride_kb + h * stride_kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D)
-    v = _rows(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D)
+    k = _rows(Kx + b * stride_kb + h * stride_kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D, True)
+    v = _rows(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D, True)
     Qh, DOh = Q + b * stride_qb + h * stride_qh, DO + b * stride_ob + h * stride_oh
     Lse_h, RowDot_h = Lse + head.to(tl.int64) * Lq, RowDot + head.to(tl.int64) * Lq
     key_row = b * Lk  # the sequence's key flags
@@ -534,27 +583,27 @@ def nezha_key_value_grad_kernel(
         n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
         threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     out = head.to(tl.int64) * Lk * D + offs_n[:, None] * D + offs_d[None, :]
-    key_mask = (offs_n < Lk)[:, None] & (offs_d < D)[None, :]
+    key_mask = (offs_n < Lk)[:, None] & _columns(offs_d, D)[None, :]
     tl.store(DK + out, (grad_k * scale).to(DK.dtype.element_ty), mask=key_mask)
     tl.store(DV + out, grad_v.to(DV.dtype.element_ty), mask=key_mask)
 
 
 @triton.jit
-def _query_tiles(grad_q, mass, q, do, query_term, output_term, Kh, Vh, Table, lse, row_dot, KeyValid, KeyIsSource,
-                 key_row, lo, hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                 scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
-                 CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
-                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`sum_j dS_ij (k_j + T[r])` (unscaled) of a query block over the key blocks `lo .. hi` of one class: the band's
-    table part added tile by tile, the tails' gathered in `mass` as the forward's value term is."""
+def _query_loop(grad_q, mass, q, do, query_term, output_term, Kh, Vh, Table, lse, row_dot, KeyValid, KeyIsSource,
+                key_row, lo, hi, m0, offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn,
+                stride_vd, scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+                CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
+                IEEE: tl.constexpr, EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`_query_tiles` over the key blocks `lo .. hi` (`EDGE`: they may end past the last key)."""
     OPERAND = Vh.dtype.element_ty
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, BLOCK_N)
+        offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, EDGE,
+                                  BLOCK_N)
         first = _window_start(n0, m0, offset, K, BLOCK_M)
         _, grad_s = _tile_gradients(q, do, k, v, Table, first, K, D, offs_d, query_term, output_term, lse, row_dot,
                                     offs_m, offs_n, n0, offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed,
                                     head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN,
-                                    IEEE, BLOCK_M, BLOCK_N)
+                                    IEEE, EDGE, BLOCK_M, BLOCK_N)
         if KIND == BAND:
             grad_q = _add_times_window(grad_q, grad_s.to(OPERAND), Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M,
                                        BLOCK_N)
@@ -564,13 +613,36 @@ def _query_tiles(grad_q, mass, q, do, query_term, output_term, Kh, Vh, Table, ls
     return grad_q, mass
 
 
+@triton.jit
+def _query_tiles(grad_q, mass, q, do, query_term, output_term, Kh, Vh, Table, lse, row_dot, KeyValid, KeyIsSource,
+                 key_row, lo, hi, m0, offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn,
+                 stride_vd, scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
+                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`sum_j dS_ij (k_j + T[r])` (unscaled) of a query block over the key blocks `lo .. hi` of one class: the band's
+    table part added tile by tile, the tails' gathered in `mass` as the forward's value term is. A tail's whole blocks
+    run without a key mask, the one that may end past the last key after them."""
+    edge = lo
+    if KIND != BAND:
+        edge = tl.maximum(tl.minimum(hi, Lk // BLOCK_N * BLOCK_N), lo)
+        grad_q, mass = _query_loop(
+            grad_q, mass, q, do, query_term, output_term, Kh, Vh, Table, lse, row_dot, KeyValid, KeyIsSource, key_row,
+            lo, edge, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2,
+            seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False,
+            BLOCK_M, BLOCK_N)
+    return _query_loop(grad_q, mass, q, do, query_term, output_term, Kh, Vh, Table, lse, row_dot, KeyValid,
+                       KeyIsSource, key_row, edge, hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd,
+                       stride_vn, stride_vd, scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL,
+                       HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
+
+
 @triton.autotune(configs=QUERY_GRAD_CONFIGS, key=TUNING_KEY, prune_configs_by=PRUNING)
 @triton.jit(do_not_specialize=STEP_VALUES)
 def nezha_query_grad_kernel(
     Q, Kx, V, DO, Table, Lse, RowDot, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
+    heads, Lq, Lk, D: tl.constexpr, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -581,8 +653,8 @@ def nezha_query_grad_kernel(
     m0 = block * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D)
-    do = _rows(DO + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od, Lq, D)
+    q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
+    do = _rows(DO + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
     lse, row_dot = _row_statistics(Lse + head.to(tl.int64) * Lq, RowDot + head.to(tl.int64) * Lq, offs_m, Lq)
     Kh, Vh = Kx + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
     key_row = b * Lk  # the sequence's key flags
@@ -593,21 +665,23 @@ def nezha_query_grad_kernel(
 
     zeros = tl.zeros([BLOCK_M], tl.float32)
     grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    left_terms = _row_term(q, first_row) * scale_log2, _row_term(do, first_row)
+    right_terms = _row_term(q, last_row) * scale_log2, _row_term(do, last_row)
     grad_q, mass = _query_tiles(
-        grad_q, zeros, q, do, _row_term(q, first_row), _row_term(do, first_row), Kh, Vh, Table, lse, row_dot,
+        grad_q, zeros, q, do, left_terms[0], left_terms[1], Kh, Vh, Table, lse, row_dot,
         KeyValid, KeyIsSource, key_row, lo, band_lo, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd,
         stride_vn, stride_vd, scale_log2, seed, head, threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE,
         DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_q += mass[:, None] * first_row[None, :]
     grad_q, _ = _query_tiles(
-        grad_q, zeros, q, do, None, None, Kh, Vh, Table, lse, row_dot, KeyValid, KeyIsSource, key_row, band_lo, band_hi,
-        m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-        threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_q, zeros, q, do, zeros, zeros, Kh, Vh, Table, lse, row_dot, KeyValid, KeyIsSource, key_row, band_lo,
+        band_hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
+        head, threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_q, mass = _query_tiles(
-        grad_q, zeros, q, do, _row_term(q, last_row), _row_term(do, last_row), Kh, Vh, Table, lse, row_dot, KeyValid,
+        grad_q, zeros, q, do, right_terms[0], right_terms[1], Kh, Vh, Table, lse, row_dot, KeyValid,
         KeyIsSource, key_row, band_hi, hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn,
         stride_vd, scale_log2, seed, head, threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN,
         IEEE, BLOCK_M, BLOCK_N)
     grad_q += mass[:, None] * last_row[None, :]
     tl.store(DQ + head.to(tl.int64) * Lq * D + offs_m[:, None] * D + offs_d[None, :],
-             (grad_q * scale).to(DQ.dtype.element_ty), mask=(offs_m < Lq)[:, None] & (offs_d < D)[None, :])
+             (grad_q * scale).to(DQ.dtype.element_ty), mask=(offs_m < Lq)[:, None] & _columns(offs_d, D)[None, :])
