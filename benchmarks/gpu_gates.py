@@ -37,6 +37,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -126,7 +127,8 @@ def record_launches() -> list[dict]:
     def projections():  # `[batch, heads, tokens, d]` views of `[batch, tokens, heads, d]`, as the model's
         return [torch.zeros(BATCH, TOKENS, HEADS, HEAD_SIZE, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
 
-    names = ("nezha_forward_kernel", "nezha_merge_kernel", "nezha_key_value_grad_kernel", "nezha_query_grad_kernel")
+    names = ("nezha_forward_kernel", "nezha_merge_kernel", "nezha_row_statistics_kernel", "nezha_key_value_grad_kernel",
+             "nezha_query_grad_kernel")
     for case, dropout in (("bfloat16", 0.0), ("bfloat16, dropout", DROPOUT)):
         with contextlib.ExitStack() as patches:
             for name in names:
@@ -423,7 +425,9 @@ def main(argv=None) -> int:
         counts = compile_launches(launches, planted)
     failures = gate_failures(counts["rows"])
     if args.output:
-        args.output.write_text(json.dumps({**counts, "failures": failures}, indent=1) + "\n")
+        made = {"command": "python " + " ".join([str(Path(__file__).relative_to(ROOT)), *sys.argv[1:]]),
+                "machine": f"{platform.machine()} CPU ({os.cpu_count()} cores), no GPU: compiled for sm_90"}
+        args.output.write_text(json.dumps({**made, **counts, "failures": failures}, indent=1) + "\n")
     print(f"NEZHA's Triton kernels and the FlashAttention-2 yardstick compiled for sm_90 (an H100) on the CPU by Triton "
           f"{counts['triton']}: a {TOKENS}-token bfloat16 call, batch {BATCH} x {HEADS} heads x head size {HEAD_SIZE}, "
           f"K = {K}; instructions are SASS per warp per loop iteration (one tile), per (query, key) pair in brackets.")

@@ -17,9 +17,12 @@ and a probability adds `p_ij T[r]` to the output. A (query block, key block) til
 The key loop of a query block runs over the left tail tiles, the band tiles and the right tail tiles in three loops
 (FlashAttention-2's stages, a constexpr class each), from the first key block any query of the block sees to the
 last: padding before the first valid key and after the last one, and under a causal mask the keys after the block's
-last query (unless they are UniLM source keys), are skipped by whole blocks (`KeyBounds`). The backward is
-FlashAttention-2's: one kernel per key block for `dK`, `dV` (its query loop runs over right tail, band and left tail
-tiles) and one per query block for `dQ`, both recomputing the probabilities from the forward's log-sum-exp. A
+last query (unless they are UniLM source keys), are skipped by whole blocks (`KeyBounds`). A tail's key term, the same
+for a whole row, is folded into the row's running maximum, and only the block that may end past the last key is
+masked, so that a tail tile is a plain FlashAttention-2 tile (`make gpu-gates` compares their instructions). The
+backward is FlashAttention-2's: a kernel of row statistics (the log-sum-exp and `D_i = dO_i . O_i` per tile class, a
+tail's terms folded in), one kernel per key block for `dK`, `dV` computing `S^T = K Q^T` (its query loop runs over
+right tail, band and left tail tiles) and one per query block for `dQ`, both recomputing the probabilities. A
 decoding step (a block of at most 16 queries) splits its keys over several programs per head (FlashDecoding): each
 writes its partial maximum, sum and output, and `nezha_merge_kernel` merges them by their log-sum-exps.
 
@@ -54,15 +57,17 @@ LN2 = tl.constexpr(0.6931471805599453)  # scores are kept in base 2 (`exp2`), Fl
 LOG2E = tl.constexpr(1.4426950408889634)
 
 DECODING_BLOCK_M = 16  # the query block of a decoding step (the smallest `tl.dot` takes)
+STATISTICS_BLOCK_M = 16 if INTERPRETING else 64  # the query block of `nezha_row_statistics_kernel`
 
 
 def _config(block_m: int, block_n: int, stages: int = 1, warps: int = 4) -> "triton.Config":
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_stages=stages, num_warps=warps)
 
 
-# FlashAttention-2's Triton sets, and the decoding step's block of 16 queries. No block of 64 rows (queries, the rows
-# of every score tile here) runs on 8 warps: a Hopper wgmma gives each warp group of 4 warps 64 rows, so the second
-# group would compute the same products again (Triton's tutorial filters such sets out; `make gpu-gates` checks).
+# FlashAttention-2's Triton sets, and the decoding step's block of 16 queries. No block of 64 rows (the products' rows:
+# queries in the forward and `dQ`, keys in `dK`, `dV`) runs on 8 warps: a Hopper wgmma gives each warp group of 4 warps
+# 64 rows, so the second group would compute the same products again (Triton's tutorial filters such sets out;
+# `make gpu-gates` checks).
 # float32, whose IEEE products run on the CUDA cores, has smaller blocks of its own. Under the interpreter one small
 # block, so that tests cross block edges.
 if INTERPRETING:
@@ -75,7 +80,8 @@ else:
         *(_config(DECODING_BLOCK_M, block_n, 2, 4) for block_n in (64, 128)),
         *FLOAT32_CONFIGS[:2],
     ]
-    KEY_VALUE_GRAD_CONFIGS = [_config(64, 64, 2, 4), _config(128, 64, 2, 8), *FLOAT32_CONFIGS[:2]]
+    KEY_VALUE_GRAD_CONFIGS = [_config(64, 128, 2, 8), _config(32, 128, 2, 8), _config(64, 64, 2, 4),
+                              *FLOAT32_CONFIGS[:2]]
     QUERY_GRAD_CONFIGS = [_config(64, 64, 2, 4), _config(128, 32, 2, 8), _config(128, 64, 2, 8),
                           FLOAT32_CONFIGS[0], FLOAT32_CONFIGS[2]]
 
@@ -140,6 +146,16 @@ def _product(a, b, WIDEN: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _product_into(acc, a, b, WIDEN: tl.constexpr, IEEE: tl.constexpr):
+    """`acc + a @ b` as `_product`, accumulated in the product itself (no second pass over `acc`)."""
+    if WIDEN:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _table_row(Table, row, D, offs_d):
     """Row `row` of the `[2K + 1, D]` table, float32."""
     return tl.load(Table + row * D + offs_d, mask=_columns(offs_d, D), other=0.0).to(tl.float32)
@@ -192,7 +208,7 @@ def _add_times_window(acc, weights, Table, first, K, D, offs_d, WIDEN: tl.conste
     for part in tl.static_range((BLOCK_M + BLOCK_N - 2) // BLOCK_N + 1):
         placed = tl.gather(weights, tl.minimum(tl.maximum(key, 0), BLOCK_N - 1), 1)
         placed = tl.where((key >= 0) & (key < BLOCK_N), placed, tl.zeros_like(placed))
-        acc += _product(placed, _window(Table, first + part * BLOCK_N, K, D, offs_d, BLOCK_N), WIDEN, IEEE)
+        acc = _product_into(acc, placed, _window(Table, first + part * BLOCK_N, K, D, offs_d, BLOCK_N), WIDEN, IEEE)
         key += BLOCK_N
     return acc
 
@@ -303,15 +319,6 @@ def _program(blocks, heads, Offset, offset, OFFSET_IN_MEMORY: tl.constexpr):
     return block, head, (head // heads).to(tl.int64), (head % heads).to(tl.int64), offset
 
 
-@triton.jit
-def _row_statistics(Lse, RowDot, offs_m, Lq):
-    """The forward's log-sum-exp in base 2 (+inf for a row that saw nothing, or past the queries, so that its
-    probabilities are 0) and `D_i = dO_i . O_i`."""
-    lse = tl.load(Lse + offs_m, mask=offs_m < Lq, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
-    return lse, tl.load(RowDot + offs_m, mask=offs_m < Lq, other=0.0)
-
-
 # --- forward -----------------------------------------------------------------------------------------------------
 
 
@@ -341,7 +348,7 @@ def _forward_loop(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyVa
         if DROPOUT:
             p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p * keep_scale, 0.0)
             tile_sum = tl.sum(p, 1)  # what the tail's mass takes: the dropped-out probabilities
-        acc = acc * rescale[:, None] + _product(p.to(OPERAND), v, WIDEN, IEEE)
+        acc = _product_into(acc * rescale[:, None], p.to(OPERAND), v, WIDEN, IEEE)
         if KIND == BAND:
             acc = _add_times_window(acc, p.to(OPERAND), Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
         else:
@@ -479,64 +486,109 @@ def nezha_merge_kernel(Partial, PartialStats, Out, Lse, stride_ob, stride_oh, st
 
 
 @triton.jit
-def _tile_gradients(q, do, k, v, Table, first, K, D: tl.constexpr, offs_d, query_term, output_term, lse, row_dot,
-                    offs_m, offs_n, n0, offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold,
-                    keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
-                    HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
-                    EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A tile's dropped-out probabilities `P~` and `dS = P (dP - D)`, recomputing `P` from the forward's lse (base 2):
-    `dP_ij = z_ij dO_i . (v_j + T[r])` for dropout's factor `z` (the table parts from a band tile's window, its first
-    row `first`, or a tail's per-row `query_term`, in base 2, and `output_term`, 0 for the band). A tail's terms are
-    folded into the row's statistics (`lse - query_term`, and without dropout `D - output_term`), so that its tile
-    costs a plain FlashAttention-2 tile's instructions."""
-    scores = _scores(q, k, Table, first, K, D, offs_d, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row,
-                     KIND, HAS_VALID, CAUSAL, HAS_SOURCE, EDGE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    p = tl.exp2(scores * scale_log2 - (lse - query_term)[:, None])
-    grad_p = _product(do, tl.trans(v), WIDEN, IEEE)
-    if KIND == BAND:
-        grad_p += _by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    kept = p
+def nezha_row_statistics_kernel(Q, DO, O, Table, Lse, RowLse, RowDot, stride_qb, stride_qh, stride_qm, stride_qd,
+                                stride_ob, stride_oh, stride_om, stride_od, stride_yb, stride_yh, stride_ym, stride_yd,
+                                heads, Lq, D: tl.constexpr, K, scale_log2, DROPOUT: tl.constexpr,
+                                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The backward's statistics of one block of queries of one head, one row per tile class (`[heads, 3, Lq]`
+    float32, the class's index): `RowLse`, the forward's log-sum-exp in base 2 (+inf for a row that saw nothing, so
+    that its probabilities are 0) less a tail's key term `q_i . T[row] * scale * log2(e)`; `RowDot`, `D_i = dO_i . O_i`
+    (`O`: `stride_y*`) less a tail's output term `dO_i . T[row]`, or with dropout, which multiplies that term pair by
+    pair, the term itself (the band's row keeps `D_i`). A tail tile then costs a plain FlashAttention-2 tile: its
+    exponent one multiply-add, nothing per row recomputed in the key/value gradients' loop."""
+    block, head, b, h, _ = _program(tl.cdiv(Lq, BLOCK_M), heads, None, 0, False)
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_m < Lq
+    q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
+    do = _rows(DO + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
+    out = _rows(O + b * stride_yb + h * stride_yh, offs_m, offs_d, stride_ym, stride_yd, Lq, D, True)
+    lse = tl.load(Lse + head.to(tl.int64) * Lq + offs_m, mask=rows, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    row_dot = tl.sum(do.to(tl.float32) * out.to(tl.float32), 1)
+    first_row, last_row = _table_row(Table, 0, D, offs_d), _table_row(Table, 2 * K, D, offs_d)
+    left, right = _row_term(do, first_row), _row_term(do, last_row)
+    if not DROPOUT:
+        left, right = row_dot - left, row_dot - right
+    base = head.to(tl.int64) * 3 * Lq + offs_m
+    tl.store(RowLse + base + LEFT * Lq, lse - _row_term(q, first_row) * scale_log2, mask=rows)
+    tl.store(RowLse + base + BAND * Lq, lse, mask=rows)
+    tl.store(RowLse + base + RIGHT * Lq, lse - _row_term(q, last_row) * scale_log2, mask=rows)
+    tl.store(RowDot + base + LEFT * Lq, left, mask=rows)
+    tl.store(RowDot + base + BAND * Lq, row_dot, mask=rows)
+    tl.store(RowDot + base + RIGHT * Lq, right, mask=rows)
+
+
+@triton.jit
+def _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND: tl.constexpr, DROPOUT: tl.constexpr):
+    """`(lse, row_dot, output_term)` of the queries `offs_m` for a tile class (`nezha_row_statistics_kernel`): +inf
+    and 0 past the queries; `output_term` is 0 but for a tail's with dropout, when `row_dot` is `D_i` itself."""
+    rows = offs_m < Lq
+    base = head.to(tl.int64) * 3 * Lq + offs_m
+    lse = tl.load(RowLse + base + KIND * Lq, mask=rows, other=float("inf"))
+    row_dot = tl.load(RowDot + base + KIND * Lq, mask=rows, other=0.0)
+    output_term = tl.zeros_like(row_dot)
+    if DROPOUT and KIND != BAND:
+        output_term = row_dot
+        row_dot = tl.load(RowDot + base + BAND * Lq, mask=rows, other=0.0)
+    return lse, row_dot, output_term
+
+
+@triton.jit
+def _gradient_of_scores(p, grad_p, keep, row_dot, output_term, keep_scale, DROPOUT: tl.constexpr):
+    """`(P~, dS)` of a tile from its probabilities `p` and `dP` before dropout (both per pair, any orientation;
+    `row_dot` and `output_term` broadcast to them): `dS = P (z (dP + output_term) - D)` for dropout's factor `z`
+    (kept: `1 / (1 - p)`, else 0), `P (dP - D)` without (the output term already in `D`)."""
     if DROPOUT:
-        keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
         kept = tl.where(keep, p * keep_scale, 0.0)
-        grad_s = p * (tl.where(keep, (grad_p + output_term[:, None]) * keep_scale, 0.0) - row_dot[:, None])
+        grad_s = p * (tl.where(keep, (grad_p + output_term) * keep_scale, 0.0) - row_dot)
     else:
-        grad_s = p * (grad_p - (row_dot - output_term)[:, None])
+        kept = p
+        grad_s = p * (grad_p - row_dot)
     return kept, grad_s
 
 
 @triton.jit
-def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, Lse, RowDot, Table, table_row, KeyValid, KeyIsSource, key_row,
-                     lo, hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
+def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, lo, hi, n0,
+                     offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm, stride_qd, stride_om, stride_od,
                      scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
                      CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
                      IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`dK` (unscaled) and `dV` of a key block over the query blocks `lo .. hi` of one class (`table_row`: a tail's
-    row)."""
+    """`dK` (unscaled) and `dV` of a key block over the query blocks `lo .. hi` of one class, as FlashAttention-2's
+    Triton kernels compute them: transposed, `S^T = K Q^T`, so that the key block's rows are every product's rows
+    (wgmma on Hopper) and nothing is transposed between products. Keys past the last one need no mask: their rows
+    are never stored."""
     OPERAND = Qh.dtype.element_ty
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
         do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
-        lse, row_dot = _row_statistics(Lse, RowDot, offs_m, Lq)
-        query_term = tl.zeros([BLOCK_M], tl.float32)
-        output_term = tl.zeros([BLOCK_M], tl.float32)
-        if KIND != BAND:
-            query_term, output_term = _row_term(q, table_row) * scale_log2, _row_term(do, table_row)
-        kept, grad_s = _tile_gradients(q, do, k, v, Table, _window_start(n0, m0, offset, K, BLOCK_M), K, D, offs_d,
-                                       query_term, output_term, lse, row_dot, offs_m, offs_n, n0, offset, Lk,
-                                       KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, keep_scale,
-                                       KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M,
-                                       BLOCK_N)
-        grad_v += _product(tl.trans(kept.to(OPERAND)), do, WIDEN, IEEE)
-        grad_k += _product(tl.trans(grad_s.to(OPERAND)), q, WIDEN, IEEE)
+        lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT)
+        scores = _product(k, tl.trans(q), WIDEN, IEEE)
+        grad_p = _product(v, tl.trans(do), WIDEN, IEEE)
+        if KIND == BAND:
+            first = _window_start(n0, m0, offset, K, BLOCK_M)
+            scores += tl.trans(_by_pair(q, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
+            grad_p += tl.trans(_by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
+        if HAS_VALID or (CAUSAL and KIND != LEFT):
+            visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL,
+                               HAS_SOURCE, False)
+            scores = tl.where(tl.trans(tl.broadcast_to(visible, [BLOCK_M, BLOCK_N])), scores, float("-inf"))
+        p = tl.exp2(scores * scale_log2 - lse[None, :])
+        keep = None
+        if DROPOUT:
+            keep = tl.trans(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N))
+        kept, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[None, :], output_term[None, :], keep_scale,
+                                           DROPOUT)
+        grad_v = _product_into(grad_v, kept.to(OPERAND), do, WIDEN, IEEE)
+        grad_k = _product_into(grad_k, grad_s.to(OPERAND), q, WIDEN, IEEE)
     return grad_k, grad_v
 
 
 @triton.autotune(configs=KEY_VALUE_GRAD_CONFIGS, key=TUNING_KEY, prune_configs_by=PRUNING)
 @triton.jit(do_not_specialize=STEP_VALUES)
 def nezha_key_value_grad_kernel(
-    Q, Kx, V, DO, Table, Lse, RowDot, DK, DV, KeyValid, KeyIsSource, KeyBounds, Offset,
+    Q, Kx, V, DO, Table, RowLse, RowDot, DK, DV, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
     heads, Lq, Lk, D: tl.constexpr, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
@@ -554,9 +606,7 @@ def nezha_key_value_grad_kernel(
     k = _rows(Kx + b * stride_kb + h * stride_kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D, True)
     v = _rows(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D, True)
     Qh, DOh = Q + b * stride_qb + h * stride_qh, DO + b * stride_ob + h * stride_oh
-    Lse_h, RowDot_h = Lse + head.to(tl.int64) * Lq, RowDot + head.to(tl.int64) * Lq
     key_row = b * Lk  # the sequence's key flags
-    first_row, last_row = _table_row(Table, 0, D, offs_d), _table_row(Table, 2 * K, D, offs_d)
 
     lo = 0
     hi = Lq
@@ -571,17 +621,17 @@ def nezha_key_value_grad_kernel(
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_k, grad_v = _key_value_tiles(
-        grad_k, grad_v, k, v, Qh, DOh, Lse_h, RowDot_h, Table, last_row, KeyValid, KeyIsSource, key_row, lo, right_hi,
-        n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
-        threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, lo, right_hi, n0, offs_n,
+        offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold,
+        keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_k, grad_v = _key_value_tiles(
-        grad_k, grad_v, k, v, Qh, DOh, Lse_h, RowDot_h, Table, None, KeyValid, KeyIsSource, key_row, right_hi, left_lo,
-        n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
+        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, right_hi, left_lo, n0,
+        offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
         threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_k, grad_v = _key_value_tiles(
-        grad_k, grad_v, k, v, Qh, DOh, Lse_h, RowDot_h, Table, first_row, KeyValid, KeyIsSource, key_row, left_lo, hi,
-        n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
-        threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, left_lo, hi, n0, offs_n,
+        offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold,
+        keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     out = head.to(tl.int64) * Lk * D + offs_n[:, None] * D + offs_d[None, :]
     key_mask = (offs_n < Lk)[:, None] & _columns(offs_d, D)[None, :]
     tl.store(DK + out, (grad_k * scale).to(DK.dtype.element_ty), mask=key_mask)
@@ -589,9 +639,9 @@ def nezha_key_value_grad_kernel(
 
 
 @triton.jit
-def _query_loop(grad_q, mass, q, do, query_term, output_term, Kh, Vh, Table, lse, row_dot, KeyValid, KeyIsSource,
-                key_row, lo, hi, m0, offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn,
-                stride_vd, scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+def _query_loop(grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, hi,
+                m0, offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
                 CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
                 IEEE: tl.constexpr, EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """`_query_tiles` over the key blocks `lo .. hi` (`EDGE`: they may end past the last key)."""
@@ -600,46 +650,53 @@ def _query_loop(grad_q, mass, q, do, query_term, output_term, Kh, Vh, Table, lse
         offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, EDGE,
                                   BLOCK_N)
         first = _window_start(n0, m0, offset, K, BLOCK_M)
-        _, grad_s = _tile_gradients(q, do, k, v, Table, first, K, D, offs_d, query_term, output_term, lse, row_dot,
-                                    offs_m, offs_n, n0, offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed,
-                                    head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN,
-                                    IEEE, EDGE, BLOCK_M, BLOCK_N)
+        scores = _scores(q, k, Table, first, K, D, offs_d, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row,
+                         KIND, HAS_VALID, CAUSAL, HAS_SOURCE, EDGE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        p = tl.exp2(scores * scale_log2 - lse[:, None])
+        grad_p = _product(do, tl.trans(v), WIDEN, IEEE)
+        if KIND == BAND:
+            grad_p += _by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        keep = None
+        if DROPOUT:
+            keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
+        _, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[:, None], output_term[:, None], keep_scale, DROPOUT)
         if KIND == BAND:
             grad_q = _add_times_window(grad_q, grad_s.to(OPERAND), Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M,
                                        BLOCK_N)
         else:
             mass += tl.sum(grad_s, 1)
-        grad_q += _product(grad_s.to(OPERAND), k, WIDEN, IEEE)
+        grad_q = _product_into(grad_q, grad_s.to(OPERAND), k, WIDEN, IEEE)
     return grad_q, mass
 
 
 @triton.jit
-def _query_tiles(grad_q, mass, q, do, query_term, output_term, Kh, Vh, Table, lse, row_dot, KeyValid, KeyIsSource,
-                 key_row, lo, hi, m0, offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn,
-                 stride_vd, scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
-                 CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
-                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`sum_j dS_ij (k_j + T[r])` (unscaled) of a query block over the key blocks `lo .. hi` of one class: the band's
-    table part added tile by tile, the tails' gathered in `mass` as the forward's value term is. A tail's whole blocks
-    run without a key mask, the one that may end past the last key after them."""
+def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, lo, hi, m0, offs_m,
+                 offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2,
+                 seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
+                 HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`(grad_q, mass)`: `sum_j dS_ij (k_j + T[r])` (unscaled) of a query block over the key blocks `lo .. hi` of one
+    class, the band's table part added tile by tile, a tail's gathered in `mass` (for its row) as the forward's value
+    term is. A tail's whole blocks run without a key mask, the one that may end past the last key after them."""
+    lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT)
+    mass = tl.zeros([BLOCK_M], tl.float32)
     edge = lo
     if KIND != BAND:
         edge = tl.maximum(tl.minimum(hi, Lk // BLOCK_N * BLOCK_N), lo)
         grad_q, mass = _query_loop(
-            grad_q, mass, q, do, query_term, output_term, Kh, Vh, Table, lse, row_dot, KeyValid, KeyIsSource, key_row,
-            lo, edge, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2,
-            seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False,
-            BLOCK_M, BLOCK_N)
-    return _query_loop(grad_q, mass, q, do, query_term, output_term, Kh, Vh, Table, lse, row_dot, KeyValid,
-                       KeyIsSource, key_row, edge, hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd,
-                       stride_vn, stride_vd, scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL,
-                       HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
+            grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, edge,
+            m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+            threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
+    return _query_loop(grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row,
+                       edge, hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                       scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
+                       WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
 
 
 @triton.autotune(configs=QUERY_GRAD_CONFIGS, key=TUNING_KEY, prune_configs_by=PRUNING)
 @triton.jit(do_not_specialize=STEP_VALUES)
 def nezha_query_grad_kernel(
-    Q, Kx, V, DO, Table, Lse, RowDot, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
+    Q, Kx, V, DO, Table, RowLse, RowDot, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
     heads, Lq, Lk, D: tl.constexpr, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
@@ -655,33 +712,26 @@ def nezha_query_grad_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
     do = _rows(DO + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
-    lse, row_dot = _row_statistics(Lse + head.to(tl.int64) * Lq, RowDot + head.to(tl.int64) * Lq, offs_m, Lq)
     Kh, Vh = Kx + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
     key_row = b * Lk  # the sequence's key flags
-    first_row, last_row = _table_row(Table, 0, D, offs_d), _table_row(Table, 2 * K, D, offs_d)
 
     lo, hi = _keys_of_block(m0, offset, Lk, KeyBounds, b, HAS_VALID, CAUSAL, HAS_SOURCE, BLOCK_M, BLOCK_N)
     band_lo, band_hi, hi = _class_bounds(lo, hi, offset + m0 - K + 1, offset + m0 + BLOCK_M - 1 + K, BLOCK_N)
 
-    zeros = tl.zeros([BLOCK_M], tl.float32)
     grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    left_terms = _row_term(q, first_row) * scale_log2, _row_term(do, first_row)
-    right_terms = _row_term(q, last_row) * scale_log2, _row_term(do, last_row)
     grad_q, mass = _query_tiles(
-        grad_q, zeros, q, do, left_terms[0], left_terms[1], Kh, Vh, Table, lse, row_dot,
-        KeyValid, KeyIsSource, key_row, lo, band_lo, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd,
-        stride_vn, stride_vd, scale_log2, seed, head, threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE,
-        DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    grad_q += mass[:, None] * first_row[None, :]
+        grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, lo, band_lo, m0, offs_m, offset,
+        Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
+        keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    grad_q += mass[:, None] * _table_row(Table, 0, D, offs_d)[None, :]
     grad_q, _ = _query_tiles(
-        grad_q, zeros, q, do, zeros, zeros, Kh, Vh, Table, lse, row_dot, KeyValid, KeyIsSource, key_row, band_lo,
-        band_hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
-        head, threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_lo, band_hi, m0, offs_m,
+        offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
+        keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_q, mass = _query_tiles(
-        grad_q, zeros, q, do, right_terms[0], right_terms[1], Kh, Vh, Table, lse, row_dot, KeyValid,
-        KeyIsSource, key_row, band_hi, hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn,
-        stride_vd, scale_log2, seed, head, threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN,
-        IEEE, BLOCK_M, BLOCK_N)
-    grad_q += mass[:, None] * last_row[None, :]
+        grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_hi, hi, m0, offs_m, offset,
+        Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
+        keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    grad_q += mass[:, None] * _table_row(Table, 2 * K, D, offs_d)[None, :]
     tl.store(DQ + head.to(tl.int64) * Lq * D + offs_m[:, None] * D + offs_d[None, :],
              (grad_q * scale).to(DQ.dtype.element_ty), mask=(offs_m < Lq)[:, None] & _columns(offs_d, D)[None, :])
