@@ -387,8 +387,9 @@ def test_launch_grids_hold_any_number_of_heads(monkeypatch):
     there (the launches are recorded, not run). And the kernels run on the tensors' GPU, not the current one."""
     from nezha_hf import triton_kernels
 
-    launchers = {name: Launches() for name in ("nezha_forward_kernel", "nezha_key_value_grad_kernel",
-                                                "nezha_query_grad_kernel", "nezha_merge_kernel")}
+    launchers = {name: Launches() for name in ("nezha_forward_kernel", "nezha_row_statistics_kernel",
+                                                "nezha_key_value_grad_kernel", "nezha_query_grad_kernel",
+                                                "nezha_merge_kernel")}
     for name, launcher in launchers.items():
         monkeypatch.setattr(triton_kernels, name, launcher, raising=False)
     batch, heads, length, d = 2, 35_000, 20, 8
@@ -398,7 +399,8 @@ def test_launch_grids_hold_any_number_of_heads(monkeypatch):
     output, lse = ta.triton_forward(q, q, q, table, problem)
     ta.triton_backward(output.transpose(1, 2), q, q, q, table, problem, output.transpose(1, 2), lse)
     blocks = -(-length // 16)
-    for name in ("nezha_forward_kernel", "nezha_key_value_grad_kernel", "nezha_query_grad_kernel"):
+    for name in ("nezha_forward_kernel", "nezha_row_statistics_kernel", "nezha_key_value_grad_kernel",
+                 "nezha_query_grad_kernel"):
         (grid, _), = launchers[name].launches
         axes = programs(grid)
         assert all(axis <= 65_535 for axis in axes[1:]), (name, axes)
