@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= .ci/constraints.txt
 INSTALL := $(PY) -m pip install --quiet $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS))
 
-.PHONY: demo test test-main test-fast test-pythons mutations bench constraints clean gpu-prepare gpu-rehearse
+.PHONY: demo test test-main test-fast test-pythons mutations bench constraints clean gpu-prepare gpu-rehearse gpu-gates
 
 # The claimed ranges tested at both ends. The main environment (.venv) is the oldest Python and torch that
 # pyproject.toml accepts (3.11, as transformers 5.21 and later need it; torch 2.13.0); `make test` also runs the fast
@@ -118,6 +118,18 @@ gpu-prepare:
 # The GPU check rehearsed on this machine: Triton's interpreter, tiny sizes, the wheel installed as on the GPU machine.
 gpu-rehearse: $(VENV)/.test gpu-prepare
 	$(PY) benchmarks/gpu_check.py --rehearse
+
+# The GPU gates (benchmarks/gpu_gates.py, docs/performance.md): NEZHA's Triton kernels compiled for an H100 on this
+# CPU and counted, failing where a gate is missed. Compiled by the GPU machine's Triton (3.6, in a venv of its own:
+# Triton needs no PyTorch to compile); `make gpu-gates GATES_PYTHON=$(PY)` compiles with the installed one instead.
+GPU_TRITON := 3.6.0
+GATES_PYTHON ?= .venv-triton-$(GPU_TRITON)/bin/python
+.venv-triton-$(GPU_TRITON)/bin/python:
+	$(PYTHON) -m venv .venv-triton-$(GPU_TRITON)
+	.venv-triton-$(GPU_TRITON)/bin/python -m pip install --quiet triton==$(GPU_TRITON)
+
+gpu-gates: $(VENV)/.test $(filter .venv-triton-%,$(GATES_PYTHON))
+	$(PY) benchmarks/gpu_gates.py --triton-python $(GATES_PYTHON)
 
 # After `make test` passes on newer releases: record them as the versions to install (torch stays pinned above).
 constraints: $(VENV)/.test

@@ -233,6 +233,8 @@ def _arguments(query, key, value, table, problem: AttentionProblem, switches: Sw
     threshold, and the switches."""
     _, heads, queries, size = query.shape
     keys, dropout, offset = key.shape[-2], problem.dropout, problem.mask.query_offset
+    if not problem.scaling > 0:  # the kernels take a row's maximum before the scale (plain FlashAttention-2's way)
+        raise TritonKernelFailed(f"the Triton kernels take a positive score scale, not {problem.scaling}")
     return dict(
         Table=table.to(query.dtype).contiguous(), KeyValid=_key_flags(problem.mask.key_is_valid, key),
         KeyIsSource=_key_flags(problem.mask.key_is_source, key), KeyBounds=_key_bounds(problem, key),
@@ -298,11 +300,19 @@ def triton_backward(grad_output, query, key, value, table, problem: AttentionPro
         return grad_query, grad_key, grad_value
     switches = Switches.of(query, problem)
     _refuse_set_aside("backward", switches)
-    row_dot = (grad_output.float() * output.float()).sum(-1).contiguous()  # D_i = dO_i . O_i
-    shared = dict(Q=query, Kx=key, V=value, DO=grad_output, Lse=lse, RowDot=row_dot, scale=problem.scaling,
-                  **_arguments(query, key, value, table, problem, switches, kernels),
-                  **_strides(grad_output, "o", "m"))
+    arguments = _arguments(query, key, value, table, problem, switches, kernels)
+    # Per query and tile class: the log-sum-exp less a tail's key term, D_i = dO_i . O_i less its output term.
+    row_lse, row_dot = (torch.empty(batch, heads, 3, queries, dtype=torch.float32, device=query.device)
+                        for _ in range(2))
+    shared = dict(Q=query, Kx=key, V=value, DO=grad_output, RowLse=row_lse, RowDot=row_dot, scale=problem.scaling,
+                  **arguments, **_strides(grad_output, "o", "m"))
     with _launching("backward", switches, query.device):
+        block = kernels.STATISTICS_BLOCK_M
+        kernels.nezha_row_statistics_kernel[(_blocks(queries, block) * batch * heads,)](
+            Q=query, DO=grad_output, O=output, Table=arguments["Table"], Lse=lse, RowLse=row_lse, RowDot=row_dot,
+            **_strides(query, "q", "m"), **_strides(grad_output, "o", "m"), **_strides(output, "y", "m"), heads=heads,
+            Lq=queries, D=size, K=arguments["K"], scale_log2=arguments["scale_log2"], DROPOUT=switches.dropout,
+            BLOCK_D=arguments["BLOCK_D"], BLOCK_M=block)
         kernels.nezha_key_value_grad_kernel[lambda meta: (_blocks(keys, meta["BLOCK_N"]) * batch * heads,)](
             DK=grad_key, DV=grad_value, **shared)
         kernels.nezha_query_grad_kernel[lambda meta: (_blocks(queries, meta["BLOCK_M"]) * batch * heads,)](

@@ -17,9 +17,12 @@ and a probability adds `p_ij T[r]` to the output. A (query block, key block) til
 The key loop of a query block runs over the left tail tiles, the band tiles and the right tail tiles in three loops
 (FlashAttention-2's stages, a constexpr class each), from the first key block any query of the block sees to the
 last: padding before the first valid key and after the last one, and under a causal mask the keys after the block's
-last query (unless they are UniLM source keys), are skipped by whole blocks (`KeyBounds`). The backward is
-FlashAttention-2's: one kernel per key block for `dK`, `dV` (its query loop runs over right tail, band and left tail
-tiles) and one per query block for `dQ`, both recomputing the probabilities from the forward's log-sum-exp. A
+last query (unless they are UniLM source keys), are skipped by whole blocks (`KeyBounds`). A tail's key term, the same
+for a whole row, is folded into the row's running maximum, and only the block that may end past the last key is
+masked, so that a tail tile is a plain FlashAttention-2 tile (`make gpu-gates` compares their instructions). The
+backward is FlashAttention-2's: a kernel of row statistics (the log-sum-exp and `D_i = dO_i . O_i` per tile class, a
+tail's terms folded in), one kernel per key block for `dK`, `dV` computing `S^T = K Q^T` (its query loop runs over
+right tail, band and left tail tiles) and one per query block for `dQ`, both recomputing the probabilities. A
 decoding step (a block of at most 16 queries) splits its keys over several programs per head (FlashDecoding): each
 writes its partial maximum, sum and output, and `nezha_merge_kernel` merges them by their log-sum-exps.
 
@@ -54,30 +57,32 @@ LN2 = tl.constexpr(0.6931471805599453)  # scores are kept in base 2 (`exp2`), Fl
 LOG2E = tl.constexpr(1.4426950408889634)
 
 DECODING_BLOCK_M = 16  # the query block of a decoding step (the smallest `tl.dot` takes)
+STATISTICS_BLOCK_M = 16 if INTERPRETING else 64  # the query block of `nezha_row_statistics_kernel`
 
 
 def _config(block_m: int, block_n: int, stages: int = 1, warps: int = 4) -> "triton.Config":
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_stages=stages, num_warps=warps)
 
 
-# FlashAttention-2's Triton sets, and the decoding step's block of 16 queries, kept where the cubins Triton 3.6 and
-# 3.9 make of the bfloat16 and float16 kernels for an H100 (sm_90) spill about 1 KB per thread or less to the stack
-# (64 x 64 forward blocks on 8 warps: 16 to 400 bytes); larger blocks spill kilobytes. float32, whose IEEE products
-# run on the CUDA cores, has smaller blocks of its own. Under the interpreter one small block, so that
-# tests cross block edges.
+# FlashAttention-2's Triton sets, and the decoding step's block of 16 queries. No block of 64 rows (the products' rows:
+# queries in the forward and `dQ`, keys in `dK`, `dV`) runs on 8 warps: a Hopper wgmma gives each warp group of 4 warps
+# 64 rows, so the second group would compute the same products again (Triton's tutorial filters such sets out;
+# `make gpu-gates` checks).
+# float32, whose IEEE products run on the CUDA cores, has smaller blocks of its own. Under the interpreter one small
+# block, so that tests cross block edges.
 if INTERPRETING:
     FORWARD_CONFIGS = KEY_VALUE_GRAD_CONFIGS = QUERY_GRAD_CONFIGS = [_config(16, 16)]
     FLOAT32_CONFIGS = []
 else:
     FLOAT32_CONFIGS = [_config(16, 32, 2, 4), _config(32, 32, 2, 8), _config(32, 16, 2, 4)]
     FORWARD_CONFIGS = [
-        *(_config(64, 64, stages, 8) for stages in (2, 3, 4)), _config(64, 64, 3, 4), _config(128, 64, 3, 8),
+        _config(64, 64, 3, 4), _config(128, 64, 3, 8),
         *(_config(DECODING_BLOCK_M, block_n, 2, 4) for block_n in (64, 128)),
         *FLOAT32_CONFIGS[:2],
     ]
-    KEY_VALUE_GRAD_CONFIGS = [_config(32, 64, 2, 8), _config(64, 64, 2, 8), _config(32, 128, 2, 8),
+    KEY_VALUE_GRAD_CONFIGS = [_config(64, 128, 2, 8), _config(32, 128, 2, 8), _config(64, 64, 2, 4),
                               *FLOAT32_CONFIGS[:2]]
-    QUERY_GRAD_CONFIGS = [_config(64, 32, 2, 8), _config(64, 64, 2, 8), _config(128, 32, 2, 8),
+    QUERY_GRAD_CONFIGS = [_config(64, 64, 2, 4), _config(128, 32, 2, 8), _config(128, 64, 2, 8),
                           FLOAT32_CONFIGS[0], FLOAT32_CONFIGS[2]]
 
 # A split of a decoding step's keys is a whole number of this many keys, so that every tuned key block divides it.
@@ -111,10 +116,22 @@ STEP_VALUES = ["Lk", "offset"]
 
 
 @triton.jit
-def _rows(base, offs, offs_d, stride_row, stride_d, rows, D):
-    """Rows `offs` of a `[rows, D]` matrix at `base` with the given strides, zeros outside it."""
-    return tl.load(base + offs[:, None] * stride_row + offs_d[None, :] * stride_d,
-                   mask=(offs < rows)[:, None] & (offs_d < D)[None, :], other=0.0)
+def _columns(offs_d, D: tl.constexpr):
+    """Which of a block's columns `offs_d` hold the head's `D`: a constant when `D` fills the block (a power of two
+    of at least 16), so that no mask is left on the head size."""
+    if D == offs_d.shape[0]:
+        return tl.full(offs_d.shape, 1, tl.int1)
+    return offs_d < D
+
+
+@triton.jit
+def _rows(base, offs, offs_d, stride_row, stride_d, rows, D: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """Rows `offs` of a `[rows, D]` matrix at `base` with the given strides, zeros outside it (rows past `rows`
+    masked only where `MASK_ROWS`: a block that may end past the last row)."""
+    pointers = base + offs[:, None] * stride_row + offs_d[None, :] * stride_d
+    if MASK_ROWS:
+        return tl.load(pointers, mask=(offs < rows)[:, None] & _columns(offs_d, D)[None, :], other=0.0)
+    return tl.load(pointers, mask=_columns(offs_d, D)[None, :], other=0.0)
 
 
 @triton.jit
@@ -129,9 +146,19 @@ def _product(a, b, WIDEN: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _product_into(acc, a, b, WIDEN: tl.constexpr, IEEE: tl.constexpr):
+    """`acc + a @ b` as `_product`, accumulated in the product itself (no second pass over `acc`)."""
+    if WIDEN:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _table_row(Table, row, D, offs_d):
     """Row `row` of the `[2K + 1, D]` table, float32."""
-    return tl.load(Table + row * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    return tl.load(Table + row * D + offs_d, mask=_columns(offs_d, D), other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -144,7 +171,7 @@ def _row_term(x, row):
 def _window(Table, first, K, D, offs_d, BLOCK_N: tl.constexpr):
     """The table rows `clip(first + w, 0, 2K)` for `w < BLOCK_N`: one part of a band tile's window (`_diagonals`)."""
     rows = tl.minimum(tl.maximum(first + tl.arange(0, BLOCK_N), 0), 2 * K)
-    return tl.load(Table + rows[:, None] * D + offs_d[None, :], mask=(offs_d < D)[None, :], other=0.0)
+    return tl.load(Table + rows[:, None] * D + offs_d[None, :], mask=_columns(offs_d, D)[None, :], other=0.0)
 
 
 @triton.jit
@@ -181,17 +208,18 @@ def _add_times_window(acc, weights, Table, first, K, D, offs_d, WIDEN: tl.conste
     for part in tl.static_range((BLOCK_M + BLOCK_N - 2) // BLOCK_N + 1):
         placed = tl.gather(weights, tl.minimum(tl.maximum(key, 0), BLOCK_N - 1), 1)
         placed = tl.where((key >= 0) & (key < BLOCK_N), placed, tl.zeros_like(placed))
-        acc += _product(placed, _window(Table, first + part * BLOCK_N, K, D, offs_d, BLOCK_N), WIDEN, IEEE)
+        acc = _product_into(acc, placed, _window(Table, first + part * BLOCK_N, K, D, offs_d, BLOCK_N), WIDEN, IEEE)
         key += BLOCK_N
     return acc
 
 
 @triton.jit
-def _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, BLOCK_N: tl.constexpr):
-    """`(offs_n, k, v)` of the key block at `n0`."""
+def _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D: tl.constexpr,
+               EDGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`(offs_n, k, v)` of the key block at `n0` (`EDGE`: it may end past the last key)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    return (offs_n, _rows(Kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D),
-            _rows(Vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D))
+    return (offs_n, _rows(Kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D, EDGE),
+            _rows(Vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D, EDGE))
 
 
 @triton.jit
@@ -203,11 +231,14 @@ def _window_start(n0, m0, offset, K, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
-             CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr):
-    """Which pairs of a tile are seen (broadcastable to `[BLOCK_M, BLOCK_N]`): keys inside the call, not padding, and
-    under a causal mask at or before the query or a source key (the flags of the sequence at `key_row`). A left tail
-    key precedes every query of its tile."""
-    visible = (offs_n < Lk)[None, :]
+             CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, EDGE: tl.constexpr):
+    """Which pairs of a tile are seen (broadcastable to `[BLOCK_M, BLOCK_N]`): keys inside the call (checked where the
+    block may end past the last key, `EDGE`), not padding, and under a causal mask at or before the query or a source
+    key (the flags of the sequence at `key_row`). A left tail key precedes every query of its tile."""
+    if EDGE:
+        visible = (offs_n < Lk)[None, :]
+    else:
+        visible = tl.full(offs_n.shape, 1, tl.int1)[None, :]
     if HAS_VALID:
         visible = visible & (tl.load(KeyValid + key_row + offs_n, mask=offs_n < Lk, other=0) != 0)[None, :]
     if CAUSAL and KIND != LEFT:
@@ -219,19 +250,22 @@ def _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND: t
 
 
 @triton.jit
-def _scores(q, k, Table, first, K, D, offs_d, row_term, offs_m, offs_n, offset, Lk, scale_log2, KeyValid,
-            KeyIsSource, key_row, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
-            HAS_SOURCE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+def _scores(q, k, Table, first, K, D: tl.constexpr, offs_d, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource,
+            key_row, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
+            EDGE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr):
-    """A tile's scores in base 2, `(q . k + q . T[r]) * scale * log2(e)`, -inf where not seen: the key term from the
-    band's window (its first row `first`) or a tail's `row_term`."""
+    """A tile's scores before the scale: `q . k`, plus `q . T[r]` from a band tile's window (its first row `first`);
+    -inf where not seen, masked only where a pair may be unseen (a block past the last key, padding, a causal mask
+    right of the queries, the band). A tail's key term is the same for a whole row: the callers fold it into the row's
+    maximum or log-sum-exp, so that a tail tile costs what a plain FlashAttention-2 tile does."""
     scores = _product(q, tl.trans(k), WIDEN, IEEE)
     if KIND == BAND:
         scores += _by_pair(q, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    else:
-        scores += row_term[:, None]
-    visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL, HAS_SOURCE)
-    return tl.where(visible, scores * scale_log2, float("-inf"))
+    if EDGE or HAS_VALID or KIND == BAND or (CAUSAL and KIND != LEFT):
+        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL,
+                           HAS_SOURCE, EDGE)
+        scores = tl.where(visible, scores, float("-inf"))
+    return scores
 
 
 @triton.jit
@@ -285,48 +319,64 @@ def _program(blocks, heads, Offset, offset, OFFSET_IN_MEMORY: tl.constexpr):
     return block, head, (head // heads).to(tl.int64), (head % heads).to(tl.int64), offset
 
 
-@triton.jit
-def _row_statistics(Lse, RowDot, offs_m, Lq):
-    """The forward's log-sum-exp in base 2 (+inf for a row that saw nothing, or past the queries, so that its
-    probabilities are 0) and `D_i = dO_i . O_i`."""
-    lse = tl.load(Lse + offs_m, mask=offs_m < Lq, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
-    return lse, tl.load(RowDot + offs_m, mask=offs_m < Lq, other=0.0)
-
-
 # --- forward -----------------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _forward_tiles(acc, row_max, row_sum, mass, q, row_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, hi, m0,
-                   offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
-                   head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
-                   HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The online softmax over the key blocks `lo .. hi` of one class: `(acc, row_max, row_sum, mass)`, the tails'
-    value term gathered in `mass`, the band's added to `acc` tile by tile."""
+def _forward_loop(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, hi, m0,
+                   offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                   scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+                   CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
+                   IEEE: tl.constexpr, EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax over the key blocks `lo .. hi` of one class (`_forward_tiles`). `key_term` is a tail's key
+    term per row in base 2 (`q_i . T[row] * scale * log2(e)`; 0 for the band), folded into the maximum: a pair's
+    exponent is then one multiply-add, `scores * scale_log2 - (max - key_term)`, as in plain FlashAttention-2
+    (`scale_log2` > 0). `EDGE`: the blocks may end past the last key (only the last one can)."""
     OPERAND = Vh.dtype.element_ty
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, BLOCK_N)
+        offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, EDGE,
+                                  BLOCK_N)
         first = _window_start(n0, m0, offset, K, BLOCK_M)
-        scores = _scores(q, k, Table, first, K, D, offs_d, row_term, offs_m, offs_n, offset, Lk, scale_log2, KeyValid,
-                         KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        scores = _scores(q, k, Table, first, K, D, offs_d, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row,
+                         KIND, HAS_VALID, CAUSAL, HAS_SOURCE, EDGE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        new_max = tl.maximum(row_max, tl.max(scores, 1) * scale_log2 + key_term)
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that has seen nothing yet stays at 0
         rescale = tl.exp2(row_max - shift)
-        p = tl.exp2(scores - shift[:, None])
+        p = tl.exp2(scores * scale_log2 - (shift - key_term)[:, None])
         tile_sum = tl.sum(p, 1)
         row_sum = row_sum * rescale + tile_sum
         if DROPOUT:
             p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p * keep_scale, 0.0)
             tile_sum = tl.sum(p, 1)  # what the tail's mass takes: the dropped-out probabilities
-        acc = acc * rescale[:, None] + _product(p.to(OPERAND), v, WIDEN, IEEE)
+        acc = _product_into(acc * rescale[:, None], p.to(OPERAND), v, WIDEN, IEEE)
         if KIND == BAND:
             acc = _add_times_window(acc, p.to(OPERAND), Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
         else:
             mass = mass * rescale + tile_sum
         row_max = new_max
     return acc, row_max, row_sum, mass
+
+
+@triton.jit
+def _forward_tiles(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, hi, m0,
+                   offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                   scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+                   CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
+                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax over the key blocks `lo .. hi` of one class: `(acc, row_max, row_sum, mass)`, the tails'
+    value term gathered in `mass`, the band's added to `acc` tile by tile. A tail's whole blocks run without a key
+    mask, the one that may end past the last key after them."""
+    edge = lo
+    if KIND != BAND:
+        edge = tl.maximum(tl.minimum(hi, Lk // BLOCK_N * BLOCK_N), lo)
+        acc, row_max, row_sum, mass = _forward_loop(
+            acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, edge, m0,
+            offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+            threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
+    return _forward_loop(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, edge,
+                         hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                         scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
+                         WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -338,7 +388,7 @@ def _store_output(Out, Lse, acc, row_max, row_sum, b, h, head, offs_m, offs_d, L
     out = acc / tl.where(nothing, 1.0, row_sum)[:, None]
     rows_in = offs_m < Lq
     tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-             out.to(Out.dtype.element_ty), mask=rows_in[:, None] & (offs_d < D)[None, :])
+             out.to(Out.dtype.element_ty), mask=rows_in[:, None] & _columns(offs_d, D)[None, :])
     lse = tl.where(nothing, float("-inf"), (row_max + tl.log2(tl.where(nothing, 1.0, row_sum))) * LN2)
     tl.store(Lse + head.to(tl.int64) * Lq + offs_m, lse, mask=rows_in)
 
@@ -349,7 +399,8 @@ def nezha_forward_kernel(
     Q, Kx, V, Table, Out, Lse, Partial, PartialStats, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D, K, offset, scale_log2, seed, threshold, keep_scale, splits, key_chunk, LQ_CLASS, LK_CLASS,
+    heads, Lq, Lk, D: tl.constexpr, K, offset, scale_log2, seed, threshold, keep_scale, splits, key_chunk, LQ_CLASS,
+    LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, SPLIT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -364,7 +415,7 @@ def nezha_forward_kernel(
     m0 = block * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D)
+    q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
     Kh, Vh = Kx + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
     key_row = b * Lk  # the sequence's key flags
     first_row, last_row = _table_row(Table, 0, D, offs_d), _table_row(Table, 2 * K, D, offs_d)
@@ -377,18 +428,19 @@ def nezha_forward_kernel(
     zeros = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row_max = zeros + float("-inf")
+    left_term, right_term = _row_term(q, first_row) * scale_log2, _row_term(q, last_row) * scale_log2
     acc, row_max, row_sum, mass = _forward_tiles(
-        acc, row_max, zeros, zeros, q, _row_term(q, first_row), Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo,
+        acc, row_max, zeros, zeros, q, left_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo,
         band_lo, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
         head, threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     acc += mass[:, None] * first_row[None, :]
     acc, row_max, row_sum, _ = _forward_tiles(
-        acc, row_max, row_sum, zeros, q, None, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_lo, band_hi, m0,
+        acc, row_max, row_sum, zeros, q, zeros, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_lo, band_hi, m0,
         offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
         keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     acc, row_max, row_sum, mass = _forward_tiles(
-        acc, row_max, row_sum, zeros, q, _row_term(q, last_row), Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_hi,
-        hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+        acc, row_max, row_sum, zeros, q, right_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_hi, hi, m0,
+        offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
         threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     acc += mass[:, None] * last_row[None, :]
 
@@ -404,8 +456,8 @@ def nezha_forward_kernel(
 
 
 @triton.jit(do_not_specialize=["splits"])
-def nezha_merge_kernel(Partial, PartialStats, Out, Lse, stride_ob, stride_oh, stride_om, stride_od, heads, Lq, D,
-                       splits, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def nezha_merge_kernel(Partial, PartialStats, Out, Lse, stride_ob, stride_oh, stride_om, stride_od, heads, Lq,
+                       D: tl.constexpr, splits, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """A decoding step's splits merged by their log-sum-exps, for one block of queries of one head: the output and
     log-sum-exp."""
     block, head, b, h, _ = _program(tl.cdiv(Lq, BLOCK_M), heads, None, 0, False)
@@ -434,63 +486,112 @@ def nezha_merge_kernel(Partial, PartialStats, Out, Lse, stride_ob, stride_oh, st
 
 
 @triton.jit
-def _tile_gradients(q, do, k, v, Table, first, K, D, offs_d, query_term, output_term, lse, row_dot, offs_m, offs_n, n0,
-                    offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, keep_scale,
-                    KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
-                    DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
-    """A tile's dropped-out probabilities `P~` and `dS = P (dP - D)`, recomputing `P` from the forward's lse:
-    `dP_ij = z_ij dO_i . (v_j + T[r])` for dropout's factor `z` (the table parts from a band tile's window, its first
-    row `first`, or a tail's `query_term` and `output_term`)."""
-    scores = _scores(q, k, Table, first, K, D, offs_d, query_term, offs_m, offs_n, offset, Lk, scale_log2, KeyValid,
-                     KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    p = tl.exp2(scores - lse[:, None])
-    grad_p = _product(do, tl.trans(v), WIDEN, IEEE)
-    if KIND == BAND:
-        grad_p += _by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    else:
-        grad_p += output_term[:, None]
-    kept = p
-    if DROPOUT:
-        keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
-        kept = tl.where(keep, p * keep_scale, 0.0)
-        grad_p = tl.where(keep, grad_p * keep_scale, 0.0)
-    return kept, p * (grad_p - row_dot[:, None])
+def nezha_row_statistics_kernel(Q, DO, O, Table, Lse, RowLse, RowDot, stride_qb, stride_qh, stride_qm, stride_qd,
+                                stride_ob, stride_oh, stride_om, stride_od, stride_yb, stride_yh, stride_ym, stride_yd,
+                                heads, Lq, D: tl.constexpr, K, scale_log2, DROPOUT: tl.constexpr,
+                                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The backward's statistics of one block of queries of one head, one row per tile class (`[heads, 3, Lq]`
+    float32, the class's index): `RowLse`, the forward's log-sum-exp in base 2 (+inf for a row that saw nothing, so
+    that its probabilities are 0) less a tail's key term `q_i . T[row] * scale * log2(e)`; `RowDot`, `D_i = dO_i . O_i`
+    (`O`: `stride_y*`) less a tail's output term `dO_i . T[row]`, or with dropout, which multiplies that term pair by
+    pair, the term itself (the band's row keeps `D_i`). A tail tile then costs a plain FlashAttention-2 tile: its
+    exponent one multiply-add, nothing per row recomputed in the key/value gradients' loop."""
+    block, head, b, h, _ = _program(tl.cdiv(Lq, BLOCK_M), heads, None, 0, False)
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_m < Lq
+    q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
+    do = _rows(DO + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
+    out = _rows(O + b * stride_yb + h * stride_yh, offs_m, offs_d, stride_ym, stride_yd, Lq, D, True)
+    lse = tl.load(Lse + head.to(tl.int64) * Lq + offs_m, mask=rows, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    row_dot = tl.sum(do.to(tl.float32) * out.to(tl.float32), 1)
+    first_row, last_row = _table_row(Table, 0, D, offs_d), _table_row(Table, 2 * K, D, offs_d)
+    left, right = _row_term(do, first_row), _row_term(do, last_row)
+    if not DROPOUT:
+        left, right = row_dot - left, row_dot - right
+    base = head.to(tl.int64) * 3 * Lq + offs_m
+    tl.store(RowLse + base + LEFT * Lq, lse - _row_term(q, first_row) * scale_log2, mask=rows)
+    tl.store(RowLse + base + BAND * Lq, lse, mask=rows)
+    tl.store(RowLse + base + RIGHT * Lq, lse - _row_term(q, last_row) * scale_log2, mask=rows)
+    tl.store(RowDot + base + LEFT * Lq, left, mask=rows)
+    tl.store(RowDot + base + BAND * Lq, row_dot, mask=rows)
+    tl.store(RowDot + base + RIGHT * Lq, right, mask=rows)
 
 
 @triton.jit
-def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, Lse, RowDot, Table, table_row, KeyValid, KeyIsSource, key_row,
-                     lo, hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
+def _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND: tl.constexpr, DROPOUT: tl.constexpr):
+    """`(lse, row_dot, output_term)` of the queries `offs_m` for a tile class (`nezha_row_statistics_kernel`): +inf
+    and 0 past the queries; `output_term` is 0 but for a tail's with dropout, when `row_dot` is `D_i` itself."""
+    rows = offs_m < Lq
+    base = head.to(tl.int64) * 3 * Lq + offs_m
+    lse = tl.load(RowLse + base + KIND * Lq, mask=rows, other=float("inf"))
+    row_dot = tl.load(RowDot + base + KIND * Lq, mask=rows, other=0.0)
+    output_term = tl.zeros_like(row_dot)
+    if DROPOUT and KIND != BAND:
+        output_term = row_dot
+        row_dot = tl.load(RowDot + base + BAND * Lq, mask=rows, other=0.0)
+    return lse, row_dot, output_term
+
+
+@triton.jit
+def _gradient_of_scores(p, grad_p, keep, row_dot, output_term, keep_scale, DROPOUT: tl.constexpr):
+    """`(P~, dS)` of a tile from its probabilities `p` and `dP` before dropout (both per pair, any orientation;
+    `row_dot` and `output_term` broadcast to them): `dS = P (z (dP + output_term) - D)` for dropout's factor `z`
+    (kept: `1 / (1 - p)`, else 0), `P (dP - D)` without (the output term already in `D`)."""
+    if DROPOUT:
+        kept = tl.where(keep, p * keep_scale, 0.0)
+        grad_s = p * (tl.where(keep, (grad_p + output_term) * keep_scale, 0.0) - row_dot)
+    else:
+        kept = p
+        grad_s = p * (grad_p - row_dot)
+    return kept, grad_s
+
+
+@triton.jit
+def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, lo, hi, n0,
+                     offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm, stride_qd, stride_om, stride_od,
                      scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
                      CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
                      IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`dK` (unscaled) and `dV` of a key block over the query blocks `lo .. hi` of one class (`table_row`: a tail's
-    row)."""
+    """`dK` (unscaled) and `dV` of a key block over the query blocks `lo .. hi` of one class, as FlashAttention-2's
+    Triton kernels compute them: transposed, `S^T = K Q^T`, so that the key block's rows are every product's rows
+    (wgmma on Hopper) and nothing is transposed between products. Keys past the last one need no mask: their rows
+    are never stored."""
     OPERAND = Qh.dtype.element_ty
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D)
-        do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D)
-        lse, row_dot = _row_statistics(Lse, RowDot, offs_m, Lq)
-        query_term, output_term = None, None
-        if KIND != BAND:
-            query_term, output_term = _row_term(q, table_row), _row_term(do, table_row)
-        kept, grad_s = _tile_gradients(q, do, k, v, Table, _window_start(n0, m0, offset, K, BLOCK_M), K, D, offs_d,
-                                       query_term, output_term, lse, row_dot, offs_m, offs_n, n0, offset, Lk,
-                                       KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, keep_scale,
-                                       KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-        grad_v += _product(tl.trans(kept.to(OPERAND)), do, WIDEN, IEEE)
-        grad_k += _product(tl.trans(grad_s.to(OPERAND)), q, WIDEN, IEEE)
+        q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
+        do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
+        lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT)
+        scores = _product(k, tl.trans(q), WIDEN, IEEE)
+        grad_p = _product(v, tl.trans(do), WIDEN, IEEE)
+        if KIND == BAND:
+            first = _window_start(n0, m0, offset, K, BLOCK_M)
+            scores += tl.trans(_by_pair(q, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
+            grad_p += tl.trans(_by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
+        if HAS_VALID or (CAUSAL and KIND != LEFT):
+            visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL,
+                               HAS_SOURCE, False)
+            scores = tl.where(tl.trans(tl.broadcast_to(visible, [BLOCK_M, BLOCK_N])), scores, float("-inf"))
+        p = tl.exp2(scores * scale_log2 - lse[None, :])
+        keep = None
+        if DROPOUT:
+            keep = tl.trans(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N))
+        kept, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[None, :], output_term[None, :], keep_scale,
+                                           DROPOUT)
+        grad_v = _product_into(grad_v, kept.to(OPERAND), do, WIDEN, IEEE)
+        grad_k = _product_into(grad_k, grad_s.to(OPERAND), q, WIDEN, IEEE)
     return grad_k, grad_v
 
 
 @triton.autotune(configs=KEY_VALUE_GRAD_CONFIGS, key=TUNING_KEY, prune_configs_by=PRUNING)
 @triton.jit(do_not_specialize=STEP_VALUES)
 def nezha_key_value_grad_kernel(
-    Q, Kx, V, DO, Table, Lse, RowDot, DK, DV, KeyValid, KeyIsSource, KeyBounds, Offset,
+    Q, Kx, V, DO, Table, RowLse, RowDot, DK, DV, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
+    heads, Lq, Lk, D: tl.constexpr, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -502,12 +603,10 @@ def nezha_key_value_grad_kernel(
     n0 = block * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _rows(Kx + b * stride_kb + h * stride_kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D)
-    v = _rows(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D)
+    k = _rows(Kx + b * stride_kb + h * stride_kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D, True)
+    v = _rows(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D, True)
     Qh, DOh = Q + b * stride_qb + h * stride_qh, DO + b * stride_ob + h * stride_oh
-    Lse_h, RowDot_h = Lse + head.to(tl.int64) * Lq, RowDot + head.to(tl.int64) * Lq
     key_row = b * Lk  # the sequence's key flags
-    first_row, last_row = _table_row(Table, 0, D, offs_d), _table_row(Table, 2 * K, D, offs_d)
 
     lo = 0
     hi = Lq
@@ -522,55 +621,85 @@ def nezha_key_value_grad_kernel(
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_k, grad_v = _key_value_tiles(
-        grad_k, grad_v, k, v, Qh, DOh, Lse_h, RowDot_h, Table, last_row, KeyValid, KeyIsSource, key_row, lo, right_hi,
-        n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
-        threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, lo, right_hi, n0, offs_n,
+        offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold,
+        keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_k, grad_v = _key_value_tiles(
-        grad_k, grad_v, k, v, Qh, DOh, Lse_h, RowDot_h, Table, None, KeyValid, KeyIsSource, key_row, right_hi, left_lo,
-        n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
+        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, right_hi, left_lo, n0,
+        offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
         threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_k, grad_v = _key_value_tiles(
-        grad_k, grad_v, k, v, Qh, DOh, Lse_h, RowDot_h, Table, first_row, KeyValid, KeyIsSource, key_row, left_lo, hi,
-        n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
-        threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, left_lo, hi, n0, offs_n,
+        offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold,
+        keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     out = head.to(tl.int64) * Lk * D + offs_n[:, None] * D + offs_d[None, :]
-    key_mask = (offs_n < Lk)[:, None] & (offs_d < D)[None, :]
+    key_mask = (offs_n < Lk)[:, None] & _columns(offs_d, D)[None, :]
     tl.store(DK + out, (grad_k * scale).to(DK.dtype.element_ty), mask=key_mask)
     tl.store(DV + out, grad_v.to(DV.dtype.element_ty), mask=key_mask)
 
 
 @triton.jit
-def _query_tiles(grad_q, mass, q, do, query_term, output_term, Kh, Vh, Table, lse, row_dot, KeyValid, KeyIsSource,
-                 key_row, lo, hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                 scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
-                 CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
-                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`sum_j dS_ij (k_j + T[r])` (unscaled) of a query block over the key blocks `lo .. hi` of one class: the band's
-    table part added tile by tile, the tails' gathered in `mass` as the forward's value term is."""
+def _query_loop(grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, hi,
+                m0, offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+                CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
+                IEEE: tl.constexpr, EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`_query_tiles` over the key blocks `lo .. hi` (`EDGE`: they may end past the last key)."""
     OPERAND = Vh.dtype.element_ty
     for n0 in range(lo, hi, BLOCK_N):
-        offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, BLOCK_N)
+        offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, EDGE,
+                                  BLOCK_N)
         first = _window_start(n0, m0, offset, K, BLOCK_M)
-        _, grad_s = _tile_gradients(q, do, k, v, Table, first, K, D, offs_d, query_term, output_term, lse, row_dot,
-                                    offs_m, offs_n, n0, offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed,
-                                    head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN,
-                                    IEEE, BLOCK_M, BLOCK_N)
+        scores = _scores(q, k, Table, first, K, D, offs_d, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row,
+                         KIND, HAS_VALID, CAUSAL, HAS_SOURCE, EDGE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        p = tl.exp2(scores * scale_log2 - lse[:, None])
+        grad_p = _product(do, tl.trans(v), WIDEN, IEEE)
+        if KIND == BAND:
+            grad_p += _by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        keep = None
+        if DROPOUT:
+            keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
+        _, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[:, None], output_term[:, None], keep_scale, DROPOUT)
         if KIND == BAND:
             grad_q = _add_times_window(grad_q, grad_s.to(OPERAND), Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M,
                                        BLOCK_N)
         else:
             mass += tl.sum(grad_s, 1)
-        grad_q += _product(grad_s.to(OPERAND), k, WIDEN, IEEE)
+        grad_q = _product_into(grad_q, grad_s.to(OPERAND), k, WIDEN, IEEE)
     return grad_q, mass
+
+
+@triton.jit
+def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, lo, hi, m0, offs_m,
+                 offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2,
+                 seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
+                 HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`(grad_q, mass)`: `sum_j dS_ij (k_j + T[r])` (unscaled) of a query block over the key blocks `lo .. hi` of one
+    class, the band's table part added tile by tile, a tail's gathered in `mass` (for its row) as the forward's value
+    term is. A tail's whole blocks run without a key mask, the one that may end past the last key after them."""
+    lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT)
+    mass = tl.zeros([BLOCK_M], tl.float32)
+    edge = lo
+    if KIND != BAND:
+        edge = tl.maximum(tl.minimum(hi, Lk // BLOCK_N * BLOCK_N), lo)
+        grad_q, mass = _query_loop(
+            grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, edge,
+            m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+            threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
+    return _query_loop(grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row,
+                       edge, hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                       scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
+                       WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
 
 
 @triton.autotune(configs=QUERY_GRAD_CONFIGS, key=TUNING_KEY, prune_configs_by=PRUNING)
 @triton.jit(do_not_specialize=STEP_VALUES)
 def nezha_query_grad_kernel(
-    Q, Kx, V, DO, Table, Lse, RowDot, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
+    Q, Kx, V, DO, Table, RowLse, RowDot, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
+    heads, Lq, Lk, D: tl.constexpr, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -581,33 +710,28 @@ def nezha_query_grad_kernel(
     m0 = block * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D)
-    do = _rows(DO + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od, Lq, D)
-    lse, row_dot = _row_statistics(Lse + head.to(tl.int64) * Lq, RowDot + head.to(tl.int64) * Lq, offs_m, Lq)
+    q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
+    do = _rows(DO + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
     Kh, Vh = Kx + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
     key_row = b * Lk  # the sequence's key flags
-    first_row, last_row = _table_row(Table, 0, D, offs_d), _table_row(Table, 2 * K, D, offs_d)
 
     lo, hi = _keys_of_block(m0, offset, Lk, KeyBounds, b, HAS_VALID, CAUSAL, HAS_SOURCE, BLOCK_M, BLOCK_N)
     band_lo, band_hi, hi = _class_bounds(lo, hi, offset + m0 - K + 1, offset + m0 + BLOCK_M - 1 + K, BLOCK_N)
 
-    zeros = tl.zeros([BLOCK_M], tl.float32)
     grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     grad_q, mass = _query_tiles(
-        grad_q, zeros, q, do, _row_term(q, first_row), _row_term(do, first_row), Kh, Vh, Table, lse, row_dot,
-        KeyValid, KeyIsSource, key_row, lo, band_lo, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd,
-        stride_vn, stride_vd, scale_log2, seed, head, threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE,
-        DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    grad_q += mass[:, None] * first_row[None, :]
+        grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, lo, band_lo, m0, offs_m, offset,
+        Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
+        keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    grad_q += mass[:, None] * _table_row(Table, 0, D, offs_d)[None, :]
     grad_q, _ = _query_tiles(
-        grad_q, zeros, q, do, None, None, Kh, Vh, Table, lse, row_dot, KeyValid, KeyIsSource, key_row, band_lo, band_hi,
-        m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-        threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_lo, band_hi, m0, offs_m,
+        offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
+        keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_q, mass = _query_tiles(
-        grad_q, zeros, q, do, _row_term(q, last_row), _row_term(do, last_row), Kh, Vh, Table, lse, row_dot, KeyValid,
-        KeyIsSource, key_row, band_hi, hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn,
-        stride_vd, scale_log2, seed, head, threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN,
-        IEEE, BLOCK_M, BLOCK_N)
-    grad_q += mass[:, None] * last_row[None, :]
+        grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_hi, hi, m0, offs_m, offset,
+        Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
+        keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    grad_q += mass[:, None] * _table_row(Table, 2 * K, D, offs_d)[None, :]
     tl.store(DQ + head.to(tl.int64) * Lq * D + offs_m[:, None] * D + offs_d[None, :],
-             (grad_q * scale).to(DQ.dtype.element_ty), mask=(offs_m < Lq)[:, None] & (offs_d < D)[None, :])
+             (grad_q * scale).to(DQ.dtype.element_ty), mask=(offs_m < Lq)[:, None] & _columns(offs_d, D)[None, :])

@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import reference
@@ -26,6 +27,7 @@ from nezha_hf import triton_attention as ta
 from nezha_hf.attention_ops import AttentionProblem, RelativeAttentionMask
 
 triton = pytest.importorskip("triton", reason="Triton is part of the dev install (`[triton]`)")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
@@ -385,8 +387,9 @@ def test_launch_grids_hold_any_number_of_heads(monkeypatch):
     there (the launches are recorded, not run). And the kernels run on the tensors' GPU, not the current one."""
     from nezha_hf import triton_kernels
 
-    launchers = {name: Launches() for name in ("nezha_forward_kernel", "nezha_key_value_grad_kernel",
-                                                "nezha_query_grad_kernel", "nezha_merge_kernel")}
+    launchers = {name: Launches() for name in ("nezha_forward_kernel", "nezha_row_statistics_kernel",
+                                                "nezha_key_value_grad_kernel", "nezha_query_grad_kernel",
+                                                "nezha_merge_kernel")}
     for name, launcher in launchers.items():
         monkeypatch.setattr(triton_kernels, name, launcher, raising=False)
     batch, heads, length, d = 2, 35_000, 20, 8
@@ -396,7 +399,8 @@ def test_launch_grids_hold_any_number_of_heads(monkeypatch):
     output, lse = ta.triton_forward(q, q, q, table, problem)
     ta.triton_backward(output.transpose(1, 2), q, q, q, table, problem, output.transpose(1, 2), lse)
     blocks = -(-length // 16)
-    for name in ("nezha_forward_kernel", "nezha_key_value_grad_kernel", "nezha_query_grad_kernel"):
+    for name in ("nezha_forward_kernel", "nezha_row_statistics_kernel", "nezha_key_value_grad_kernel",
+                 "nezha_query_grad_kernel"):
         (grid, _), = launchers[name].launches
         axes = programs(grid)
         assert all(axis <= 65_535 for axis in axes[1:]), (name, axes)
@@ -586,8 +590,8 @@ def compile_for_a_gpu(architecture: int = 90) -> None:
 
             return launch
 
-    for name in ("nezha_forward_kernel", "nezha_merge_kernel", "nezha_key_value_grad_kernel",
-                 "nezha_query_grad_kernel"):
+    for name in ("nezha_forward_kernel", "nezha_merge_kernel", "nezha_row_statistics_kernel",
+                 "nezha_key_value_grad_kernel", "nezha_query_grad_kernel"):
         setattr(tk, name, Compile(getattr(tk, name)))
     valid = torch.ones(1, 600, dtype=torch.bool)
     every_switch = RelativeAttentionMask(valid[:, :100], True, valid[:, :100], torch.tensor(0))
@@ -620,4 +624,37 @@ def test_the_kernels_compile_for_an_h100():
     if done.returncode == 3:
         pytest.skip(done.stdout.strip())
     assert done.returncode == 0, done.stdout + done.stderr[-5000:]
-    assert done.stdout.count("compiled") == 8, done.stdout
+    assert done.stdout.count("compiled") == 10, done.stdout
+
+
+def test_the_yardstick_is_plain_flash_attention():
+    """The yardstick the GPU gates measure NEZHA's kernels against (`benchmarks/triton_yardstick.py`, plain
+    FlashAttention-2) computes softmax attention and its three gradients (against the float64 formula, under the
+    interpreter), with dK/dV and dQ blocks of different shapes."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.triton_yardstick import yardstick_backward, yardstick_forward
+
+    q, k, v = inputs(1, 2, 64, 64, 16, seed=3)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.softmax(leaves[0] @ leaves[1].transpose(-1, -2) * 0.25, -1) @ leaves[2]
+    grad = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    output, lse = yardstick_forward(*(t.float() for t in (q, k, v)), 0.25, 32, 16, 4, 1)
+    torch.testing.assert_close(output.double(), expected, atol=2e-6, rtol=0)
+    got = yardstick_backward(grad.float(), *(t.float() for t in (q, k, v)), output, lse, 0.25, (16, 32, 4, 1),
+                             (32, 16, 4, 1))
+    for name, a, b in zip("qkv", got, torch.autograd.grad(expected, leaves, grad)):
+        torch.testing.assert_close(a.double(), b, atol=4e-6, rtol=0, msg=lambda text, name=name: f"d{name}: {text}")
+
+
+@pytest.mark.slow
+def test_a_planted_64_row_block_on_8_warps_fails_the_gpu_gates():
+    """`benchmarks/gpu_gates.py` compiles the forward for an H100 on the CPU: a 64-row block on 8 warps planted among
+    its tuned configurations fails the gate "no 64-row block on 8 warps" (both warp groups compute the same rows);
+    the tuned configurations pass it."""
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_gates.py"), "--only", "forward", "--case",
+                           "bfloat16", "--plant", "nezha_forward_kernel:64,64,8,3"], cwd=ROOT, env=environment,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 1, done.stdout + done.stderr[-5000:]
+    twice = [line for line in done.stdout.splitlines() if "computed twice" in line]
+    assert twice and all("forward (bfloat16), 64x64, 8 warps, 3 stages:" in line for line in twice), done.stdout
