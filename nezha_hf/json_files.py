@@ -144,16 +144,13 @@ class Object(Schema):
         if not isinstance(value, dict):
             raise _Invalid(field, f"must be a JSON object, got {_shown(value)}")
         prefix = f"{field}." if field else ""
+        unknown = next((key for key in value if key not in self.fields), None) if self.others is None else None
+        if unknown is not None:
+            raise _Invalid(prefix + unknown, f"is not a key this file has (it has {', '.join(self.fields)})")
         missing = [key for key in self.required if key not in value]
         if missing:
             raise _Invalid(prefix + missing[0], "is missing")
-        checked = {}
-        for key, item in value.items():
-            schema = self.fields.get(key, self.others)
-            if schema is None:
-                raise _Invalid(prefix + key, f"is not a key this file has (it has {', '.join(self.fields)})")
-            checked[key] = schema.check(item, prefix + key)
-        return checked
+        return {key: self.fields.get(key, self.others).check(item, prefix + key) for key, item in value.items()}
 
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
@@ -196,8 +193,11 @@ def parse_json(text: str, where, schema: Schema | None = None, max_depth: int = 
         raise JSONFileError(where, f"not valid JSON ({error.msg}: line {error.lineno} column {error.colno})") from None
     except (RepeatedKey, RecursionError) as error:
         raise JSONFileError(where, str(error) or "nested too deeply") from None
-    if schema is None:
-        return value
+    return value if schema is None else checked(value, schema, where)
+
+
+def checked(value, schema: Schema, where):
+    """`value` (parsed JSON) as `schema` accepts it; a `JSONFileError` naming `where` and the field otherwise."""
     try:
         return schema.check(value, "")
     except _Invalid as error:
@@ -234,4 +234,4 @@ def read_json(path, schema: Schema | None = None, max_bytes: int = MAX_BYTES, ma
 
 
 __all__ = ["Anything", "Boolean", "Integer", "JSONFileError", "ListOf", "Nullable", "Number", "Object", "RepeatedKey",
-           "String", "nesting_depth", "parse_json", "read_json"]
+           "String", "checked", "nesting_depth", "parse_json", "read_json"]
