@@ -480,3 +480,20 @@ def test_cail2020_records_with_text_as_a_list_of_sentences_are_pretraining_text(
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": "y", "text": 3}, {"id": "z"}])
     one_line_failure(run_cli("pretrain", base, bad, "--output", tmp_path / "out"), "No text found",
                      "bad.jsonl:1", "not a string", "bad.jsonl:2", "missing")
+
+
+def test_a_text_output_refuses_an_id_that_would_shift_its_lines(tmp_path, tokenizer, run_cli):
+    """`summarize --output X.txt` wrote ids as they are: a file name holding a newline shifted every following line
+    of the text output. Refused before any work; JSONL keeps such an id exactly."""
+    model = summarizer_folder(tmp_path / "s", tokenizer)
+    folder = tmp_path / "judgments"
+    folder.mkdir()
+    for name in ("a\nb.txt", "c.txt"):
+        (folder / name).write_text("原告胜诉。被告败诉。", encoding="utf-8")
+    output = tmp_path / "out.txt"
+    one_line_failure(run_cli("summarize", model, folder, "--output", output, "--max-new-tokens", "4"),
+                     str(output), "line break", ".jsonl")
+    assert not output.exists()
+    done = run_cli("summarize", model, folder, "--output", tmp_path / "out.jsonl", "--max-new-tokens", "4")
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["id"] for line in (tmp_path / "out.jsonl").read_text().splitlines()] == ["a\nb", "c"]
