@@ -153,6 +153,8 @@ class Object(Schema):
         return {key: self.fields.get(key, self.others).check(item, prefix + key) for key, item in value.items()}
 
 
+JSON_OBJECT = Object({}, others=Anything())  # any JSON object: a file whose keys its reader checks itself
+
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _BRACKETS = re.compile(r"[\[\]{}]")
 
@@ -233,5 +235,5 @@ def read_json(path, schema: Schema | None = None, max_bytes: int = MAX_BYTES, ma
     return parse_json(text, path, schema, max_depth)
 
 
-__all__ = ["Anything", "Boolean", "Integer", "JSONFileError", "ListOf", "Nullable", "Number", "Object", "RepeatedKey",
+__all__ = ["JSON_OBJECT", "Anything", "Boolean", "Integer", "JSONFileError", "ListOf", "Nullable", "Number", "Object", "RepeatedKey",
            "String", "checked", "nesting_depth", "parse_json", "read_json"]

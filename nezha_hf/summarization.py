@@ -45,7 +45,7 @@ from .configuration_nezha import NezhaConfig
 from .distributed import claimed_by_main, cpu_only, on_main, processes, run_batches
 from .extras import require_extra
 from .generation_nezha import CopySpanLogitsProcessor
-from .json_files import Anything, Integer, JSONFileError, ListOf, Object, String, read_json
+from .json_files import JSON_OBJECT, Anything, Integer, JSONFileError, ListOf, Object, String, read_json
 from .modeling_nezha import NezhaForSentenceExtraction, NezhaForUniLM, NezhaSentenceExtractionOutput, sentence_means
 from .padding import attention_mask_for, pad_rows
 from .safe_output import check_destination, write_text_atomically
@@ -258,7 +258,7 @@ def summarizer_settings(directory: Path) -> dict:
     missing or damaged."""
     path = directory / SETTINGS_FILE
     try:
-        settings = read_json(path, Object({}, others=Anything()))
+        settings = read_json(path, JSON_OBJECT)
     except FileNotFoundError:
         raise FileNotFoundError(f"{directory} is not a summariser folder: it has no {SETTINGS_FILE} (train-summarizer "
                                 "and export onnx write one).") from None

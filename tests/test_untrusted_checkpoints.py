@@ -590,6 +590,13 @@ def test_deeply_nested_json_in_any_file_read_is_one_error_naming_the_file(tmp_pa
         (model / name).write_text(DEEP)
         with pytest.raises(ValueError, match=rf"{name}: nests"):
             NezhaForMaskedLM.from_pretrained(model)
+    for name in ("config.json", "tokenizer_config.json"):  # what a converter reads of its source
+        source = tmp_path / f"bert-{name}"
+        save_layout(small_bert(transformers.BertForMaskedLM), source, "safetensors")
+        make_tokenizer(source)
+        (source / name).write_text(DEEP)
+        with pytest.raises(ValueError, match=rf"{name}: nests"):
+            convert_bert(source, tmp_path / f"out-{name}")
 
 
 def test_the_json_reader_bounds_size_depth_and_kind_and_names_the_field(tmp_path):
