@@ -636,3 +636,23 @@ def test_a_journal_result_must_be_the_record_of_the_judgment_it_claims(tmp_path,
     done = run_cli("summarize", model, data, "--output", output, *SUMMARIZE, "--no-resume")
     assert done.returncode == 0, done.stderr
     assert ids(output) == ["d0", "d1", "d2", "d3"]
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_short_line_naming_it(tmp_path, tokenizer):
+    """Issue 54 item 10: a full disk inside a checkpoint ended pretrain with the distributed checkpoint's traceback of
+    every process folded into one line (1,614 characters). Here files may not grow past 300 KB (`RLIMIT_FSIZE`, as
+    a full disk refuses a write), which the optimizer state's piece (about 1 MB) does."""
+    import resource
+
+    base, data = base_model(tmp_path / "base", tokenizer), corpus(tmp_path / "corpus")
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails (EFBIG) rather than the process being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
+
+    done = subprocess.run([*CLI, "pretrain", *map(str, [base, data, "--output", tmp_path / "out", "--max-steps", "8",
+                                                      *PRETRAIN])], capture_output=True, text=True, timeout=600,
+                          preexec_fn=small_files)
+    line = one_line_failure(done, "checkpoint-4", "File too large")
+    assert len(line) < 400, line
+    assert not (tmp_path / "out").exists()
