@@ -433,6 +433,9 @@ def check_export(folder: Path) -> None:
     for name in [*files, "config.json"]:
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{folder / name} is missing: export the summariser again.")
+    for name in ("config.json", "generation_config.json"):  # bounded before transformers reads them
+        if (folder / name).is_file():
+            read_json(folder / name, JSON_OBJECT)
 
 
 def load_exported_summarizer(directory, **settings) -> Summarizer:

@@ -590,6 +590,8 @@ def test_deeply_nested_json_in_any_file_read_is_one_error_naming_the_file(tmp_pa
         (model / name).write_text(DEEP)
         with pytest.raises(ValueError, match=rf"{name}: nests"):
             NezhaForMaskedLM.from_pretrained(model)
+    with pytest.raises(ValueError, match="config.json: nests"):  # as pretrain and train-summarizer read it
+        NezhaConfig.from_pretrained(tmp_path / "config.json")
     for name in ("config.json", "tokenizer_config.json"):  # what a converter reads of its source
         source = tmp_path / f"bert-{name}"
         save_layout(small_bert(transformers.BertForMaskedLM), source, "safetensors")
