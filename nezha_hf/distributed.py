@@ -37,7 +37,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from .json_files import Anything, Integer, JSONFileError, Nullable, Object, String, checked, parse_json
-from .safe_output import claimed, staged_folder
+from .safe_output import claimed, naming, staged_folder
 
 logger = logging.get_logger(__name__)
 OPTIMIZER_DCP, SCHEDULER_FILE = "optimizer", "scheduler.pt"
@@ -152,9 +152,10 @@ def run_batches(state, count: int, batch_size: int, work, journal=None, record=N
             results = [{"index": index, "key": keys[index] if keys else None, "result": result}
                        for index, result in enumerate(work(start, stop), start=start)]
             if log is not None:
-                log.write("".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in results))
-                log.flush()
-                os.fsync(log.fileno())
+                with naming(journal):
+                    log.write("".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in results))
+                    log.flush()
+                    os.fsync(log.fileno())
             computed += results
     finally:
         if log is not None:
