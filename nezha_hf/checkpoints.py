@@ -43,10 +43,34 @@ from .distributed import (
     processes,
     shared_staged_folder,
 )
-from .safe_output import check_destination
+from .json_files import (
+    Anything,
+    Boolean,
+    Integer,
+    ListOf,
+    Nullable,
+    Number,
+    Object,
+    String,
+    read_json,
+)
+from .safe_output import check_destination, write_text_atomically
 
 logger = logging.get_logger(__name__)
 TRAINER_STATE = "trainer_state.json"
+# What `TrainerState.load_from_json` takes (it passes every key on to `TrainerState`): a state of another shape is a
+# checkpoint to skip, not one to fail on later.
+_STEPS = Nullable(Number(minimum=0))
+TRAINER_STATE_SCHEMA = Object({
+    "global_step": Integer(minimum=0), "max_steps": Integer(), "epoch": Nullable(Number(minimum=0)),
+    "logging_steps": _STEPS, "eval_steps": _STEPS, "save_steps": _STEPS, "train_batch_size": Nullable(Integer(1)),
+    "num_train_epochs": Number(minimum=0), "num_input_tokens_seen": Integer(minimum=0), "total_flos": Number(),
+    "log_history": ListOf(Object({}, others=Anything())), "best_metric": Nullable(Number()),
+    "best_global_step": Nullable(Integer(minimum=0)), "best_model_checkpoint": Nullable(String()),
+    "is_local_process_zero": Boolean(), "is_world_process_zero": Boolean(), "is_hyper_param_search": Boolean(),
+    "trial_name": Nullable(String()), "trial_params": Nullable(Object({}, others=Anything())),
+    "stateful_callbacks": Nullable(Object({}, others=Anything())),
+}, required=["global_step", "max_steps"])
 
 
 def model_folder(path, needs: str | None = "config.json") -> Path:
@@ -132,9 +156,9 @@ def checkpoint_problem(folder: Path) -> str | None:
     if not state_file.is_file():
         return f"no {TRAINER_STATE} (the run stopped while saving it)"
     try:
-        step = json.loads(state_file.read_text(encoding="utf-8"))["global_step"]
-    except (OSError, ValueError, KeyError) as error:
-        return f"{TRAINER_STATE} is unreadable ({error})"
+        step = read_trainer_state(folder)["global_step"]
+    except (OSError, ValueError) as error:  # `JSONFileError` among them: the file and the field named
+        return f"{TRAINER_STATE} is unusable ({error})"
     if f"{PREFIX_CHECKPOINT_DIR}-{step}" != folder.name:
         return f"{TRAINER_STATE} is for step {step}"
     weights = sorted(folder.glob("*.safetensors"))
@@ -154,6 +178,30 @@ def checkpoint_problem(folder: Path) -> str | None:
         return f"no optimizer state ({OPTIMIZER_DCP}/ or optimizer.pt)"
     if not (folder / SCHEDULER_FILE).is_file() or (folder / SCHEDULER_FILE).stat().st_size == 0:
         return f"no {SCHEDULER_FILE}"
+    for path in [folder / SCHEDULER_FILE, *sorted(folder.glob("rng_state*.pth"))]:
+        problem = _torch_file_problem(path)
+        if problem:
+            return problem
+    return None
+
+
+def read_trainer_state(checkpoint: Path) -> dict:
+    """A checkpoint's `trainer_state.json`, checked to be what Trainer can resume from (`TRAINER_STATE_SCHEMA`); a
+    `JSONFileError` naming the file and the field otherwise."""
+    return read_json(Path(checkpoint) / TRAINER_STATE, TRAINER_STATE_SCHEMA)
+
+
+def _torch_file_problem(path: Path) -> str | None:
+    """Why Trainer could not load the small state file `path` (the scheduler's, a process's random state) on resuming,
+    or None: loaded as it loads them (weights only, numpy's arrays allowed)."""
+    from transformers.trainer_pt_utils import safe_globals
+
+    try:
+        with safe_globals():
+            torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as error:  # pickle, zip and torch's own errors alike: a file that does not load
+        first_line = (str(error).splitlines() or [""])[0][:120] or type(error).__name__
+        return f"{path.name} is unreadable ({first_line})"
     return None
 
 
@@ -173,8 +221,10 @@ def _distributed_checkpoint_problem(folder: Path) -> str | None:
     return None
 
 
-def last_complete_checkpoint(output_dir) -> Path | None:
-    """The newest `checkpoint-N` in `output_dir` that is complete; newer incomplete ones are skipped with a warning."""
+def last_complete_checkpoint(output_dir, record: "RunRecord | None" = None) -> Path | None:
+    """The newest `checkpoint-N` in `output_dir` that is complete and, given the run's `record`, of this run (it
+    carries the record of the run that saved it: `TrainingRun.trainer`); newer ones that are not are skipped with a
+    warning naming each and why."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return None
@@ -185,6 +235,8 @@ def last_complete_checkpoint(output_dir) -> Path | None:
     )
     for _, folder in reversed(found):
         problem = checkpoint_problem(folder)
+        if problem is None and record is not None:
+            problem = record.checkpoint_problem(folder)
         if problem is None:
             return folder
         logger.warning(f"Skipping the incomplete checkpoint {folder}: {problem}.")
@@ -210,6 +262,13 @@ def fingerprint(paths) -> str:
     return digest.hexdigest()[:16]
 
 
+_DIGEST = String(max_length=64)  # `fingerprint`s
+RUN_RECORD_SCHEMA = Object({
+    "command": String(max_length=64), "base": String(), "base_content": _DIGEST, "data": ListOf(String()),
+    "data_content": _DIGEST, "settings": Object({}, others=Anything())},
+    required=["command", "base", "base_content", "data", "data_content", "settings"])
+
+
 @dataclass
 class RunRecord:
     """What a training run started from; a resume must match it."""
@@ -230,6 +289,26 @@ class RunRecord:
         base = Path(base)
         return cls(command, str(base.resolve()), fingerprint([base]), [str(Path(d).resolve()) for d in data],
                    fingerprint(data), json.loads(json.dumps(settings)))
+
+    @classmethod
+    def read(cls, path) -> "RunRecord":
+        """The record saved at `path`; a `JSONFileError` naming the file and the field if it is not one."""
+        return cls(**read_json(path, RUN_RECORD_SCHEMA))
+
+    def text(self) -> str:
+        """The record as its file holds it."""
+        return json.dumps(asdict(self), indent=1) + "\n"
+
+    def checkpoint_problem(self, checkpoint: Path) -> str | None:
+        """Why `checkpoint` is not of this run (none, another, or an unreadable record in it), or None."""
+        try:
+            saved = RunRecord.read(Path(checkpoint) / self.FILE)
+        except FileNotFoundError:
+            return f"it does not say which run saved it (no {self.FILE}): it is not of this run"
+        except ValueError as error:
+            return f"its record of the run that saved it is unusable ({error})"
+        difference = self.difference(saved)
+        return f"it is a checkpoint of another run ({difference})" if difference else None
 
     def difference(self, other: "RunRecord") -> str | None:
         """What differs from `other`, in words (None if nothing does)."""
@@ -267,27 +346,33 @@ def prepare_checkpoints(folder, record: RunRecord, resume: bool = True) -> Path 
     """
     folder = Path(folder)
     saved = folder / RunRecord.FILE
-    if folder.is_dir() and any(folder.iterdir()):
-        if not saved.is_file():
+    # The record's own leftovers (a kill while it was being staged) are a run's files too.
+    if folder.is_dir() and any(not p.name.startswith(f".{RunRecord.FILE}.") for p in folder.iterdir()):
+        if not (saved.is_file() or saved.is_symlink()):
             raise FileExistsError(f"{folder} holds files that no nezha-hf run wrote; move them, or write elsewhere.")
-        previous = RunRecord(**{k: v for k, v in json.loads(saved.read_text(encoding="utf-8")).items()})
-        difference = record.difference(previous)
-        if resume and difference:
-            raise ValueError(f"{folder} holds checkpoints of another run: {difference}. Pass --no-resume "
-                             "(resume=False) to start over, which deletes them, or write elsewhere.")
-        if not resume:
+        if not resume:  # whatever state the record is in
             shutil.rmtree(folder)
+        else:
+            try:
+                previous = RunRecord.read(saved)
+            except (OSError, ValueError) as error:
+                raise ValueError(f"{folder} holds checkpoints whose run record is unusable ({error}). Pass "
+                                 "--no-resume (resume=False) to start over, which deletes them.") from None
+            difference = record.difference(previous)
+            if difference:
+                raise ValueError(f"{folder} holds checkpoints of another run: {difference}. Pass --no-resume "
+                                 "(resume=False) to start over, which deletes them, or write elsewhere.")
     folder.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps(asdict(record), indent=1) + "\n", encoding="utf-8")
-    return last_complete_checkpoint(folder) if resume else None
+    write_text_atomically(saved, record.text())  # staged beside and renamed in: a full disk leaves the old one
+    return last_complete_checkpoint(folder, record) if resume else None
 
 
 def finished(checkpoint: Path | None, max_steps: int) -> bool:
     """Whether `checkpoint` already ends the run (`max_steps`, or the run's own end when that is -1)."""
     if checkpoint is None:
         return False
-    state = json.loads((checkpoint / TRAINER_STATE).read_text(encoding="utf-8"))
-    return state["global_step"] >= (max_steps if max_steps > 0 else state.get("max_steps", math.inf))
+    state = read_trainer_state(checkpoint)
+    return state["global_step"] >= (max_steps if max_steps > 0 else state["max_steps"])
 
 
 class NotFiniteError(FloatingPointError):
@@ -332,6 +417,7 @@ class TrainingRun:
 
     def __init__(self, command: str, base, data, output_dir, overwrite: bool = False):
         self.command, self.base, self.data, self.overwrite = command, base, list(data), overwrite
+        self.run_record = None  # `record` makes it; each checkpoint carries it, and a resume checks it
         self.state = processes()
         self.output_dir = check_destination(output_dir, [base, *self.data], overwrite)
         self.checkpoints = self.output_dir.with_name(self.output_dir.name + ".checkpoints")
@@ -344,18 +430,20 @@ class TrainingRun:
     def record(self, settings: dict, training_arguments: dict) -> RunRecord:
         """The run's `RunRecord`: `settings` (what shapes the training) and what a resume keeps of the
         `TrainingArguments` (`resumed_settings`)."""
-        return RunRecord.create(self.command, self.base, self.data,
-                                {**settings, **resumed_settings(training_arguments, self.state.num_processes)})
+        self.run_record = RunRecord.create(self.command, self.base, self.data,
+                                           {**settings, **resumed_settings(training_arguments, self.state.num_processes)})
+        return self.run_record
 
     def trainer(self, callbacks=(), **trainer_arguments) -> DistributedCheckpointTrainer:
         """Trainer (`DistributedCheckpointTrainer`, for any number of processes), ending the run as soon as its loss or
         weights are not finite (`StopWhenNotFinite`)."""
-        return DistributedCheckpointTrainer(callbacks=[*callbacks, StopWhenNotFinite()], **trainer_arguments)
+        return DistributedCheckpointTrainer(callbacks=[*callbacks, StopWhenNotFinite()],
+                                            checkpoint_files={RunRecord.FILE: self.run_record.text()}, **trainer_arguments)
 
     def last_checkpoint(self, stage: str | None = None) -> Path | None:
         """The last complete checkpoint of the run (of its `stage`), found by the main process for all."""
         folder = self.checkpoints / stage if stage else self.checkpoints
-        return on_main(self.state, lambda: last_complete_checkpoint(folder))
+        return on_main(self.state, lambda: last_complete_checkpoint(folder, self.run_record))
 
     def train(self, trainer, last: Path | None) -> dict:
         """`trainer.train()`, resumed from `last` when there is one (a line says so); returns Trainer's metrics."""

@@ -14,6 +14,8 @@ from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.utils import logging
 
+from .json_files import JSON_OBJECT, read_json
+
 logger = logging.get_logger(__name__)
 
 # The oldest transformers this code runs on (it names the KV cache `cache`, as 5.24 does); pyproject.toml's floor,
@@ -187,6 +189,11 @@ class NezhaConfig(PreTrainedConfig):
     tie_word_embeddings: bool = True
     unilm_copy_tags: bool = False
     copy_loss_weight: float | int = 2.0
+
+    @classmethod
+    def _dict_from_json_file(cls, json_file):
+        # transformers' reader, bounded (`json_files.read_json`): 10 KB of brackets would exhaust its recursion.
+        return cls._decode_special_floats(read_json(json_file, JSON_OBJECT))
 
     def __post_init__(self, **kwargs):
         self.v4_max_position_embeddings = kwargs.pop("max_position_embeddings", None)

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from .checkpoints import model_folder
 from .configuration_nezha import NezhaConfig
 from .extras import require_extra
+from .json_files import JSON_OBJECT, JSONFileError, read_json
 from .hub import export_remote_code, write_model_card
 from .modeling_nezha import NEZHA_HEADS, NezhaForMaskedLM, nezha_head
 from .safe_output import check_destination, staged_folder
@@ -390,7 +391,10 @@ def _copy_tokenizer(source_directory: Path | None, output: Path, report: Convers
             report.notes.append("the source has no tokenizer files; add the vocabulary before use")
     config_path = output / "tokenizer_config.json"
     if config_path.exists():
-        tokenizer_config = json.loads(config_path.read_text(encoding="utf-8"))
+        try:
+            tokenizer_config = read_json(config_path, JSON_OBJECT)
+        except JSONFileError as error:
+            raise ConversionError(f"Could not read the tokenizer config: {error}") from None
         changed = False
         for key in LOADER_CODE_CONFIG.keys() & tokenizer_config.keys():
             del tokenizer_config[key]
@@ -464,9 +468,9 @@ def _check_options(max_relative_position: int | None) -> None:
 
 def _read_config(path: Path) -> dict:
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        raise ConversionError(f"Could not read the config {path}: {error}") from error
+        return read_json(path, JSON_OBJECT)
+    except (OSError, JSONFileError) as error:
+        raise ConversionError(f"Could not read the config {path}: {error}") from None
 
 
 def convert_bert(

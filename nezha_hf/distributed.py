@@ -36,7 +36,8 @@ from transformers.distributed.checkpoint import load_optimizer_distributed, save
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
-from .safe_output import claimed, staged_folder
+from .json_files import Anything, Integer, JSONFileError, Nullable, Object, String, checked, parse_json
+from .safe_output import claimed, naming, staged_folder
 
 logger = logging.get_logger(__name__)
 OPTIMIZER_DCP, SCHEDULER_FILE = "optimizer", "scheduler.pt"
@@ -121,7 +122,8 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def run_batches(state, count: int, batch_size: int, work, journal=None, record=None, keys: list[str] | None = None,
-                resume: bool = True, show_progress: bool = False, unit: str = "items") -> list | None:
+                resume: bool = True, show_progress: bool = False, unit: str = "items",
+                result_schema=None) -> list | None:
     """`work(start, stop)` (a list of JSON-able results, one per item) for each batch `[start, stop)` of `count` items,
     the batches shared out among the processes; returns every result in item order on the main process, None on the
     others. Batches are the same whatever the number of processes, so results are too.
@@ -129,7 +131,8 @@ def run_batches(state, count: int, batch_size: int, work, journal=None, record=N
     With `journal` (a folder beside the output being made), each finished batch is appended there at once, one JSONL
     file per process, each result with its item's key (`keys`, e.g. a judgment's id). A rerun with the same `record`
     (a `checkpoints.RunRecord`: what the results depend on) skips the batches already there, whatever its number of
-    processes, and checks that every result it reuses is the one of the item it claims. A journal holding results of
+    processes, and checks that every result it reuses is the one of the item it claims (its index and key, and, with
+    `result_schema(index)`, a `json_files` schema, the result itself). A journal holding results of
     another record is refused (a `ValueError` naming what differs), never deleted, unless `resume=False`, which
     starts over. The caller removes the journal when done.
     """
@@ -138,7 +141,7 @@ def run_batches(state, count: int, batch_size: int, work, journal=None, record=N
     if journal is not None:
         journal = Path(journal)
         on_main(state, lambda: _open_journal(journal, record, resume))
-        done = _read_journal(journal, count, keys)
+        done = _read_journal(journal, count, keys, result_schema)
         if done and state.is_main_process:
             logger.warning(f"{len(done)} of {count} {unit} already done ({journal}): going on from there.")
     mine = [b for b in batches if any(i not in done for i in range(*b))][state.process_index :: state.num_processes]
@@ -149,9 +152,10 @@ def run_batches(state, count: int, batch_size: int, work, journal=None, record=N
             results = [{"index": index, "key": keys[index] if keys else None, "result": result}
                        for index, result in enumerate(work(start, stop), start=start)]
             if log is not None:
-                log.write("".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in results))
-                log.flush()
-                os.fsync(log.fileno())
+                with naming(journal):
+                    log.write("".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in results))
+                    log.flush()
+                    os.fsync(log.fileno())
             computed += results
     finally:
         if log is not None:
@@ -205,29 +209,36 @@ def _open_journal(journal: Path, record, resume: bool) -> None:
 def _journal_difference(journal: Path, record) -> str | None:
     """How the run that wrote `journal` differs from `record` (in words), or None if it is the same run."""
     try:
-        saved = type(record)(**json.loads((journal / JOURNAL_RECORD).read_text(encoding="utf-8")))
-    except (OSError, ValueError, TypeError):  # none, cut short, not text, another format
-        return f"its {JOURNAL_RECORD}, which says which run, is missing or unreadable"
+        saved = type(record).read(journal / JOURNAL_RECORD)
+    except (OSError, ValueError) as error:  # none, cut short, not text, another shape: the file and field named
+        return f"its {JOURNAL_RECORD}, which says which run, is missing or unreadable ({error})"
     return record.difference(saved)
 
 
-def _read_journal(journal: Path, count: int, keys: list[str] | None) -> dict:
+def _read_journal(journal: Path, count: int, keys: list[str] | None, result_schema=None) -> dict:
     """The results a journal holds by item; a `ValueError` naming the file and line, and what to do, for a damaged
-    line or a result that is not of the item it claims (an index outside the run, another key)."""
+    line or a result that is not of the item it claims (an index outside the run, another key, a result that
+    `result_schema(index)` refuses or whose `id` is another item's)."""
+    entry_schema = Object({"index": Integer(minimum=0, maximum=count - 1), "key": Nullable(String(max_length=1 << 16)),
+                           "result": Anything()}, required=["index", "key", "result"])
     done = {}
     for part in sorted(journal.glob("done-*.jsonl")):
         for number, line in enumerate(part.read_bytes().splitlines(), start=1):
             try:
-                entry = json.loads(line.decode("utf-8"))
-                index = entry["index"]
-                if not isinstance(index, int) or not 0 <= index < count:
-                    raise IndexError(f"item {index!r} of {count}")
+                entry = parse_json(line.decode("utf-8"), f"line {number}", entry_schema)
+                index, result = entry["index"], entry["result"]
                 if keys is not None and entry["key"] != keys[index]:
                     raise KeyError(f"item {index} is {keys[index]!r}, the line says {entry['key']!r}")
-                done.setdefault(index, entry["result"])
-            except (UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError) as error:
-                raise ValueError(f"The progress journal {part} is damaged at line {number} ({type(error).__name__}"
-                                 f"{': ' + str(error) if isinstance(error, (IndexError, KeyError)) else ''}): "
+                if result_schema is not None:
+                    result = checked(result, result_schema(index), f"line {number}")
+                    if keys is not None and result.get("id", keys[index]) != keys[index]:
+                        raise KeyError(f"item {index} is {keys[index]!r}, its result is {result['id']!r}'s")
+                done.setdefault(index, result)
+            except (UnicodeDecodeError, ValueError, KeyError) as error:
+                reason = error.args[0] if isinstance(error, KeyError) else (
+                    f"{error.field}: {error.reason}" if isinstance(error, JSONFileError) and error.field
+                    else error.reason if isinstance(error, JSONFileError) else type(error).__name__)
+                raise ValueError(f"The progress journal {part} is damaged at line {number} ({reason}): "
                                  f"delete {journal}, or pass --no-resume, to start over.") from None
     return done
 
@@ -247,7 +258,9 @@ class DistributedCheckpointTrainer(Trainer):
         DistributedCheckpointTrainer(model=model, args=TrainingArguments(...), ...).train(resume_from_checkpoint=True)
     """
 
-    def __init__(self, model=None, args=None, **kwargs):
+    def __init__(self, model=None, args=None, checkpoint_files: dict[str, str] | None = None, **kwargs):
+        # Files written into every checkpoint before its trainer state (the run's record: which run it belongs to).
+        self.checkpoint_files = dict(checkpoint_files or {})
         if args is not None:
             # Trainer then writes the model and its state only; the rest is written by `_save_checkpoint` below.
             args.save_only_model = True
@@ -268,6 +281,17 @@ class DistributedCheckpointTrainer(Trainer):
 
     def _save_checkpoint(self, model, trial):
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        try:
+            self._write_checkpoint(folder, model, trial)
+        except BaseException as error:
+            cause = _first_failure(error)
+            if not isinstance(cause, Exception):  # an interrupt, however the writer wrapped it: as it came
+                raise
+            raise OSError(f"could not save the checkpoint {folder} ({type(cause).__name__}: "
+                          f"{(str(cause).splitlines() or [''])[0][:200]}); the run stopped there, and a rerun "
+                          "resumes from the last whole checkpoint") from error
+
+    def _write_checkpoint(self, folder: Path, model, trial):
         folder.mkdir(parents=True, exist_ok=True)
         if self.args.should_save:  # a checkpoint of this step left by a killed run: none of its files may remain
             shutil.rmtree(folder / OPTIMIZER_DCP, ignore_errors=True)
@@ -275,6 +299,8 @@ class DistributedCheckpointTrainer(Trainer):
             save_optimizer_distributed(self.model, self.optimizer, str(folder / OPTIMIZER_DCP))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
+            for name, text in self.checkpoint_files.items():
+                (folder / name).write_text(text, encoding="utf-8")
         self._save_rng_state(str(folder))
         super()._save_checkpoint(model, trial)
 
@@ -293,6 +319,16 @@ class DistributedCheckpointTrainer(Trainer):
         with _one_process_is_fine():
             load_optimizer_distributed(self.model, self.optimizer, os.path.join(checkpoint, OPTIMIZER_DCP))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """What failed under `error`: the first failure a PyTorch distributed checkpoint wraps (its message is every
+    process's traceback), else `error` itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    while isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    return error
 
 
 @contextlib.contextmanager

@@ -9,7 +9,6 @@ lines are reported with file and line number and skipped. Problems go to the `pr
 
 import codecs
 import functools
-import json
 import logging as std_logging
 import os
 import re
@@ -18,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transformers.utils import logging
+
+from .json_files import JSONFileError, parse_json
 
 logger = logging.get_logger(__name__)
 
@@ -230,40 +231,40 @@ def _decode(path, data: bytes, codec: str, failure: str, advice: str = "") -> st
         raise InputFileError(path, f"{failure} ({where}){advice}") from None
 
 
-class RepeatedKey(ValueError):
-    """A JSON object that gives one key twice."""
-
-
-def _object_with_distinct_keys(pairs: list[tuple[str, object]]) -> dict:
-    """A JSON object as a dict; a `RepeatedKey` if it gives a key twice (`json.loads` alone keeps the last value)."""
-    record = dict(pairs)
-    if len(record) < len(pairs):
-        repeated = sorted({key for key, _ in pairs if sum(k == key for k, _ in pairs) > 1})
-        raise RepeatedKey(f"a JSON object gives the key{'s' if len(repeated) > 1 else ''} "
-                          f"{', '.join(map(repr, repeated))} twice")
-    return record
-
-
 def iter_jsonl(path: Path, problems: list | None = None, encoding: str | None = None) -> Iterator[tuple[int, dict]]:
-    """`(line_number, object)` for each well-formed JSON object line; bad lines are reported and skipped, blank ones
-    passed over. The file is decoded whole first (`read_input_text`): one it cannot decode, or one with no line at
-    all, is an `InputFileError`."""
+    """`(line_number, object)` for each well-formed JSON object line; bad lines (not JSON, nested too deeply, a key
+    given twice: `json_files.parse_json`) are reported and skipped, blank ones passed over. The file is decoded whole
+    first (`read_input_text`): one it cannot decode, one with no line at all, or one that is a single JSON document
+    spread over several lines (a pretty-printed `.json`: none of its lines is JSON) is an `InputFileError`."""
     # Lines end at "\n" only: JSON text may hold U+2028 and the like, which `str.splitlines` would split at.
-    for number, line in enumerate(read_input_text(path, encoding).split("\n"), start=1):
+    text = read_input_text(path, encoding)
+    lines = text.split("\n")
+    if len([line for line in lines if not is_blank(line)]) > 1 and _is_one_document(text):
+        raise InputFileError(path, "is one JSON document spread over several lines, not JSON Lines (one JSON object "
+                                   "a line): write each record on a line of its own")
+    for number, line in enumerate(lines, start=1):
         if is_blank(line):
             continue
         try:
-            record = json.loads(line, object_pairs_hook=_object_with_distinct_keys)
-        except json.JSONDecodeError as error:
-            report_problem(problems, path, number, f"not valid JSON ({error.msg})")
-            continue
-        except RepeatedKey as error:
-            report_problem(problems, path, number, str(error))
+            record = parse_json(line, f"{path}:{number}")
+        except JSONFileError as error:
+            report_problem(problems, path, number, error.reason)
             continue
         if not isinstance(record, dict):
             report_problem(problems, path, number, "not a JSON object")
             continue
         yield number, record
+
+
+def _is_one_document(text: str) -> bool:
+    """Whether `text` is one JSON value (an object or a list), as a pretty-printed `.json` file is."""
+    if not text.lstrip().startswith(("{", "[")):
+        return False
+    try:
+        parse_json(text, "")
+    except JSONFileError:
+        return False
+    return True
 
 
 def record_id(record: dict, path, number: int) -> str | None:
@@ -275,6 +276,21 @@ def record_id(record: dict, path, number: int) -> str | None:
     if isinstance(identifier, bool) or not isinstance(identifier, (str, int)):
         return None
     return str(identifier)
+
+
+def record_text(text) -> str:
+    """The text of a JSONL record's `text` field: a string, or CAIL2020's list of `{"sentence": ...}` items (their
+    sentences joined); a `ValueError` saying why there is none otherwise."""
+    if isinstance(text, list):
+        if not text or not all(isinstance(item, dict) and isinstance(item.get("sentence"), str) for item in text):
+            raise ValueError('"text" is a list, but not of {"sentence": str} items (CAIL2020\'s form)')
+        text = "".join(item["sentence"] for item in text)
+    elif not isinstance(text, str):
+        raise ValueError(f'"text" is {"missing" if text is None else "not a string"} (a string, or CAIL2020\'s list '
+                         'of {"sentence": str} items)')
+    if is_blank(text):
+        raise ValueError('"text" is empty or blank')
+    return text
 
 
 def read_files(paths, read, problems: list | None = None) -> list:
@@ -303,7 +319,8 @@ def is_jsonl(path: Path) -> bool:
 
 def read_documents(paths, txt_split: str = "file", problems: list | None = None,
                    encoding: str | None = None) -> list[Document]:
-    """Documents from `.txt` files (whole file, or split on blank lines or on lines) and JSONL `text` fields.
+    """Documents from `.txt` files (whole file, or split on blank lines or on lines) and JSONL `text` fields (a
+    string, or CAIL2020's list of sentences: `record_text`).
 
     Args:
         paths: files and folders (`input_files`: hidden files and links out of a folder are left out).
@@ -321,10 +338,13 @@ def read_documents(paths, txt_split: str = "file", problems: list | None = None,
         if is_jsonl(path):
             documents = []
             for number, record in iter_jsonl(path, problems, encoding):
-                text, identifier = record.get("text"), record_id(record, path, number)
-                if not isinstance(text, str) or is_blank(text):
-                    report_problem(problems, path, number, 'no non-empty "text" string')
-                elif identifier is None:
+                identifier = record_id(record, path, number)
+                try:
+                    text = record_text(record.get("text"))
+                except ValueError as error:
+                    report_problem(problems, path, number, str(error))
+                    continue
+                if identifier is None:
                     report_problem(problems, path, number, '"id" is neither a string nor an integer')
                 else:
                     documents.append(Document(identifier, text))

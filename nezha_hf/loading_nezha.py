@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
+from .json_files import read_json
 from .relative_attention import prepare_attention
 from .tokenizer_cap import warn_if_tokenizer_caps_length
 
@@ -45,6 +46,16 @@ def _check_archives(folder) -> None:
         with open(path, "rb") as handle:
             if handle.read(4) == b"PK\x03\x04":
                 zipfile.ZipFile(path).close()
+
+
+def _check_json_files(folder) -> None:
+    """Read the JSON files transformers reads from a local model folder (its config and generation config) as
+    `json_files.read_json` reads any: one bounded in size and depth (10 KB of brackets would exhaust the recursion of
+    transformers' reader), so that a damaged one is a `JSONFileError` naming it rather than a `RecursionError`."""
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            read_json(path)
 
 
 def _local_folder(path) -> str | None:
@@ -192,6 +203,7 @@ class NezhaLoadingMixin:
         allow_new_layers = kwargs.pop("allow_new_layers", False)
         try:
             if folder is not None:
+                _check_json_files(folder)
                 _check_archives(folder)
             model, info = super().from_pretrained(
                 path, *args, **{**kwargs, "ignore_mismatched_sizes": True, "output_loading_info": True}

@@ -209,7 +209,8 @@ def continue_pretraining(
         problems = []  # the data before the model: a file that cannot be read is refused before it is loaded
         texts = [document.text for document in read_documents(files, txt_split, problems, encoding)]
         if not texts:
-            raise ValueError(f"No text found in {list(map(str, files))}.")
+            reasons = "; ".join(map(str, problems[:3])) + ("; ..." if len(problems) > 3 else "")
+            raise ValueError(f"No text found in {list(map(str, files))}{': ' + reasons if reasons else ''}.")
         sharding = {}
         if fsdp and state.num_processes > 1:
             sharding["distributed_config"] = DistributedConfig(fsdp_size=state.num_processes)

@@ -120,6 +120,9 @@ def claimed(destination) -> Iterator[Path]:
         raise OutputBusyError(
             f"another run is writing {destination}; wait for it to end, or write elsewhere"
         ) from None
+    except OSError as error:  # a read-only or full folder: say which output, not which lock file
+        raise type(error)(error.errno, f"{destination} cannot be written: its folder {destination.parent} refuses "
+                                       f"new files ({error.strerror})") from None
     _held[key] = 1
     try:
         _clean_leftovers(destination)
@@ -156,6 +159,21 @@ def _remove(path: Path) -> None:
 
 
 # --- putting an output in place ------------------------------------------------------------------------------
+
+# Errors of a write that says no file: the disk or quota is full, or a file grew past the size allowed.
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+@contextlib.contextmanager
+def naming(destination) -> Iterator[None]:
+    """A full disk met while writing `destination` (in the block) is an `OSError` naming it: the system's names no
+    file."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in _FULL or error.filename:
+            raise
+        raise OSError(error.errno, f"{destination} could not be written ({error.strerror})") from error
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
@@ -233,7 +251,7 @@ def staged_folder(destination, overwrite: bool = False) -> Iterator[Path]:
     absent; an existing or meanwhile-appeared one is replaced only with `overwrite`). What was written there gets
     the permissions of an ordinary write (the umask's)."""
     destination = Path(destination)
-    with claimed(destination):
+    with claimed(destination), naming(destination):
         staging = _new_sibling(destination, "partial", folder=True)
         try:
             yield staging
@@ -248,7 +266,7 @@ def staged_file(destination, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling file path; on success it replaces `destination` atomically (an existing or
     meanwhile-appeared file only with `overwrite`)."""
     destination = Path(destination)
-    with claimed(destination):
+    with claimed(destination), naming(destination):
         staging = _new_sibling(destination, "partial", folder=False)
         ordinary = stat.S_IMODE(staging.stat().st_mode)  # 0o666 less the umask
         try:
@@ -269,7 +287,7 @@ def staged_files_into(destination) -> Iterator[Path]:
     files plus everything else it held (hard links: nothing is copied), swapped in at once. Weight files of an
     earlier save that the new one does not have are dropped, nothing else."""
     destination = Path(destination)
-    with claimed(destination):
+    with claimed(destination), naming(destination):
         staging = _new_sibling(destination, "partial", folder=True)
         try:
             yield staging
@@ -313,6 +331,7 @@ __all__ = [
     "OutputBusyError",
     "check_destination",
     "claimed",
+    "naming",
     "staged_file",
     "staged_files_into",
     "staged_folder",

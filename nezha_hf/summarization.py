@@ -45,6 +45,7 @@ from .configuration_nezha import NezhaConfig
 from .distributed import claimed_by_main, cpu_only, on_main, processes, run_batches
 from .extras import require_extra
 from .generation_nezha import CopySpanLogitsProcessor
+from .json_files import JSON_OBJECT, Anything, Integer, JSONFileError, ListOf, Object, String, read_json
 from .modeling_nezha import NezhaForSentenceExtraction, NezhaForUniLM, NezhaSentenceExtractionOutput, sentence_means
 from .padding import attention_mask_for, pad_rows
 from .safe_output import check_destination, write_text_atomically
@@ -257,14 +258,14 @@ def summarizer_settings(directory: Path) -> dict:
     missing or damaged."""
     path = directory / SETTINGS_FILE
     try:
-        settings = json.loads(path.read_text(encoding="utf-8"))
+        settings = read_json(path, JSON_OBJECT)
     except FileNotFoundError:
         raise FileNotFoundError(f"{directory} is not a summariser folder: it has no {SETTINGS_FILE} (train-summarizer "
                                 "and export onnx write one).") from None
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{path} is damaged ({type(error).__name__}): write the summariser again.") from None
-    if not isinstance(settings, dict):
-        raise ValueError(f"{path} is damaged (not a JSON object): write the summariser again.")
+    except JSONFileError as error:  # the file, and the field, named
+        raise ValueError(f"{error}: write the summariser again.") from None
+    except OSError as error:
+        raise ValueError(f"{path} cannot be read ({error.strerror or type(error).__name__}).") from None
     problem = settings_problem(settings)
     if problem:
         raise ValueError(f"{path}: {problem}. Correct the file, or write the summariser again.")
@@ -397,6 +398,13 @@ class ExportedGenerator:
         return generate_exported(self.exported, input_ids, attention_mask, max_new_tokens, eos, pad, processors)
 
 
+# What `check_export` reads of `ExportedModel.save_pretrained`'s manifest; the rest is transformers' to read.
+EXPORT_MANIFEST_SCHEMA = Object({"export_format": String(max_length=64),
+                                 "components": Object({}, others=Object({"file": String()}, required=["file"],
+                                                                        others=Anything()))},
+                                required=["export_format", "components"], others=Anything())
+
+
 def check_export(folder: Path) -> None:
     """An error naming what a folder `ExportedModel.save_pretrained` wrote lacks (its manifest, a program file it
     names, its config), before transformers would look the folder up on the model hub. The manifest is data from
@@ -406,11 +414,13 @@ def check_export(folder: Path) -> None:
 
     manifest_path = folder / "export.json"
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        manifest = read_json(manifest_path, EXPORT_MANIFEST_SCHEMA)
         files = [name for entry in manifest["components"].values()
                  for name in get_exporter_class(manifest["export_format"]).program_files(entry["file"])]
     except FileNotFoundError:
         raise FileNotFoundError(f"{manifest_path} is missing: export the summariser again.") from None
+    except JSONFileError as error:
+        raise ValueError(f"{error}: export the summariser again.") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{manifest_path} is damaged ({type(error).__name__}): export the summariser again.") from None
     if manifest["export_format"] != "onnx":
@@ -423,6 +433,9 @@ def check_export(folder: Path) -> None:
     for name in [*files, "config.json"]:
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{folder / name} is missing: export the summariser again.")
+    for name in ("config.json", "generation_config.json"):  # bounded before transformers reads them
+        if (folder / name).is_file():
+            read_json(folder / name, JSON_OBJECT)
 
 
 def load_exported_summarizer(directory, **settings) -> Summarizer:
@@ -470,6 +483,17 @@ class SummarizedFiles:
     left_out: int
 
 
+def result_schema(judgment: Judgment) -> Object:
+    """What `Summarizer.summarize` gives for `judgment` (a `json_files` schema): its `id`, the indices of its
+    sentences `extracted`, and the `summary` text; a journal's result is checked against it before it is reused."""
+    return Object({"id": String(max_length=1 << 16), "extracted": ListOf(Integer(0, len(judgment.sentences) - 1)),
+                   "summary": String(max_length=1 << 24)}, required=["id", "extracted", "summary"])
+
+
+# Where `str.splitlines` breaks a line: an id holding one would shift every following line of a text output.
+LINE_BREAKS = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
 def summaries_text(results: list[dict], text: bool = False) -> str:
     """Results of `Summarizer.summarize` as JSONL (one `{id, extracted, summary}` a line) or, with `text`, as text
     (each id on a line, its summary below it, a blank line between)."""
@@ -505,6 +529,12 @@ def summarize_files(summarizer_dir, inputs, output=None, *, overwrite: bool = Fa
         if output.suffix.lower() not in SUMMARY_SUFFIXES:
             raise ValueError(f"--output {output}: summaries are written as JSONL (.jsonl, .json) or text (.txt)")
     judgments, left_out = read_command_inputs(inputs, max_characters, encoding)
+    if output is not None and output.suffix.lower() == ".txt":
+        broken = next((j for j in judgments if LINE_BREAKS.search(j.id)), None)
+        if broken is not None:
+            raise ValueError(f"--output {output}: the id {broken.id!r} ({broken.source}) holds a line break, which "
+                             "would shift every following line of a text file: write JSONL (.jsonl) instead, or "
+                             "rename the input.")
     settings = {key: value for key, value in (("threshold", threshold), ("token_budget", token_budget),
                                               ("num_beams", num_beams)) if value is not None}
     summarizer = load_summarizer(summarizer_dir, **settings)
@@ -522,7 +552,7 @@ def summarize_files(summarizer_dir, inputs, output=None, *, overwrite: bool = Fa
     with claimed_by_main(state, *([output] if output is not None else [])):
         results = run_batches(state, len(judgments), batch_size, summarize, journal, record,
                               keys=[j.id for j in judgments], resume=resume, show_progress=show_progress,
-                              unit="judgments")
+                              unit="judgments", result_schema=lambda index: result_schema(judgments[index]))
         if not state.is_main_process:
             return None
         if output is not None:

@@ -7,11 +7,12 @@ to the tokenizer's `model_max_length`, so such a folder loses everything past 51
 has loaded. The converters (`nezha-hf convert nezha` among them) write `model_max_length` 1,000,000.
 """
 
-import json
 import os
 
 from huggingface_hub import try_to_load_from_cache
 from transformers.utils import logging
+
+from .json_files import read_json
 
 logger = logging.get_logger(__name__)
 
@@ -37,9 +38,8 @@ def tokenizer_cap(config_path: str) -> int | None:
     """The `model_max_length` a tokenizer config sets, if it is a whole number; None if it sets none (or the file
     cannot be read: loading the tokenizer reports that, not this check)."""
     try:
-        with open(config_path, encoding="utf-8") as file:
-            config = json.load(file)
-    except (OSError, ValueError):
+        config = read_json(config_path)
+    except (OSError, ValueError):  # `JSONFileError` among them: nested too deeply, too large, not JSON
         return None
     cap = config.get("model_max_length") if isinstance(config, dict) else None
     return cap if isinstance(cap, int) and not isinstance(cap, bool) else None

@@ -114,7 +114,7 @@ def test_push_to_hub_uploads_weights_config_and_card(monkeypatch):
     files = upload["files"]
     assert {"config.json", "model.safetensors", "README.md", "modeling_nezha.py", "relative_attention.py",
             "configuration_nezha.py", "fused_attention.py", "three_regions.py", "attention_ops.py",
-            "generation_nezha.py"} <= set(files)
+            "generation_nezha.py", "loading_nezha.py", "tokenizer_cap.py", "json_files.py"} <= set(files)
     text = files["README.md"].decode()
     metadata = yaml.safe_load(text.split("---\n")[1])
     assert metadata["tags"] == ["nezha", "legal"] and metadata["pipeline_tag"] == "token-classification"

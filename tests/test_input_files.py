@@ -429,3 +429,71 @@ def test_pretrain_train_summarizer_and_evaluate_refuse_a_named_file_they_cannot_
     done = run_cli("evaluate", gb_jsonl, "--encoding", "gb18030")
     assert done.returncode == 0 and "| oracle | char |" in done.stdout, done.stderr
     one_line_failure(run_cli("evaluate", gb_jsonl, "--encoding", "no-such-codec"), "--encoding", "no-such-codec")
+
+
+# --- JSON inputs read as data (issue 54) ---------------------------------------------------------------------------
+
+
+def test_a_pretty_printed_json_document_is_one_error_not_one_per_line(tmp_path, run_cli):
+    """A `.json` file holding one indented JSON document gave one "not valid JSON" per line (471 for a real one)
+    instead of saying that it is a JSON document, not JSON Lines."""
+    records = [synthetic_judgment(random.Random(0), i) for i in range(3)]
+    path = tmp_path / "judgments.json"
+    path.write_text(json.dumps(records, ensure_ascii=False, indent=2), encoding="utf-8")
+    with pytest.raises(ValueError, match="one JSON document spread over several lines, not JSON Lines"):
+        read_judgments([path])
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "judgments.json").write_text(json.dumps(records[0], ensure_ascii=False, indent=1), encoding="utf-8")
+    write_jsonl(folder / "good.jsonl", records[1:])
+    problems = []
+    assert len(read_judgments([folder], problems)) == 2
+    assert len(problems) == 1 and "not JSON Lines" in problems[0].message, problems
+    one_line_failure(run_cli("evaluate", path), str(path), "not JSON Lines")
+
+
+def test_a_deeply_nested_json_line_is_a_problem_line_not_a_crash(tmp_path):
+    """10 KB of brackets on one line raised `RecursionError` from every reader of JSON Lines (inputs, predictions)."""
+    good = json.dumps({"id": "a", "text": "原告胜诉。"}, ensure_ascii=False)
+    path = write_jsonl(tmp_path / "data.jsonl", [], extra_lines=[good, "[" * 10_000 + "]" * 10_000])
+    problems = []
+    assert [d.id for d in read_documents([path], problems=problems)] == ["a"]
+    assert [(p.line, "nests" in p.message) for p in problems] == [(2, True)], problems
+    predictions = write_jsonl(tmp_path / "p.jsonl", [], extra_lines=['{"id": "a", "summary": "x"}', "{" * 5_000])
+    from nezha_hf.cail import read_predictions
+
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: nests"):
+        read_predictions(predictions)
+
+
+def test_cail2020_records_with_text_as_a_list_of_sentences_are_pretraining_text(tmp_path, tokenizer, run_cli):
+    """`pretrain` on a CAIL2020 file ("text" a list of {"sentence", "label"}) said "No text found" with no reason per
+    line. Such a record is read as its sentences joined; a record with no usable text says why, per line."""
+    judgment = synthetic_judgment(random.Random(0), 0)
+    path = write_jsonl(tmp_path / "cail.jsonl", [judgment, {"id": "x", "text": [{"label": 1}]}, {"id": "y", "text": 3}])
+    problems = []
+    documents = read_documents([path], problems=problems)
+    assert [d.text for d in documents] == ["".join(item["sentence"] for item in judgment["text"])]
+    assert [p.line for p in problems] == [2, 3] and '"sentence"' in problems[0].message, problems
+    assert "not a string" in problems[1].message
+    base = base_model(tmp_path / "base", tokenizer)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": "y", "text": 3}, {"id": "z"}])
+    one_line_failure(run_cli("pretrain", base, bad, "--output", tmp_path / "out"), "No text found",
+                     "bad.jsonl:1", "not a string", "bad.jsonl:2", "missing")
+
+
+def test_a_text_output_refuses_an_id_that_would_shift_its_lines(tmp_path, tokenizer, run_cli):
+    """`summarize --output X.txt` wrote ids as they are: a file name holding a newline shifted every following line
+    of the text output. Refused before any work; JSONL keeps such an id exactly."""
+    model = summarizer_folder(tmp_path / "s", tokenizer)
+    folder = tmp_path / "judgments"
+    folder.mkdir()
+    for name in ("a\nb.txt", "c.txt"):
+        (folder / name).write_text("原告胜诉。被告败诉。", encoding="utf-8")
+    output = tmp_path / "out.txt"
+    one_line_failure(run_cli("summarize", model, folder, "--output", output, "--max-new-tokens", "4"),
+                     str(output), "line break", ".jsonl")
+    assert not output.exists()
+    done = run_cli("summarize", model, folder, "--output", tmp_path / "out.jsonl", "--max-new-tokens", "4")
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["id"] for line in (tmp_path / "out.jsonl").read_text().splitlines()] == ["a\nb", "c"]

@@ -457,3 +457,202 @@ def test_outputs_get_the_permissions_of_an_ordinary_write(tmp_path, umask_022, r
     done = run_cli("convert", "bert", tmp_path / "bert", tmp_path / "nezha", "--overwrite")
     assert done.returncode == 0, done.stderr
     assert mode(tmp_path / "nezha") == 0o750
+
+
+# --- run state: written as outputs are, named when damaged, each checkpoint of its own run (issue 54) ---------------
+
+
+def a_run_folder(folder) -> RunRecord:
+    """A run's checkpoints folder as `prepare_checkpoints` leaves it; returns the run's record."""
+    from nezha_hf.checkpoints import prepare_checkpoints
+
+    record = RunRecord("pretrain", "base", "x", ["data"], "y", {"global_batch": 8, "bf16": False})
+    assert prepare_checkpoints(folder, record) is None
+    return record
+
+
+@pytest.mark.parametrize(("saved", "named"), [
+    ("", "not valid JSON"), ("[]", "must be a JSON object"), ('{"x": 1}', "x: is not a key"),
+    ('{"command": "pretrain"}', "base: is missing"),
+    ('{"command": "pretrain", "base": "b", "base_content": "x", "data": {"a": 1}, "data_content": "y", '
+     '"settings": {}}', "data: must be a list"),
+    ('{"command": "pretrain", "base": "b", "base_content": "x", "data": [], "data_content": "y", "settings": []}',
+     "settings: must be a JSON object")])
+def test_a_damaged_run_record_is_named_and_no_resume_always_starts_over(tmp_path, saved, named):
+    """Issue 54 item 9: an empty `nezha_run.json` (a full disk) failed every rerun, --no-resume included, with
+    "Expecting value: line 1 column 1 (char 0)"; damaged ones with `RunRecord.__init__() got an unexpected keyword
+    argument 'x'` or "'list' object has no attribute 'items'", naming no file."""
+    from nezha_hf.checkpoints import prepare_checkpoints
+
+    folder = tmp_path / "out.checkpoints"
+    record = a_run_folder(folder)
+    (folder / "checkpoint-4").mkdir()
+    (folder / RunRecord.FILE).write_text(saved)
+    with pytest.raises(ValueError) as refused:
+        prepare_checkpoints(folder, record)
+    message = str(refused.value)
+    assert f"{folder / RunRecord.FILE}" in message and named in message and "--no-resume" in message, message
+    assert "\n" not in message
+    assert prepare_checkpoints(folder, record, resume=False) is None
+    assert sorted(p.name for p in folder.iterdir()) == [RunRecord.FILE]
+    assert prepare_checkpoints(folder, record) is None  # the new record is whole: the same run resumes
+
+
+def test_the_run_record_is_staged_a_full_disk_leaves_the_old_one(tmp_path, monkeypatch):
+    """Issue 54 item 9: `nezha_run.json` was written in place; a write that fails (a full disk) left it empty."""
+    import errno
+    import pathlib
+
+    from nezha_hf.checkpoints import prepare_checkpoints
+
+    folder = tmp_path / "out.checkpoints"
+    record = a_run_folder(folder)
+    before = (folder / RunRecord.FILE).read_bytes()
+    real_open = pathlib.Path.open
+
+    def full_disk(self, mode="r", *args, **kwargs):
+        handle = real_open(self, mode, *args, **kwargs)
+        if "w" in mode and RunRecord.FILE in self.name:
+            handle.close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return handle
+
+    monkeypatch.setattr(pathlib.Path, "open", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        prepare_checkpoints(folder, record)
+    monkeypatch.undo()
+    assert (folder / RunRecord.FILE).read_bytes() == before
+    assert sorted(p.name for p in folder.iterdir()) == [RunRecord.FILE]  # no staging file left beside it
+    assert prepare_checkpoints(folder, record) is None
+
+
+TRAINER_STATE_DAMAGE = {
+    "a list": lambda state: [state],
+    "global_step a string": lambda state: {**state, "global_step": str(state["global_step"])},
+    "max_steps a string": lambda state: {**state, "max_steps": "8"},
+    "log_history not a list": lambda state: {**state, "log_history": {"loss": 1}},
+    "an unknown key": lambda state: {**state, "x": 1},
+}
+
+
+def test_a_checkpoint_of_the_wrong_shape_or_with_garbage_state_is_skipped_for_the_last_intact_one(tmp_path, tokenizer,
+                                                                                                 caplog):
+    """Issue 54 item 10: a `trainer_state.json` that is valid JSON of the wrong shape ended pretrain with "list
+    indices must be integers" or "'>=' not supported between 'str' and 'int'"; a garbage `scheduler.pt` or
+    `rng_state.pth` with torch's weights-only message. Each is skipped, named, for the last intact checkpoint."""
+    base, data = base_model(tmp_path / "base", tokenizer), corpus(tmp_path / "corpus")
+    done = pretrain(base, data, "--output", tmp_path / "uninterrupted", "--max-steps", "8", *PRETRAIN)
+    assert done.returncode == 0, done.stderr[-2000:]
+    damages = {**{name: ("trainer_state.json", change) for name, change in TRAINER_STATE_DAMAGE.items()},
+               "garbage scheduler": ("scheduler.pt", None), "garbage rng state": ("rng_state.pth", None)}
+    for name, (file, change) in damages.items():
+        copy = tmp_path / name.replace(" ", "-")
+        shutil.copytree(tmp_path / "uninterrupted.checkpoints", copy)
+        target = copy / "checkpoint-8" / file
+        if change is None:
+            target.write_bytes(b"PK\x03\x04 not a torch file" * 10)
+        else:
+            target.write_text(json.dumps(change(json.loads(target.read_text()))))
+        problem = checkpoint_problem(copy / "checkpoint-8")
+        assert problem is not None and file in problem, (name, problem)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert last_complete_checkpoint(copy).name == "checkpoint-4", name
+        assert any(file in r.getMessage() and "checkpoint-8" in r.getMessage() for r in caplog.records), name
+    # End to end, the case that ended pretrain with "'>=' not supported": resumed from checkpoint-4, as uninterrupted.
+    shutil.copytree(tmp_path / "max_steps-a-string", tmp_path / "out.checkpoints")
+    done = pretrain(base, data, "--output", tmp_path / "out", "--max-steps", "8", *PRETRAIN)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "checkpoint-4" in done.stderr.split("Resuming from")[1].splitlines()[0]
+    got, expected = load_file(tmp_path / "out" / "model.safetensors"), load_file(
+        tmp_path / "uninterrupted" / "model.safetensors")
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=0)
+
+
+def test_a_checkpoint_of_another_run_is_not_resumed(tmp_path, tokenizer):
+    """Issue 54 item 5: the run record was checked per folder, not per checkpoint: another run's `checkpoint-4`
+    (other data, another learning rate) dropped into the folder was resumed, here taken as the finished run, without
+    a word. Each checkpoint now carries its run's record; one of another run is skipped, named."""
+    base = base_model(tmp_path / "base", tokenizer)
+    mine, theirs = corpus(tmp_path / "mine"), corpus(tmp_path / "theirs")
+    (theirs / "corpus.txt").write_text("另一个法院的判决。" * 200, encoding="utf-8")
+    for data, output, rate in ((mine, "mine-out", "2e-3"), (theirs, "theirs-out", "1e-3")):
+        done = pretrain(base, data, "--output", tmp_path / output, "--max-steps", "4", *PRETRAIN[:-1], rate)
+        assert done.returncode == 0, done.stderr[-2000:]
+    reference = load_file(tmp_path / "mine-out" / "model.safetensors")
+    shutil.rmtree(tmp_path / "mine-out")  # as if killed before its output was in place ...
+    shutil.rmtree(tmp_path / "mine-out.checkpoints" / "checkpoint-4")  # ... and before its checkpoint
+    shutil.copytree(tmp_path / "theirs-out.checkpoints" / "checkpoint-4",
+                    tmp_path / "mine-out.checkpoints" / "checkpoint-4")
+    done = pretrain(base, mine, "--output", tmp_path / "mine-out", "--max-steps", "4", *PRETRAIN)
+    assert done.returncode == 0, done.stderr[-2000:]
+    skipped = [line for line in done.stderr.splitlines() if "checkpoint-4" in line and "another run" in line]
+    assert len(skipped) == 1, done.stderr[-2000:]
+    assert "Resuming from" not in done.stderr and "already ends this run" not in done.stderr
+    got = load_file(tmp_path / "mine-out" / "model.safetensors")
+    for name in reference:
+        torch.testing.assert_close(got[name], reference[name], atol=1e-5, rtol=0)
+
+
+def kept_journal(tmp_path, tokenizer, run_cli, monkeypatch, count=4):
+    """A summariser, its inputs, and the journal of a finished `summarize` whose output could not be written."""
+    from nezha_hf import summarization
+
+    model = summarizer_folder(tmp_path / "s", tokenizer)
+    data = judgments_file(tmp_path / "d.jsonl", "d", count)
+    output = tmp_path / "o.jsonl"
+
+    def cannot_write(*args, **kwargs):
+        raise OSError("the output could not be written")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(summarization, "write_text_atomically", cannot_write)
+        assert run_cli("summarize", model, data, "--output", output, *SUMMARIZE).returncode == 2
+    journal = tmp_path / ".o.jsonl.progress"
+    assert len((journal / "done-0.jsonl").read_text().splitlines()) == count
+    return model, data, output, journal
+
+
+@pytest.mark.parametrize("result", ["null", "a string", "a number", "another id", "no summary", "bad extracted"])
+def test_a_journal_result_must_be_the_record_of_the_judgment_it_claims(tmp_path, tokenizer, run_cli, monkeypatch,
+                                                                      result):
+    """Issue 54 item 6 (kept back last round): a journal result that is null, a string or a number was written as
+    an output line; one whose id is another judgment's was written under that id (one judgment twice, another
+    missing). Each is now refused as a damaged line, naming the file and line and the way out."""
+    model, data, output, journal = kept_journal(tmp_path, tokenizer, run_cli, monkeypatch)
+    part = journal / "done-0.jsonl"
+    entries = [json.loads(line) for line in part.read_text().splitlines()]
+    entry = entries[2]
+    entry["result"] = {"null": None, "a string": "d2 summary", "a number": 3,
+                       "another id": {**entry["result"], "id": "d1"},
+                       "no summary": {k: v for k, v in entry["result"].items() if k != "summary"},
+                       "bad extracted": {**entry["result"], "extracted": "all"}}[result]
+    part.write_text("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries))
+    before = snapshot(tmp_path)
+    line = one_line_failure(run_cli("summarize", model, data, "--output", output, *SUMMARIZE), str(part), "line 3",
+                            "--no-resume")
+    assert snapshot(tmp_path) == before and not output.exists(), line
+    done = run_cli("summarize", model, data, "--output", output, *SUMMARIZE, "--no-resume")
+    assert done.returncode == 0, done.stderr
+    assert ids(output) == ["d0", "d1", "d2", "d3"]
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_short_line_naming_it(tmp_path, tokenizer):
+    """Issue 54 item 10: a full disk inside a checkpoint ended pretrain with the distributed checkpoint's traceback of
+    every process folded into one line (1,614 characters). Here files may not grow past 300 KB (`RLIMIT_FSIZE`, as
+    a full disk refuses a write), which the optimizer state's piece (about 1 MB) does."""
+    import resource
+
+    base, data = base_model(tmp_path / "base", tokenizer), corpus(tmp_path / "corpus")
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails (EFBIG) rather than the process being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
+
+    done = subprocess.run([*CLI, "pretrain", *map(str, [base, data, "--output", tmp_path / "out", "--max-steps", "8",
+                                                      *PRETRAIN])], capture_output=True, text=True, timeout=600,
+                          preexec_fn=small_files)
+    line = one_line_failure(done, "checkpoint-4", "File too large")
+    assert len(line) < 400, line
+    assert not (tmp_path / "out").exists()

@@ -61,3 +61,42 @@ def test_destinations_that_would_lose_data_are_refused(tmp_path):
     with staged_file(tmp_path / "out.json") as staging:
         staging.write_text("done")
     assert (tmp_path / "out.json").read_text() == "done"
+
+
+def test_a_full_disk_or_a_read_only_folder_names_the_destination(tmp_path, monkeypatch):
+    """Issue 54 (kept back): a full disk's error ("[Errno 28] No space left on device") named no output, and a
+    read-only destination was reported as the lock file beside it that could not be made."""
+    import errno
+    import pathlib
+
+    from filelock import UnixFileLock
+
+    from nezha_hf.safe_output import write_text_atomically
+
+    destination = tmp_path / "summaries.jsonl"
+    real_write_text = pathlib.Path.write_text
+
+    def full_disk(self, *args, **kwargs):
+        if self.name.startswith(f".{destination.name}.partial"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write_text(self, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(pathlib.Path, "write_text", full_disk)
+        with pytest.raises(OSError, match=f"{destination}.*No space left on device") as failed:
+            write_text_atomically(destination, "x")
+        assert failed.value.errno == errno.ENOSPC
+        with pytest.raises(OSError, match=f"{tmp_path / 'model'}.*No space left on device"), \
+                staged_folder(tmp_path / "model") as staging:
+            (staging / "config.json").write_text("{}")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+    def read_only(self, *args, **kwargs):
+        raise PermissionError(errno.EROFS, "Read-only file system", self.lock_file)
+
+    monkeypatch.setattr(UnixFileLock, "_acquire", read_only)
+    with pytest.raises(OSError) as refused:
+        write_text_atomically(destination, "x")
+    message = str(refused.value)
+    assert str(destination) in message and ".lock" not in message and "Read-only file system" in message, message

@@ -109,3 +109,16 @@ def test_an_unreadable_tokenizer_config_does_not_stop_the_model_loading(tmp_path
     with caplog.at_level("WARNING"):
         assert isinstance(AutoModelForTokenClassification.from_pretrained(folder), NezhaForTokenClassification)
     assert cap_warnings(caplog) == []
+
+
+def test_a_deeply_nested_tokenizer_config_does_not_stop_the_model_loading(tmp_path, caplog):
+    """Issue 54: 10 KB of brackets in `tokenizer_config.json` raised `RecursionError` through the cap check, which is
+    documented to return None for a file it cannot read, so the model could not load."""
+    from nezha_hf.tokenizer_cap import tokenizer_cap
+
+    folder = nezha_folder(tmp_path / "nezha", 512)
+    (folder / "tokenizer_config.json").write_text("[" * 10_000 + "]" * 10_000)
+    assert tokenizer_cap(str(folder / "tokenizer_config.json")) is None
+    with caplog.at_level("WARNING"):
+        assert isinstance(AutoModelForTokenClassification.from_pretrained(folder), NezhaForTokenClassification)
+    assert cap_warnings(caplog) == []

@@ -556,3 +556,82 @@ def test_train_summarizer_records_the_encoding_its_judgments_were_read_with(tmp_
         with pytest.raises(KeyboardInterrupt):
             summarization.train_summarizer(judgments, base, tmp_path / f"out-{encoding}", encoding=encoding)
     assert [settings["encoding"] for settings in recorded] == [None, "gb18030"]
+
+
+# --- every JSON file read: bounded, checked, named (issue 54) -------------------------------------------------------
+
+DEEP = "[" * 10_000 + "]" * 10_000  # 20 KB of brackets: the standard library's parser recurses past Python's limit
+
+
+def test_deeply_nested_json_in_any_file_read_is_one_error_naming_the_file(tmp_path):
+    """Issue 54 item 11: 10 KB of brackets raised `RecursionError`, naming no file, through `summarizer.json`, a
+    journal's record, `trainer_state.json`, `config.json` and `generation_config.json`."""
+    from nezha_hf.checkpoints import RunRecord, checkpoint_problem, prepare_checkpoints
+    from nezha_hf.distributed import _journal_difference
+    from nezha_hf.summarization import SETTINGS_FILE, check_export, summarizer_settings
+
+    folder = tmp_path / "summarizer"
+    folder.mkdir()
+    (folder / SETTINGS_FILE).write_text(DEEP)
+    with pytest.raises(ValueError, match=rf"{SETTINGS_FILE}: nests 10,000 levels"):
+        summarizer_settings(folder)
+    (folder / "export.json").write_text(DEEP)
+    with pytest.raises(ValueError, match="export.json: nests"):
+        check_export(folder)
+    checkpoint = tmp_path / "run" / "checkpoint-4"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(DEEP)
+    assert "trainer_state.json: nests" in checkpoint_problem(checkpoint)
+    record = RunRecord("pretrain", "base", "x", [], "y", {})
+    (tmp_path / "run" / RunRecord.FILE).write_text(DEEP)
+    with pytest.raises(ValueError, match=rf"{RunRecord.FILE}: nests .*--no-resume"):
+        prepare_checkpoints(tmp_path / "run", record)
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    (journal / "record.json").write_text(DEEP)
+    assert "record.json" in _journal_difference(journal, record)
+    for name in ("config.json", "generation_config.json"):
+        model = tmp_path / name
+        NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)).save_pretrained(model, model_card=False)
+        (model / name).write_text(DEEP)
+        with pytest.raises(ValueError, match=rf"{name}: nests"):
+            NezhaForMaskedLM.from_pretrained(model)
+    with pytest.raises(ValueError, match="config.json: nests"):  # as pretrain and train-summarizer read it
+        NezhaConfig.from_pretrained(tmp_path / "config.json")
+    for name in ("config.json", "tokenizer_config.json"):  # what a converter reads of its source
+        source = tmp_path / f"bert-{name}"
+        save_layout(small_bert(transformers.BertForMaskedLM), source, "safetensors")
+        make_tokenizer(source)
+        (source / name).write_text(DEEP)
+        with pytest.raises(ValueError, match=rf"{name}: nests"):
+            convert_bert(source, tmp_path / f"out-{name}")
+
+
+def test_the_json_reader_bounds_size_depth_and_kind_and_names_the_field(tmp_path):
+    """A FIFO is refused (not waited on), a file over the size bound is refused before it is read, and a value of
+    the wrong type or range is named by its field."""
+    import os
+
+    from nezha_hf.json_files import Integer, JSONFileError, ListOf, Object, String, read_json
+
+    fifo = tmp_path / "state.json"
+    os.mkfifo(fifo)
+    with pytest.raises(JSONFileError, match="state.json: is not a regular file"):
+        read_json(fifo)
+    big = tmp_path / "big.json"
+    big.write_text("[" + "0," * 1000 + "0]")
+    with pytest.raises(JSONFileError, match="big.json: holds 2,003 bytes, more than the 1,000 accepted"):
+        read_json(big, max_bytes=1000)
+    schema = Object({"steps": ListOf(Object({"step": Integer(minimum=0)}, required=["step"])), "name": String()},
+                    required=["steps"])
+    shaped = tmp_path / "shaped.json"
+    for text, message in [('{"steps": [{"step": 1}, {"step": "2"}]}', r"steps\[1\].step: must be a whole number"),
+                          ('{"steps": [{"step": -1}]}', r"steps\[0\].step: must be a whole number from 0"),
+                          ('{"name": "x"}', "steps: is missing"), ('[]', "must be a JSON object, got a list"),
+                          ('{"steps": [], "x": 1}', "x: is not a key this file has"),
+                          ('{"steps": [], "steps": []}', "'steps' twice"), ('', "not valid JSON")]:
+        shaped.write_text(text)
+        with pytest.raises(JSONFileError, match=rf"shaped.json: .*{message}"):
+            read_json(shaped, schema)
+    shaped.write_text('{"steps": [{"step": 3}]}')
+    assert read_json(shaped, schema) == {"steps": [{"step": 3}]}
