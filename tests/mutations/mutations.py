@@ -372,6 +372,9 @@ MUTATIONS = [
     Mutation("a cache of another model is taken", "nezha_hf/generation_nezha.py",
              "    if differ:\n        raise ValueError(f\"The cache's keys", "    if False:\n        raise ValueError(f\"The cache's keys",
              UNTRUSTED_TESTS),
+    Mutation("a generated text is matched to its source by position", "nezha_hf/unilm.py",
+             '    generate_kwargs["num_return_sequences"] = 1\n', "",
+             ["tests/test_summarization.py", "tests/test_unilm.py", "-k", "own_judgment or one_text_per_source"]),
     # --- export ---
     Mutation("exporting a model object switches the caller's model to the L x L gather path", "nezha_hf/export.py",
              "_from_config(copy.deepcopy(model_or_path.config), ", "_from_config(model_or_path.config, ",
