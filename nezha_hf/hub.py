@@ -65,8 +65,8 @@ CODE_BLOCK_START = re.compile(r"^( {0,3})(`{3,}|~{3,})|^(?=    |\t)", re.MULTILI
 def markdown_text(value) -> str:
     """`value` as Markdown text (a template value with no filter): HTML's special characters as entities, so that a
     value holds no raw HTML, and no line of it starts a code block (a fence is escaped, an indented line starts
-    with a space written as an entity), so that nothing a reader copies as code comes from a value. Markdown emphasis, lists,
-    links and tables stay."""
+    with a space written as an entity), so that nothing a reader copies as code comes from a value. Markdown
+    emphasis, lists, links and tables stay."""
     if isinstance(value, WrittenForContext):
         return value
     text = html.escape(str(value), quote=False)

@@ -434,3 +434,22 @@ def test_compiled_static_cache_gives_the_uncompiled_tokens():
     compiled = model.generate(input_ids, attention_mask=attention_mask, cache_implementation="static",
                               compile_config=config, **settings)
     assert compiled_forwards and torch.equal(compiled, plain)
+
+
+def test_copy_processor_ties_each_row_to_its_own_prompt():
+    """Issue 54's kind "generated outputs matched to inputs by position": the copy constraint took row `r`'s source
+    to be `r // rows_per_source`. Rows that do not carry their source's prompt (reordered, or a count that is not
+    a multiple of the sources) are an error, not another source's n-grams."""
+    from nezha_hf.generation_nezha import CopySpanLogitsProcessor
+
+    prompt = torch.tensor([[CLS, 10, 11, SEP], [CLS, 40, 41, SEP]])
+    processor = CopySpanLogitsProcessor.for_prompt(prompt, None, {CLS, SEP, PAD})
+    scores = torch.zeros(4, 60)
+    processor.copy_logits = torch.tensor([[0.0, 5.0, 0.0]]).repeat(4, 1)
+    beams = prompt.repeat_interleave(2, 0)  # how generate expands rows: each source's together
+    assert processor(beams, scores).shape == (4, 60)
+    with pytest.raises(RuntimeError, match="prompt"):
+        processor(prompt.repeat(2, 1), scores)  # the same rows, interleaved: 0, 1, 0, 1
+    processor.copy_logits = processor.copy_logits[:3]
+    with pytest.raises(RuntimeError, match="prompt"):
+        processor(beams[:3], scores[:3])
