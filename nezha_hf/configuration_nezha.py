@@ -8,7 +8,8 @@ import re
 import transformers
 from huggingface_hub import EvalResult
 from huggingface_hub.dataclasses import strict
-from huggingface_hub.errors import StrictDataclassError
+from huggingface_hub.errors import HFValidationError, StrictDataclassError
+from huggingface_hub.utils import validate_repo_id
 from packaging.version import Version
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
@@ -44,6 +45,25 @@ OWN_AUTO_MAP = re.compile(r"([\w.-]+/[\w.-]+--)?(configuration_nezha\.NezhaConfi
 CARD_TEXT_SETTINGS = ("model_name", "repo_id", "license", "base_model", "pipeline_tag", "task_description",
                       "training_summary", "evaluation_summary", "extra")
 CARD_LIST_SETTINGS = ("language", "datasets", "tags")  # lists of strings (a single string too, but for tags)
+# The card's usage code and metadata take `repo_id` and `base_model` as Hub ids and `pipeline_tag` as one of these
+# tasks (NEZHA's heads' and the other text tasks of the Hub): names from a fixed alphabet or set, never free text.
+CARD_PIPELINE_TAGS = ("feature-extraction", "fill-mask", "text-classification", "token-classification",
+                      "question-answering", "multiple-choice", "summarization", "text-generation", "sentence-similarity",
+                      "zero-shot-classification", "text-ranking", "table-question-answering", "text2text-generation")
+CARD_ID_SETTINGS = ("repo_id", "base_model")
+
+
+def card_setting_problem(name: str, value) -> str | None:
+    """Why `value` cannot be the model-card setting `name` (`repo_id` and `base_model` a Hub repo id `name` or
+    `owner/name`, `pipeline_tag` one of `CARD_PIPELINE_TAGS`), or None. The other settings have no rule here."""
+    if name in CARD_ID_SETTINGS:
+        try:
+            validate_repo_id(value)
+        except HFValidationError:
+            return f"{name} {value!r} is not a Hub repo id (`name` or `owner/name`, letters, digits, '-', '_', '.')"
+    elif name == "pipeline_tag" and value not in CARD_PIPELINE_TAGS:
+        return f"pipeline_tag {value!r} is not one of {', '.join(CARD_PIPELINE_TAGS)}"
+    return None
 
 
 def checked_card_settings(card) -> dict:
@@ -61,7 +81,7 @@ def checked_card_settings(card) -> dict:
         if name == "kind":
             usable = value in CARD_KINDS
         elif name in CARD_TEXT_SETTINGS:
-            usable = isinstance(value, str)
+            usable = isinstance(value, str) and card_setting_problem(name, value) is None
         elif name in CARD_LIST_SETTINGS:
             usable = (isinstance(value, str) and name != "tags") or (
                 isinstance(value, list) and all(isinstance(v, str) for v in value))
@@ -291,4 +311,5 @@ def _value_errors(init):
 NezhaConfig.__init__ = _value_errors(NezhaConfig.__init__)
 
 
-__all__ = ["CARD_KINDS", "LOADER_CODE_KEYS", "MAX_RELATIVE_POSITION", "NezhaConfig", "NezhaConfigError", "checked_card_settings"]
+__all__ = ["CARD_KINDS", "CARD_PIPELINE_TAGS", "LOADER_CODE_KEYS", "MAX_RELATIVE_POSITION", "NezhaConfig",
+           "NezhaConfigError", "card_setting_problem", "checked_card_settings"]

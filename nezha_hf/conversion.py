@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .checkpoints import model_folder
-from .configuration_nezha import NezhaConfig
+from .configuration_nezha import NezhaConfig, card_setting_problem
 from .extras import require_extra
 from .json_files import JSON_OBJECT, JSONFileError, read_json
 from .hub import export_remote_code, write_model_card
@@ -452,7 +452,8 @@ def _convert_state(
     )
     # Model cards of this checkpoint and of models trained from it name the source (if it is a Hub id).
     source_id = config_dict.get("_name_or_path", "")
-    config.nezha_card = {"base_model": source_id} if re.fullmatch(r"[\w.-]+/[\w.-]+", source_id) else {}
+    is_hub_id = "/" in source_id and card_setting_problem("base_model", source_id) is None
+    config.nezha_card = {"base_model": source_id} if is_hub_id else {}
     mapped = map_state_dict(state, config, report.architecture, report, tuple(allow_missing), source_names)
     _write_and_verify(mapped, config, work, report)
     if remote_code:

@@ -233,7 +233,7 @@ def export_summarizer(directory, output, atol: float = 1e-4, overwrite: bool = F
         save_settings(staging, {**summarizer.settings(), "num_beams": 1})
         exported = load_exported_summarizer(staging)
         probabilities = [summarizer.extract_probabilities(judgments), exported.extract_probabilities(judgments)]
-        difference = max(abs(a - b) for x, y in zip(*probabilities) for a, b in zip(x, y))
+        difference = max(abs(a - b) for x, y in zip(*probabilities, strict=True) for a, b in zip(x, y, strict=True))
         if not difference <= atol:
             raise ValueError(f"The exported extractor differs from PyTorch by {difference:.2e} (more than {atol:.0e}); "
                              "nothing written.")

@@ -86,13 +86,16 @@ class CopySpanLogitsProcessor(LogitsProcessor):
     Args:
         sources: the token ids a copy may come from, one list per batch row before expansion.
         prompt_length: length of the (padded) prompt; what follows it is the generated target.
+        prompts: the prompt rows (`for_prompt` gives them): each decoding row must start with its source's prompt
+            (generate keeps a source's rows together), so a row is never constrained by another source.
     """
 
-    def __init__(self, sources: list[list[int]], prompt_length: int):
+    def __init__(self, sources: list[list[int]], prompt_length: int, prompts: torch.Tensor | None = None):
         if any(not source for source in sources):
             raise ValueError("Copy decoding needs a non-empty source in every row.")
         self.sources = [list(source) for source in sources]
         self.prompt_length = prompt_length
+        self.prompts = prompts
         self.copy_logits = None
         self._span_length = {}
         self._continuations = {}
@@ -104,7 +107,7 @@ class CopySpanLogitsProcessor(LogitsProcessor):
         attended = torch.ones_like(prompt, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         sources = [[token for token, keep in zip(row.tolist(), keep_row.tolist()) if keep and token not in special_tokens]
                    for row, keep_row in zip(prompt, attended)]
-        return cls(sources, prompt.shape[1])
+        return cls(sources, prompt.shape[1], prompt)
 
     def read_copy_logits(self, module, args, output) -> None:
         """Forward hook: keep the copy-tag logits of the last position."""
@@ -125,6 +128,13 @@ class CopySpanLogitsProcessor(LogitsProcessor):
         if self.copy_logits is None or self.copy_logits.shape[0] != input_ids.shape[0]:
             raise RuntimeError("CopySpanLogitsProcessor got no copy logits for this step: use NezhaForUniLM.generate.")
         rows_per_source = input_ids.shape[0] // len(self.sources)
+        expected = None if self.prompts is None else self.prompts.to(input_ids.device).repeat_interleave(
+            rows_per_source, 0)
+        if input_ids.shape[0] % len(self.sources) or (
+                expected is not None and not torch.equal(input_ids[:, : self.prompt_length], expected)):
+            raise RuntimeError(f"CopySpanLogitsProcessor: the {input_ids.shape[0]} decoding rows do not start with "
+                               f"the prompts of its {len(self.sources)} sources, each source's rows together: a row "
+                               "would be constrained by another source's n-grams.")
         constrained = torch.full_like(scores, float("-inf"))
         for row in range(input_ids.shape[0]):
             source_index = row // rows_per_source

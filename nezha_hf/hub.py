@@ -4,7 +4,8 @@
   `tags` with `nezha`, `pipeline_tag`, `language`, `license`, `base_model`, evaluation results),
   from the templates in `model_cards/` (a kind from `CARD_KINDS` names one; rendered in Jinja2's sandbox with the
   card's data only), as a `huggingface_hub.ModelCard`. Every NEZHA model's `save_pretrained` and `push_to_hub`
-  call it.
+  call it. Every value reaches the card by the rule of the place it lands in (`render_card_template`): Markdown
+  text, a string literal in the usage code, a code span, the YAML header.
 - `export_remote_code`: make a checkpoint folder loadable with `trust_remote_code=True` by people
   who do not install nezha_hf: the modeling file and every module it imports are copied beside the
   weights and `config.json` gets an `auto_map` entry for every Auto class.
@@ -14,9 +15,13 @@
 Nothing here touches the network except `push_model_to_hub`, and only when asked.
 """
 
+import ast
+import html
 import json
+import re
 import shutil
 import tempfile
+import unicodedata
 from importlib import resources
 from pathlib import Path
 
@@ -24,7 +29,7 @@ from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers.dynamic_module_utils import get_relative_import_files
 
-from .configuration_nezha import CARD_KINDS
+from .configuration_nezha import CARD_KINDS, card_setting_problem
 from .modeling_nezha import NEZHA_HEADS, nezha_head
 from .safe_output import staged_file, staged_files_into, write_text_atomically
 
@@ -47,11 +52,70 @@ def template_path(kind: str) -> Path:
     return Path(str(resources.files("nezha_hf.model_cards") / f"{kind}.md"))
 
 
+class WrittenForContext(str):
+    """A card value already written for the place it lands in (by a filter of `CARD_CONTEXT_FILTERS`, or the YAML
+    header): inserted as it is. Any other value is Markdown text (`markdown_text`)."""
+
+
+# A line of a value that would start a code block: a fence (``` or ~~~ after up to 3 spaces), or an indentation of 4
+# spaces or a tab (CommonMark's indented code).
+CODE_BLOCK_START = re.compile(r"^( {0,3})(`{3,}|~{3,})|^(?=    |\t)", re.MULTILINE)
+
+
+def markdown_text(value) -> str:
+    """`value` as Markdown text (a template value with no filter): HTML's special characters as entities, so that a
+    value holds no raw HTML, and no line of it starts a code block (a fence is escaped, an indented line starts
+    with a space written as an entity), so that nothing a reader copies as code comes from a value. Markdown
+    emphasis, lists, links and tables stay."""
+    if isinstance(value, WrittenForContext):
+        return value
+    text = html.escape(str(value), quote=False)
+    return CODE_BLOCK_START.sub(lambda m: f"{m[1]}\\{m[2]}" if m[2] else "&#32;", text)
+
+
+def python_literal(value) -> WrittenForContext:
+    """`value` as a Python string literal (`{{ x | python }}`, in the usage code): data there, never code."""
+    literal = json.dumps(str(value), ensure_ascii=False)
+    return WrittenForContext(literal if ast.literal_eval(literal) == str(value) else repr(str(value)))
+
+
+def code_span(value) -> WrittenForContext:
+    """`value` as a Markdown code span (`{{ x | code }}`): fenced by more backticks than it holds in a row, on one
+    line."""
+    text = " ".join(str(value).splitlines())
+    fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return WrittenForContext(f"{fence}{pad}{text}{pad}{fence}")
+
+
+# The contexts a template puts a value in, besides Markdown text: each template value is a variable, alone
+# (Markdown text) or through one of these filters (tests/test_hub.py checks every template).
+CARD_CONTEXT_FILTERS = {"python": python_literal, "code": code_span}
+
+
 def render_card_template(template: str, **data) -> str:
     """`template` (Jinja2) filled with `data` and nothing else, in Jinja2's immutable sandbox: a template reaches no
     Python internals (attribute walks to `__globals__` and the like are a `jinja2.exceptions.SecurityError`) and
-    changes nothing it is given."""
-    return ImmutableSandboxedEnvironment().from_string(template).render(**data)
+    changes nothing it is given. Every value is written by the rule of its context: `markdown_text` unless a
+    filter of `CARD_CONTEXT_FILTERS` wrote it (a `WrittenForContext` passes as it is)."""
+    environment = ImmutableSandboxedEnvironment(finalize=markdown_text)
+    environment.filters.update(CARD_CONTEXT_FILTERS)
+    return environment.from_string(template).render(**data)
+
+
+ONE_LINE_TEXTS = ("model_name", "task_description")  # in a heading or a sentence
+
+
+def check_card_settings(settings: dict) -> None:
+    """A `ValueError` naming the first model-card setting that cannot be written as what it is: `repo_id` and
+    `base_model` a Hub repo id, `pipeline_tag` a known task (`configuration_nezha.card_setting_problem`), the one-line
+    texts (`model_name`, `task_description`) without line breaks or control characters."""
+    for name, value in settings.items():
+        problem = card_setting_problem(name, value) if value is not None else None
+        if name in ONE_LINE_TEXTS and any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in str(value)):
+            problem = f"{name} {value!r} is not one line of text (it holds a line break or a control character)"
+        if problem:
+            raise ValueError(f"Model-card setting {problem}.")
 
 
 def build_model_card(architecture: str, settings: dict | None = None) -> ModelCard:
@@ -64,6 +128,7 @@ def build_model_card(architecture: str, settings: dict | None = None) -> ModelCa
     `evaluation_summary`, `extra`.
     """
     settings = dict(settings or {})
+    check_card_settings(settings)
     head = nezha_head(architecture)
     kind = settings.pop("kind", None) or head.card_template
     pipeline_tag = settings.pop("pipeline_tag", None) or head.pipeline_tag
@@ -93,7 +158,7 @@ def build_model_card(architecture: str, settings: dict | None = None) -> ModelCa
     if settings:
         raise ValueError(f"Unknown model-card settings: {sorted(settings)}.")
     template = template_path(kind).read_text(encoding="utf-8")
-    card = ModelCard(render_card_template(template, card_data=card_data.to_yaml(), **texts))
+    card = ModelCard(render_card_template(template, card_data=WrittenForContext(card_data.to_yaml()), **texts))
     card.text = card.text.rstrip() + f"\n\n{CARD_MARKER}\n"
     return card
 
@@ -165,6 +230,8 @@ def push_model_to_hub(
     several processes is pushed by calling this on every process: all gather the weights, the first uploads them
     (and returns the commit info; the others None).
     """
+    if isinstance(model_card, dict):
+        check_card_settings(model_card)  # before anything is created on the Hub
     uploads = model.should_save_on_this_rank(True)
     api = HfApi(token=token)
     if uploads:
@@ -182,7 +249,9 @@ def push_model_to_hub(
 
 
 __all__ = [
+    "CARD_CONTEXT_FILTERS",
     "build_model_card",
+    "check_card_settings",
     "export_remote_code",
     "push_model_to_hub",
     "remote_code_files",

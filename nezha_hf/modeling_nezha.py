@@ -436,6 +436,17 @@ class NezhaModel(NezhaPreTrainedModel):
         head_size = self.config.hidden_size // self.config.num_attention_heads
         return sinusoid_relative_table(self.config.max_relative_position, head_size)
 
+    def _apply(self, fn, recurse=True):
+        """Changes: `nn.Module._apply` (behind `to`, `to_empty`, `half`, ...) carries buffers over through `fn`, and
+        `to_empty` leaves them uninitialised; the relative table is in no state dict, so the FSDP2 way to build a
+        model (meta device, `to_empty`, `load_state_dict`) kept garbage in it. It is rebuilt after every such move
+        (`_init_weights` rebuilds it when transformers loads a checkpoint)."""
+        super()._apply(fn, recurse)
+        if self.relative_table.device.type != "meta":
+            with torch.no_grad():
+                self.relative_table.copy_(self.build_relative_table())
+        return self
+
     def get_input_embeddings(self):
         return self.embeddings.word_embeddings
 

@@ -20,6 +20,15 @@ import importlib.abc
 import sys
 
 TABLES_MODULE = "peft.utils.constants"
+# What marks this module's finder on `sys.meta_path`. `importlib.reload` (IPython's %autoreload) makes a new class and
+# a new finder each time, so the finder is known by this name, never by its identity: one installed by an earlier
+# load is replaced, not joined (two would ask each other for the module until the recursion limit).
+HOOK_MARKER = "nezha_hf.peft_targets:FillTablesOnImport"
+
+
+def is_hook(finder) -> bool:
+    """Whether `finder` (on `sys.meta_path`) is this module's, from this load of it or an earlier one."""
+    return getattr(finder, "nezha_hf_hook", None) == HOOK_MARKER
 
 
 def is_target_table(name: str, value) -> bool:
@@ -41,13 +50,15 @@ class FillTablesOnImport(importlib.abc.MetaPathFinder):
     """An import hook that finds nothing itself: when `peft.utils.constants` is imported, it lets the other finders
     find it and wraps the loader so that the module's tables are filled as soon as it has run."""
 
+    nezha_hf_hook = HOOK_MARKER
+
     def find_spec(self, fullname, path, target=None):
         """The spec the other finders give `peft.utils.constants`, its loader filling the tables after it runs;
         None (not ours to find) for every other module."""
         if fullname != TABLES_MODULE:
             return None
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+            if is_hook(finder) or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
@@ -83,8 +94,14 @@ _FINDER = FillTablesOnImport()
 
 def register() -> None:
     """NEZHA's rows in PEFT's target-module tables: at once if PEFT is imported, else when it is (see the module's
-    documentation). Called by `import nezha_hf`; calling it again changes nothing."""
-    if _FINDER not in sys.meta_path:
+    documentation). Called by `import nezha_hf`; calling it again, or after reloading this module, leaves one hook
+    (`HOOK_MARKER`) where the first was."""
+    hooks = [index for index, finder in enumerate(sys.meta_path) if is_hook(finder)]
+    if hooks:
+        sys.meta_path[hooks[0]] = _FINDER
+        for index in reversed(hooks[1:]):
+            del sys.meta_path[index]
+    else:
         sys.meta_path.insert(0, _FINDER)
     # Already run: fill its tables, and any copy another module of PEFT has made under a table's name.
     if TABLES_MODULE in sys.modules:

@@ -217,7 +217,7 @@ class Summarizer:
         """Selected sentence indices per judgment."""
         probabilities = self.extract_probabilities(judgments, show_progress)
         return [select_sentences(p, j.sentences, self.tokenizer, self.threshold, self.token_budget)
-                for p, j in zip(probabilities, judgments)]
+                for p, j in zip(probabilities, judgments, strict=True)]
 
     def summarize(self, judgments: list[Judgment], extract_only: bool = False, batch_size: int = 4,
                   show_progress: bool = False, **generate_kwargs) -> list[dict]:
@@ -227,15 +227,16 @@ class Summarizer:
         `generate` (default: `self.num_beams` beams, up to 512 new tokens, no repeated trigrams).
         """
         selections = self.extract(judgments, show_progress)
-        sources = ["".join(j.sentences[i] for i in chosen) for j, chosen in zip(judgments, selections)]
+        sources = ["".join(j.sentences[i] for i in chosen) for j, chosen in zip(judgments, selections, strict=True)]
         if extract_only:
             summaries = sources
         else:
             settings = {"num_beams": self.num_beams, "max_new_tokens": 512, "no_repeat_ngram_size": 3, **generate_kwargs}
+            # One summary per source, in the sources' order (generate_text checks it): never zipped short.
             summaries = generate_text(self.generator, self.tokenizer, sources, max_source_length=self.token_budget,
                                       batch_size=batch_size, show_progress=show_progress, **settings)
         return [{"id": j.id, "extracted": chosen, "summary": summary}
-                for j, chosen, summary in zip(judgments, selections, summaries)]
+                for j, chosen, summary in zip(judgments, selections, summaries, strict=True)]
 
 
 def is_exported(directory: Path) -> bool:
@@ -383,12 +384,14 @@ class ExportedGenerator:
 
     def generate(self, input_ids, attention_mask=None, token_type_ids=None, max_new_tokens: int = 20, num_beams: int = 1,
                  no_repeat_ngram_size: int = 0, eos_token_id=None, pad_token_id=None, copy_constraint: bool | None = None,
-                 do_sample: bool = False):
-        """Greedy decoding (`num_beams=1`, `do_sample=False`) of the prompt `input_ids` (all source)."""
+                 do_sample: bool = False, num_return_sequences: int = 1):
+        """Greedy decoding (`num_beams=1`, `do_sample=False`) of the prompt `input_ids` (all source): one sequence
+        per prompt row, in the rows' order."""
         from transformers.generation import NoRepeatNGramLogitsProcessor
 
-        if num_beams != 1 or do_sample:
-            raise ValueError("An exported generator decodes greedily: pass num_beams=1 and do_sample=False.")
+        if num_beams != 1 or do_sample or num_return_sequences != 1:
+            raise ValueError("An exported generator decodes greedily, one sequence per source: pass num_beams=1, "
+                             "do_sample=False and num_return_sequences=1.")
         eos = self.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         pad = self.generation_config.pad_token_id if pad_token_id is None else pad_token_id
         processors = [NoRepeatNGramLogitsProcessor(no_repeat_ngram_size)] if no_repeat_ngram_size else []

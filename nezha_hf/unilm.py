@@ -232,9 +232,19 @@ def generate_text(
     `generate_kwargs` go to `model.generate` (e.g. `max_new_tokens=256, num_beams=4,
     no_repeat_ngram_size=3`). `eos_token_id` defaults to `tokenizer.sep_token_id` and
     `pad_token_id` to `tokenizer.pad_token_id`.
+
+    Text `i` is the one generated from source `i`: one sequence per source (`num_return_sequences=1`, whatever the
+    model's generation config, e.g. a checkpoint's `generation_config.json`, says; asking for more here is a
+    `ValueError`: call `model.generate` for several per source), and every batch must come back with one row per
+    source.
     """
     if isinstance(sources, str):
         sources = [sources]
+    if generate_kwargs.get("num_return_sequences", 1) != 1:
+        raise ValueError(f"generate_text gives one text per source; num_return_sequences="
+                         f"{generate_kwargs['num_return_sequences']} would give several (call model.generate and group "
+                         "its rows by source).")
+    generate_kwargs["num_return_sequences"] = 1
     generate_kwargs.setdefault("eos_token_id", tokenizer.sep_token_id)
     generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
     texts = []
@@ -243,6 +253,9 @@ def generate_text(
         inputs = {key: value.to(model.device) for key, value in inputs.items()}
         with torch.no_grad():
             sequences = model.generate(**inputs, **generate_kwargs)
+        if sequences.shape[0] != inputs["input_ids"].shape[0]:
+            raise RuntimeError(f"generate returned {sequences.shape[0]} sequences for {inputs['input_ids'].shape[0]} "
+                               "sources: the texts cannot be matched to their sources.")
         texts.extend(decode_new_tokens(tokenizer, sequences, inputs["input_ids"].shape[1]))
     return texts
 

@@ -11,6 +11,10 @@ Each scenario loads MODEL_DIR through transformers 5's own `from_pretrained(...,
   (`shapes.json`), the logits (`logits.pt`) and the weights after one AdamW step (`weights.pt`), gathered.
 - `fsdp-resume`: FSDP2 from MODEL_DIR with the optimizer state in OUT_DIR/optimizer (written by any number of
   processes); one more step on this process's share, then `save_pretrained` to `resumed/`.
+- `fsdp-meta`: the FSDP2 way to build a large model without transformers' loader: built on the meta device,
+  `fully_shard`, `to_empty`, the weights of MODEL_DIR loaded with `set_model_state_dict`; writes the largest
+  difference of its logits from MODEL_DIR loaded whole (`meta.json`). New memory is NaN (torch's deterministic mode),
+  so a buffer left uninitialised shows.
 
 The single-process side of each comparison is `train` below, run by the tests.
 """
@@ -79,8 +83,32 @@ def push_to_a_folder(model, folder: Path) -> None:
         model.push_to_hub("tiny")
 
 
+def fsdp_from_meta(model_dir: Path, out: Path) -> None:
+    """The `fsdp-meta` scenario (see the module's documentation)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    torch.use_deterministic_algorithms(True)  # torch.empty fills with NaN
+    whole = NezhaForMaskedLM.from_pretrained(model_dir).eval()
+    with torch.device("meta"):
+        model = NezhaForMaskedLM(whole.config)
+    for layer in model.nezha.encoder.layer:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    set_model_state_dict(model, whole.state_dict(), options=StateDictOptions(full_state_dict=True))
+    input_ids = training_batch()["input_ids"]
+    with torch.no_grad():
+        difference = (model.eval()(input_ids).logits - whole(input_ids).logits).abs().max().item()
+    if dist.get_rank() == 0:
+        (out / "meta.json").write_text(json.dumps({"difference": difference}))
+
+
 def main():
     scenario, model_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    if scenario == "fsdp-meta":
+        return fsdp_from_meta(model_dir, out)
     if scenario == "tp-train":
         attention = sys.argv[4]
         model = NezhaForMaskedLM.from_pretrained(model_dir, distributed_config=DistributedConfig(tp_size=2),

@@ -129,6 +129,13 @@ def test_fsdp_loads_a_checkpoint_without_an_mlm_head(tmp_path):
                                                                      "bias_tied": True}
 
 
+def test_fsdp2_built_on_the_meta_device_equals_the_model_loaded_whole(tmp_path):
+    """Issue 54 item 7: meta device, `fully_shard`, `to_empty`, `set_model_state_dict` left the relative table (a
+    non-persistent buffer, in no state dict) uninitialised: a different model, silently."""
+    launch([*TORCHRUN, str(WORKER), "fsdp-meta", str(tiny_model(tmp_path / "start")), str(tmp_path)])
+    assert json.loads((tmp_path / "meta.json").read_text())["difference"] < 1e-6
+
+
 @pytest.mark.parametrize("attention", ENGINES)
 def test_tensor_parallel_matches_one_process(tmp_path, attention):
     start = tiny_model(tmp_path / "start")

@@ -516,3 +516,20 @@ def test_negative_special_ids_in_the_model_and_generation_configs(tmp_path):
     loaded = NezhaForUniLM.from_pretrained(tmp_path / "m").eval()
     _, input_ids, _ = left_padded_prompts([7])
     assert loaded.generate(input_ids, max_new_tokens=5).shape[1] == input_ids.shape[1] + 5
+def test_copy_processor_ties_each_row_to_its_own_prompt():
+    """Issue 54's kind "generated outputs matched to inputs by position": the copy constraint took row `r`'s source
+    to be `r // rows_per_source`. Rows that do not carry their source's prompt (reordered, or a count that is not
+    a multiple of the sources) are an error, not another source's n-grams."""
+    from nezha_hf.generation_nezha import CopySpanLogitsProcessor
+
+    prompt = torch.tensor([[CLS, 10, 11, SEP], [CLS, 40, 41, SEP]])
+    processor = CopySpanLogitsProcessor.for_prompt(prompt, None, {CLS, SEP, PAD})
+    scores = torch.zeros(4, 60)
+    processor.copy_logits = torch.tensor([[0.0, 5.0, 0.0]]).repeat(4, 1)
+    beams = prompt.repeat_interleave(2, 0)  # how generate expands rows: each source's together
+    assert processor(beams, scores).shape == (4, 60)
+    with pytest.raises(RuntimeError, match="prompt"):
+        processor(prompt.repeat(2, 1), scores)  # the same rows, interleaved: 0, 1, 0, 1
+    processor.copy_logits = processor.copy_logits[:3]
+    with pytest.raises(RuntimeError, match="prompt"):
+        processor(beams[:3], scores[:3])

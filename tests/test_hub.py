@@ -179,3 +179,141 @@ def test_a_save_that_fails_half_way_leaves_the_folder_as_it_was(tmp_path, monkey
         NezhaForMaskedLM(tiny_config(vocab_size=VOCAB, hidden_size=64)).save_pretrained(tmp_path / "model")
     assert snapshot(tmp_path / "model") == before
     assert (tmp_path / "model" / "checkpoint-5").is_dir() and [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+# --- card values by the context they land in (issue 54, item 2) ----------------------------------------------------
+# markdown-it-py (a CommonMark parser; transformers brings it through typer and rich) reads the cards as the Hub
+# does: it is the independent reference for what a value became (text, code, raw HTML).
+from huggingface_hub import ModelCard  # noqa: E402
+from markdown_it import MarkdownIt  # noqa: E402
+
+import ast  # noqa: E402
+
+from nezha_hf.configuration_nezha import CARD_KINDS  # noqa: E402
+
+# Values made to leave the context they are put in: Python code, a fenced block, raw HTML, a code span, a template.
+HOSTILE_LINES = [
+    'x", trust_remote_code=True); import os; os.system("touch /tmp/pwned"); ("',
+    "x'); __import__('os').system('id'); ('",
+    "<script>alert(1)</script>", "<img src=x onerror=alert(1)>", "a & b <!-- c", "`` ` ```", "{{ 7 * 7 }}", "\\",
+]
+HOSTILE_TEXTS = [*HOSTILE_LINES, 'x")\nimport os; os.system("touch /tmp/pwned")\n#"',
+                 "```python\nimport os; os.system('id')\n```", "~~~\nrm -rf /\n~~~",
+                 "intro\n\n    import os; os.system('id')\n\n\timport os", "</code></pre><script>x</script>"]
+CODE_SETTINGS = ("repo_id", "base_model", "pipeline_tag")  # validated: a Hub id, a known task
+TEXT_SETTINGS = ("model_name", "task_description", "training_summary", "evaluation_summary", "extra")
+ONE_LINE_SETTINGS = ("model_name", "task_description")
+
+
+def card_structure(card_text: str) -> tuple:
+    """What a card is made of, read as CommonMark: its raw HTML, its code blocks (the Python ones as syntax trees
+    with the string constants left out) and its front matter."""
+    tokens = MarkdownIt("commonmark").parse(ModelCard(card_text).text)
+    html = [t.content for t in tokens if t.type == "html_block"]
+    html += [c.content for t in tokens if t.children for c in t.children if c.type == "html_inline"]
+    code = []
+    for token in tokens:
+        if token.type in ("fence", "code_block"):
+            tree = ast.parse(token.content) if token.info == "python" else token.content
+            if token.info == "python":
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.Constant):
+                        node.value = "?"
+                tree = ast.dump(tree)
+            code.append((token.type, token.info, tree))
+    return html, code
+
+
+def python_strings(card_text: str) -> set:
+    tokens = MarkdownIt("commonmark").parse(ModelCard(card_text).text)
+    return {node.value for t in tokens if t.type == "fence" and t.info == "python"
+            for node in ast.walk(ast.parse(t.content)) if isinstance(node, ast.Constant)}
+
+
+@pytest.mark.parametrize("kind", CARD_KINDS)
+@pytest.mark.parametrize("name", TEXT_SETTINGS)
+def test_hostile_card_texts_stay_text(kind, name):
+    """Every text setting of every card kind, with values made to become code or HTML: the card has the same raw
+    HTML and the same code (as CommonMark and Python parse them) as with a plain value, and the value is still
+    readable in it."""
+    settings = {"kind": kind, "base_model": "owner/base", "repo_id": "owner/name"}
+    plain = str(build_model_card("NezhaForSequenceClassification", {**settings, name: "plain"}))
+    values = HOSTILE_LINES if name in ONE_LINE_SETTINGS else HOSTILE_TEXTS
+    for value in values:
+        card = str(build_model_card("NezhaForSequenceClassification", {**settings, name: value}))
+        assert card_structure(card) == card_structure(plain), (name, value)
+        assert "<script" not in card and "<img" not in card
+
+
+@pytest.mark.parametrize("kind", CARD_KINDS)
+def test_card_values_that_become_code_are_validated(kind):
+    """`repo_id`, `base_model` (Hub ids) and `pipeline_tag` (a known task) reach the usage code and the metadata:
+    anything else is refused, naming the setting; valid ones appear in the code as string literals."""
+    for name in CODE_SETTINGS:
+        for value in [*HOSTILE_TEXTS, "a/b/c", "", "../x"]:
+            with pytest.raises(ValueError, match=name):
+                build_model_card("NezhaForSequenceClassification", {"kind": kind, name: value})
+    card = str(build_model_card("NezhaForSequenceClassification",
+                                {"kind": kind, "repo_id": "owner/name", "base_model": "google-bert/bert-base-chinese",
+                                 "pipeline_tag": "text-classification"}))
+    assert "owner/name" in python_strings(card)
+    if kind == "classifier":
+        assert "text-classification" in python_strings(card)
+
+
+@pytest.mark.parametrize("name", TEXT_SETTINGS[:2])
+def test_one_line_card_texts_are_one_line(name):
+    with pytest.raises(ValueError, match=name):
+        build_model_card("NezhaForMaskedLM", {name: "a\n\n## injected"})
+
+
+def test_hostile_card_metadata_round_trips_through_the_yaml():
+    """Values that land in the YAML header (language, license, tags, datasets, evaluation results, the model name)
+    read back as they were given, and the body after the header is the template's."""
+    value = "x\n---\n<script>alert(1)</script>\n---\n: [a, {b"
+    settings = {"language": [value], "license": value, "tags": [value], "datasets": [value],
+                "eval_results": [{"task_type": "fill-mask", "dataset_type": value, "dataset_name": value,
+                                  "metric_type": value, "metric_value": 0.5}]}
+    card = build_model_card("NezhaForMaskedLM", settings)
+    metadata = ModelCard(str(card)).data.to_dict()  # read back as the Hub's client reads it
+    assert metadata["language"] == [value] and metadata["license"] == value and value in metadata["tags"]
+    assert metadata["datasets"] == [value] and metadata["model-index"][0]["results"][0]["dataset"]["name"] == value
+    assert card_structure(str(card)) == card_structure(str(build_model_card("NezhaForMaskedLM")))
+
+
+def test_push_to_hub_refuses_a_hostile_card_repo_id_before_uploading(monkeypatch):
+    monkeypatch.setattr(hub, "HfApi", LocalHub)
+    LocalHub.instances.clear()
+    model = NezhaForMaskedLM(tiny_config(vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="repo_id"):
+        model.push_to_hub("nezha", model_card={"repo_id": 'x")\nimport os; os.system("id")\n#"'})
+    assert all(not api.uploads and not api.repos for api in LocalHub.instances)
+
+
+def test_hostile_card_ids_in_a_config_are_dropped_with_a_warning(tmp_path, caplog):
+    """A checkpoint's `nezha_card` is data from whoever published it: ids and tags that are not ids or tags are
+    dropped where the config is read, and the model still saves with a card."""
+    card = {"repo_id": 'x")\nimport os\n#"', "base_model": "<script>", "pipeline_tag": "fill-mask\")\n#",
+            "license": "mit"}
+    config = tiny_config(vocab_size=VOCAB, nezha_card=card)
+    assert config.nezha_card == {"license": "mit"} and "repo_id" in caplog.text
+    NezhaForMaskedLM(config).save_pretrained(tmp_path / "m")
+    assert "import os" not in (tmp_path / "m" / "README.md").read_text()
+
+
+def test_every_template_value_goes_through_a_context_rule():
+    """Every `{{ ... }}` of every template is a variable with no filter (Markdown text) or with one of the context
+    filters; `safe` would let a value through as it is."""
+    from jinja2 import nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    for kind in CARD_KINDS:
+        tree = ImmutableSandboxedEnvironment().parse(hub.template_path(kind).read_text(encoding="utf-8"))
+        for output in tree.find_all(nodes.Output):
+            for expression in output.nodes:
+                if isinstance(expression, nodes.TemplateData):
+                    continue
+                if isinstance(expression, nodes.Filter):
+                    assert expression.name in hub.CARD_CONTEXT_FILTERS, (kind, expression.name)
+                    expression = expression.node
+                assert isinstance(expression, nodes.Name), (kind, expression)

@@ -138,6 +138,49 @@ def test_relative_table_rebuilt_on_load(tmp_path):
     torch.testing.assert_close(loaded.relative_table.double(), reference.relative_table(8, 8), atol=1e-6, rtol=0)
 
 
+class UninitialisedMemoryIsNaN:
+    """`torch.empty` (and so `to_empty`) fills new memory with NaN inside this block, so that a tensor left
+    uninitialised shows, rather than holding whatever the memory held (torch's deterministic mode does this)."""
+
+    def __enter__(self):
+        self.saved = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(self.saved[0])
+        torch.utils.deterministic.fill_uninitialized_memory = self.saved[1]
+
+
+@pytest.mark.parametrize("cls", [NezhaModel, NezhaForMaskedLM, nezha_hf.NezhaForUniLM])
+def test_relative_table_rebuilt_after_to_empty(cls):
+    """Issue 54 item 7: the relative table is a non-persistent buffer (in no state dict), so building on the meta
+    device, `to_empty()` and `load_state_dict` (the FSDP2 way to build a large model) left it uninitialised: a
+    different model, silently. Every way buffers are (re)materialised rebuilds it: `to_empty` then
+    `load_state_dict`, `to_empty` then `init_weights`, and a change of dtype."""
+    torch.manual_seed(0)
+    config = tiny_config()
+    built = cls(config).eval()
+    ids = torch.randint(5, 99, (2, 40))
+    with torch.no_grad():
+        expected = built(ids)[0]
+    table = reference.relative_table(8, 8)
+    with UninitialisedMemoryIsNaN():
+        for initialise in (lambda m: None, lambda m: m.init_weights()):
+            with torch.device("meta"):
+                model = cls(config)
+            model.to_empty(device="cpu")
+            initialise(model)
+            model.load_state_dict(built.state_dict())
+            model.eval()
+            base = model if cls is NezhaModel else model.nezha
+            torch.testing.assert_close(base.relative_table.double(), table, atol=1e-6, rtol=0)
+            with torch.no_grad():
+                torch.testing.assert_close(model(ids)[0], expected, atol=1e-6, rtol=0)
+        model.to(torch.float64)
+        torch.testing.assert_close(base.relative_table, table, atol=1e-6, rtol=0)
+
+
 def test_legacy_bin_with_bert_prefix_and_buffers_loads():
     model, info = NezhaForMaskedLM.from_pretrained(FIXTURES / "legacy-mlm-bert-prefix", output_loading_info=True)
     assert not any(info.values()), info

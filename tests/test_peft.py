@@ -186,3 +186,31 @@ def test_import_order_does_not_matter_and_import_nezha_hf_imports_no_peft(first)
     if not first:  # nezha_hf alone leaves PEFT (and its every tuner) unimported
         assert "peft modules after import nezha_hf: 0" in lines
     assert "defaults: ['query', 'value']" in lines and f"targeted: {2 * LAYERS}" in lines
+
+
+RELOADED = """
+import importlib, sys
+import nezha_hf
+import nezha_hf.peft_targets
+for _ in range(2):  # what IPython's %autoreload does after an edit, twice
+    importlib.reload(nezha_hf.peft_targets)
+    importlib.reload(nezha_hf)
+finders = [f for f in sys.meta_path if type(f).__name__ == "FillTablesOnImport"]
+print("finders:", len(finders))
+import json  # any import goes through every finder
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import LoraModel
+model = get_peft_model(nezha_hf.NezhaForSequenceClassification(nezha_hf.NezhaConfig(
+    vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)),
+    LoraConfig(task_type="SEQ_CLS"))
+print("defaults:", sorted(LoraModel.target_module_mapping["nezha"]))
+"""
+
+
+def test_reloading_the_modules_keeps_one_import_hook():
+    """Issue 54 item 12: `importlib.reload(nezha_hf.peft_targets)` then `importlib.reload(nezha_hf)` (IPython's
+    %autoreload) put a second finder on `sys.meta_path`, and the two called each other: RecursionError on the next
+    import. The hook installs once however often its modules are reloaded."""
+    done = subprocess.run([sys.executable, "-c", RELOADED], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "finders: 1" in done.stdout.splitlines() and "defaults: ['query', 'value']" in done.stdout.splitlines()

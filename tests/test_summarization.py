@@ -135,3 +135,48 @@ def test_the_summarisation_module_alone_loads_a_trained_and_an_exported_summaris
                            str(tmp_path / "j.jsonl")], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "False"
+
+
+def tiny_summarizer(tokenizer, seed=0):
+    from nezha_hf import NezhaForUniLM
+    from nezha_hf.summarization import Summarizer
+
+    torch.manual_seed(seed)
+    extractor = NezhaForSentenceExtraction(tiny_config(vocab_size=VOCAB)).eval()
+    generator = NezhaForUniLM(tiny_config(vocab_size=VOCAB)).eval()
+    generator.generation_config.eos_token_id = tokenizer.sep_token_id
+    generator.generation_config.pad_token_id = tokenizer.pad_token_id
+    return Summarizer(extractor, generator, tokenizer, num_beams=3)
+
+
+def test_each_summary_is_generated_from_its_own_judgment(tokenizer, tmp_path):
+    """Issue 54 item 4: a generator whose generation_config.json asks for two sequences per source returned two texts
+    per judgment, zipped onto the judgments in order (judgment 2 got judgment 1's second sequence). Each summary is
+    the one generated for its judgment alone, whatever the generation config says."""
+    from nezha_hf.cail import Judgment
+
+    summarizer = tiny_summarizer(tokenizer)
+    judgments = [Judgment(id=f"j{i}", sentences=[text]) for i, text in
+                 enumerate(["原告被告。", "法院判决了原告。", "被告不服上诉。", "本院认为事实清楚。"])]
+    settings = {"max_new_tokens": 6, "min_new_tokens": 6, "batch_size": 4}
+    alone = [summarizer.summarize([j], **settings)[0] for j in judgments]
+    summarizer.generator.generation_config.update(num_beams=3, num_return_sequences=2)  # as a generation_config.json
+    together = summarizer.summarize(judgments, **settings)
+    assert [r["id"] for r in together] == [j.id for j in judgments]
+    assert together == alone
+
+
+def test_generate_text_gives_one_text_per_source_or_refuses(tokenizer):
+    """`generate_text` ties each text to its source: a generation config's `num_return_sequences` does not change
+    how many texts come back, and asking for several in the call is refused rather than zipped by position."""
+    from nezha_hf import NezhaForUniLM
+    from nezha_hf.unilm import generate_text
+
+    torch.manual_seed(0)
+    model = NezhaForUniLM(tiny_config(vocab_size=VOCAB)).eval()
+    sources = ["原告被告", "法院判决了原告", "被告不服"]
+    expected = [generate_text(model, tokenizer, [s], max_new_tokens=5, num_beams=2)[0] for s in sources]
+    model.generation_config.update(num_beams=2, num_return_sequences=2)
+    assert generate_text(model, tokenizer, sources, max_new_tokens=5, num_beams=2) == expected
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        generate_text(model, tokenizer, sources, max_new_tokens=5, num_beams=2, num_return_sequences=2)

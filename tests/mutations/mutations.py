@@ -391,6 +391,9 @@ MUTATIONS = [
              ["tests/test_reuse_and_damage.py", "-k", "wrong_shape"]),
     Mutation("JSON is parsed before its depth is checked", "nezha_hf/json_files.py",
              "    if depth > max_depth:", "    if False:", UNTRUSTED_TESTS + ["-k", "nested or json_reader"]),
+    Mutation("a generated text is matched to its source by position", "nezha_hf/unilm.py",
+             '    generate_kwargs["num_return_sequences"] = 1\n', "",
+             ["tests/test_summarization.py", "tests/test_unilm.py", "-k", "own_judgment or one_text_per_source"]),
     # --- export ---
     Mutation("exporting a model object switches the caller's model to the L x L gather path", "nezha_hf/export.py",
              "_from_config(copy.deepcopy(model_or_path.config), ", "_from_config(model_or_path.config, ",
