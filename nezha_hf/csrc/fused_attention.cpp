@@ -45,6 +45,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || (defined(_MSC_VER) && (defined(_M_X64) || defined(_M_IX86)))
@@ -112,6 +113,25 @@ inline int64_t even(int64_t x) { return x + (x & 1); }
 // The width of the panel starting at column j of N in panels of `panel` columns (a multiple of 16): `panel`, or what
 // is left rounded up to 16.
 inline int64_t panel_width(int64_t N, int64_t j, int64_t panel) { return round_up(std::min(panel, N - j), 16); }
+
+// A vector whose storage starts on a cache line, for the blocks the products load and store: a tile row (64 bytes)
+// that straddles two lines is two loads, and glibc's malloc gives 16-byte alignment (large blocks: a page plus 16).
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  static constexpr std::align_val_t alignment{64};
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), alignment)); }
+  void deallocate(T* data, std::size_t) { ::operator delete(data, alignment); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+template <typename T>
+using Buffer = std::vector<T, LineAligned<T>>;
 
 template <typename T>
 at::ScalarType type_of() {
@@ -641,7 +661,7 @@ struct TableOperands {
   static constexpr bool reduced = !std::is_same_v<T, float>;
   int64_t R, d, ld;  // ld: the row stride of `terms`' results (whole packed panels)
   at::Tensor table, table_t;
-  std::vector<T> panels, block;
+  Buffer<T> panels, block;
 
   explicit TableOperands(const at::Tensor& table_float)
       : R(table_float.size(0)), d(table_float.size(1)), ld(reduced ? round_up(R, kPanel) : R), table(table_float) {
@@ -789,10 +809,10 @@ void forward_impl(const Problem& p, const at::Tensor& query, const at::Tensor& k
 
   // One task per (batch, head, query block); query blocks vary fastest so each thread gets whole heads.
   at::parallel_for(0, B * H * num_q_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(p.q_block * ld_scores), qt(p.q_block * table.ld), bucket(p.q_block * R);
-    std::vector<float> acc(p.q_block * ld_acc), row_max(p.q_block), row_sum(p.q_block);
-    std::vector<T> probs(reduced ? p.q_block * ld_probs : 0);
-    std::vector<T> rounded_bucket(reduced ? p.q_block * even(R) : 0);
+    Buffer<float> scores(p.q_block * ld_scores), qt(p.q_block * table.ld), bucket(p.q_block * R);
+    Buffer<float> acc(p.q_block * ld_acc), row_max(p.q_block), row_sum(p.q_block);
+    Buffer<T> probs(reduced ? p.q_block * ld_probs : 0);
+    Buffer<T> rounded_bucket(reduced ? p.q_block * even(R) : 0);
     std::vector<uint32_t> row_keys(p.q_block);
     for (int64_t task = begin; task < end; ++task) {
       if (p.interruption->check()) break;
@@ -926,21 +946,21 @@ std::vector<at::Tensor> backward_impl(const Problem& p, const at::Tensor& grad_o
 
   // One task per (batch, head): key and value gradients of a head are summed over its query blocks.
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs(p.q_block * ld_scores), grad_scores(p.q_block * ld_scores);
-    std::vector<float> qt(p.q_block * table.ld), grad_terms(p.q_block * table.ld), grad_bucket(p.q_block * R);
-    std::vector<float> acc(p.q_block * ld_grad), row_dot(p.q_block), row_lse_inf(p.q_block);
+    Buffer<float> probs(p.q_block * ld_scores), grad_scores(p.q_block * ld_scores);
+    Buffer<float> qt(p.q_block * table.ld), grad_terms(p.q_block * table.ld), grad_bucket(p.q_block * R);
+    Buffer<float> acc(p.q_block * ld_grad), row_dot(p.q_block), row_lse_inf(p.q_block);
     // float32: the query block's rows and their output gradients, transposed for the products.
-    std::vector<float> query_t(reduced ? 0 : d * p.q_block), grad_out_t(reduced ? 0 : d * p.q_block);
+    Buffer<float> query_t(reduced ? 0 : d * p.q_block), grad_out_t(reduced ? 0 : d * p.q_block);
     // Reduced precision: the query block and its output gradients packed as B operands; keys and values packed; the
     // probabilities and score gradients rounded for their products, as rows and transposed.
     const int64_t reduced_size = reduced ? 1 : 0;
-    std::vector<T> query_packed(reduced_size * blocks_size(p.q_block, d));
-    std::vector<T> grad_packed(reduced_size * blocks_size(p.q_block, d));
-    std::vector<T> key_panels(reduced_size * panels_size(Lk, d)), value_panels(reduced_size * panels_size(Lk, d));
-    std::vector<T> key_blocks(reduced_size * blocks_size(Lk, d));
-    std::vector<T> kept(reduced_size * p.q_block * ld_kept), grad_kept(reduced_size * p.q_block * ld_kept);
-    std::vector<T> kept_t(reduced_size * p.kv_block * ld_kept_t), grad_kept_t(reduced_size * p.kv_block * ld_kept_t);
-    std::vector<T> rounded_bucket(reduced_size * p.q_block * even(R));
+    Buffer<T> query_packed(reduced_size * blocks_size(p.q_block, d));
+    Buffer<T> grad_packed(reduced_size * blocks_size(p.q_block, d));
+    Buffer<T> key_panels(reduced_size * panels_size(Lk, d)), value_panels(reduced_size * panels_size(Lk, d));
+    Buffer<T> key_blocks(reduced_size * blocks_size(Lk, d));
+    Buffer<T> kept(reduced_size * p.q_block * ld_kept), grad_kept(reduced_size * p.q_block * ld_kept);
+    Buffer<T> kept_t(reduced_size * p.kv_block * ld_kept_t), grad_kept_t(reduced_size * p.kv_block * ld_kept_t);
+    Buffer<T> rounded_bucket(reduced_size * p.q_block * even(R));
     std::vector<uint32_t> row_keys(p.q_block);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
