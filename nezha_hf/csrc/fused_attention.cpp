@@ -155,7 +155,7 @@ inline void prefetch(const void* address, int64_t bytes) {
 }
 
 // Packs the B operand [K, N], B[k][n] = source[k * row + n * column], for the block products into `out`: panels of
-// `panel` columns (a multiple of 16), each `even(K)` rows (zero past K) by `panel_width` columns (zero past N), panel
+// `panel_columns` columns (a multiple of 16 unless one panel holds all N), each `even(K)` rows (zero past K) by `panel_width` columns (zero past N), panel
 // j at `out + j * even(K)`, in the rows-in-pairs layout oneDNN's brgemm reads with AMX tiles and with AVX512-BF16's
 // pair products alike, B[k][c] at panel[(k / 2) 2 padded + 2 c + k % 2]. Written straight from the source rows (no
 // unpacked copy), asking for the rows `kPrefetchRows` ahead: one head's rows lie far apart, and waiting for each made
