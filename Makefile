@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 CONSTRAINTS ?= .ci/constraints.txt
 INSTALL := $(PY) -m pip install --quiet $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS))
 
-.PHONY: demo test test-main test-fast test-pythons mutations bench constraints clean gpu-prepare gpu-rehearse gpu-gates
+.PHONY: demo test test-main test-fast test-pythons mutations bench bench-bfloat16 constraints clean gpu-prepare gpu-rehearse \
+  gpu-gates
 
 # The claimed ranges tested at both ends. The main environment (.venv) is the oldest Python and torch that
 # pyproject.toml accepts (3.11, as transformers 5.21 and later need it; torch 2.13.0); `make test` also runs the fast
@@ -78,9 +79,8 @@ mutations: $(VENV)/.test
 # 2,048-token serving runs alone, at batch 1: at batch 8 onnxruntime (L x L scores) was killed for memory on a 24 GiB
 # machine.
 BENCH := $(PY) benchmarks/attention.py --layers 2
-bench: $(VENV)/.test
+bench: $(VENV)/.test bench-bfloat16
 	$(BENCH) --lengths 512 2048 8192 --eager-up-to 512 --memory-lengths 8192 --output attention
-	$(BENCH) --dtype bfloat16 --lengths 512 2048 8192 --eager-up-to 0 --memory-lengths --output attention-bfloat16
 	$(BENCH) --attention nezha_chunked --lengths 2048 8192 --eager-up-to 0 --memory-lengths --output attention-chunked
 	$(BENCH) --attention nezha_chunked --dtype bfloat16 --lengths 2048 8192 --eager-up-to 0 --memory-lengths \
 	  --output attention-chunked-bfloat16
@@ -89,8 +89,6 @@ bench: $(VENV)/.test
 	$(BENCH) --attention nezha_three_regions --dtype bfloat16 --lengths 2048 8192 --eager-up-to 0 --memory-lengths \
 	  --output attention-three-regions-bfloat16
 	$(BENCH) --dropout 0.1 --lengths 2048 4096 --eager-up-to 0 --memory-lengths 4096 --output attention-dropout
-	$(BENCH) --dropout 0.1 --dtype bfloat16 --lengths 2048 --eager-up-to 0 --memory-lengths \
-	  --output attention-dropout-bfloat16
 	MALLOC_MMAP_THRESHOLD_=1048576 $(BENCH) --lengths --no-train --memory-lengths 8192 --output attention-memory-mmap
 	$(BENCH) --lengths --no-train --memory-lengths 8192 --memory-runs 1 --memory-method tensors \
 	  --output attention-memory-tensors
@@ -102,8 +100,15 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/serving.py --layers 2 --repeats 2 --lengths 128 512 --output serving
 	$(PY) benchmarks/serving.py --layers 2 --repeats 2 --lengths 2048 --batches 1 --output serving-2048
 	$(PY) benchmarks/long_inputs.py --pretrain-steps 100
-	-$(PY) benchmarks/kernel_profile.py --dtype bfloat16 --lengths 512 2048 8192  # needs Linux perf; make goes on without it
 	-$(PY) benchmarks/kernel_profile.py --dtype float32 --lengths 512 2048 8192
+
+# The bfloat16 rows alone (about 15 minutes on 2 quiet cores): the kernel's split against SDPA's, the model against
+# BERT-SDPA, training with dropout.
+bench-bfloat16: $(VENV)/.test
+	-$(PY) benchmarks/kernel_profile.py --dtype bfloat16 --lengths 512 2048 8192  # needs Linux perf; make goes on without it
+	$(BENCH) --dtype bfloat16 --lengths 512 2048 8192 --eager-up-to 0 --memory-lengths --output attention-bfloat16
+	$(BENCH) --dropout 0.1 --dtype bfloat16 --lengths 2048 --eager-up-to 0 --memory-lengths \
+	  --output attention-dropout-bfloat16
 
 # The GPU check (benchmarks/gpu_check.py, one device run; docs/performance.md has the call) runs on a machine with no
 # package index, Python 3.12 and transformers 5.17. What it lacks travels in .gpu/ (ignored by git; the device call

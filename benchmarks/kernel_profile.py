@@ -16,7 +16,9 @@ the timed calls (perf's control FIFO switches sampling on and off around them). 
 - own passes: elsewhere in the engine's own library (the kernel's shared object; libtorch_cpu for SDPA);
 - rest: anything else (the OpenMP runtime waiting, memory allocation, the operating system).
 Seconds per call = the median call time x the share of samples (both threads are sampled; a waiting thread counts as
-rest). The products' throughput counts 4 x L^2 x hidden multiply-adds per call, NEZHA's relative-term products
+rest). On a busy machine the call times swing with the load; the samples do not, as `cpu-clock` samples a thread only
+while it runs: the CPU milliseconds each part took per call (samples / sampling rate / calls, both threads together)
+are the figures to compare there. The products' throughput counts 4 x L^2 x hidden multiply-adds per call, NEZHA's relative-term products
 (4 x L x (2K + 1) x hidden, 3% at K = 64) left out. Needs `perf` (Debian's linux-perf) on Linux.
 
 Writes `benchmarks/results/<kind>/kernel-profile-<dtype>.md` and `.json` (`machine.results_directory`).
@@ -45,6 +47,7 @@ ENGINES = ("NEZHA fused kernel", "SDPA")
 PARTS = ("products", "own passes", "rest")
 MINIMUM_SECONDS = 2.0  # of timed calls per engine and length, so that short calls still give a thousand samples or more
 # Where a sampled instruction lies, as `perf script -F ip,sym,dso` prints it: "address symbol (shared object)".
+SAMPLES_PER_SECOND = 997  # perf's sampling rate, per running thread
 SAMPLE = re.compile(r"^\s*[0-9a-f]+ (.*) \((.*)\)$")
 PRODUCT_CODE = re.compile(r"mkl_|openblas|dnnl|brgemm|gemm", re.IGNORECASE)
 # Code generated at run time: perf names it by the map file it would read its symbols from (perf-<pid>.map).
@@ -110,7 +113,7 @@ def profile(engine: str, length: int, dtype_name: str, repeats: int, work: Path)
     for fifo in (control, acknowledged):
         fifo.unlink(missing_ok=True)
         os.mkfifo(fifo)
-    command = ["perf", "record", "-q", "-e", "cpu-clock", "-F", "997", "-D", "-1", f"--control=fifo:{control},{acknowledged}",
+    command = ["perf", "record", "-q", "-e", "cpu-clock", "-F", str(SAMPLES_PER_SECOND), "-D", "-1", f"--control=fifo:{control},{acknowledged}",
                "-o", str(data), sys.executable, __file__, "--child", engine, "--lengths", str(length), "--dtype", dtype_name,
                "--repeats", str(repeats), "--times-file", str(times_file)]
     subprocess.run(command, check=True, env={**os.environ, "PERF_CTL": str(control), "PERF_ACK": str(acknowledged)})
@@ -121,10 +124,12 @@ def profile(engine: str, length: int, dtype_name: str, repeats: int, work: Path)
     samples = sum(counts.values())
     if samples == 0:
         raise SystemExit(f"perf recorded no samples of {engine} at {length} tokens")
-    seconds = statistics.median(json.loads(times_file.read_text()))
+    times = json.loads(times_file.read_text())
+    seconds = statistics.median(times)
     flops = 4 * length**2 * HEADS * HEAD_SIZE
     parts = {part: seconds * counts[part] / samples for part in PARTS}
-    return {"engine": engine, "tokens": length, "seconds": seconds, "samples": samples, "parts": parts,
+    cpu = {part: counts[part] / SAMPLES_PER_SECOND / len(times) for part in PARTS}
+    return {"engine": engine, "tokens": length, "seconds": seconds, "samples": samples, "parts": parts, "cpu": cpu,
             "products_tflops": flops / parts["products"] / 1e12 if parts["products"] else None}
 
 
@@ -135,16 +140,19 @@ def write_results(rows: list[dict], machine: dict, args) -> Path:
     lines = [f"Command: `{command.strip()}` (one base-width attention layer, batch 1, no mask, forward; medians of "
              f"at least {args.repeats} calls and {MINIMUM_SECONDS:.0f} s, sampled by `perf record -e cpu-clock`)", "",
              summary(machine), "",
-             "| tokens | engine | call (ms) | products (ms) | own passes (ms) | rest (ms) | products' TFLOP/s | samples |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| tokens | engine | call (ms) | products (ms) | own passes (ms) | rest (ms) | products' TFLOP/s | samples | "
+             "CPU ms per call: products / own passes / rest |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         parts, tflops = row["parts"], row["products_tflops"]
         lines.append(f"| {row['tokens']} | {row['engine']} | {1e3 * row['seconds']:.1f} | {1e3 * parts['products']:.1f} | "
                      f"{1e3 * parts['own passes']:.1f} | {1e3 * parts['rest']:.1f} | "
-                     f"{f'{tflops:.2f}' if tflops else '-'} | {row['samples']} |")
+                     f"{f'{tflops:.2f}' if tflops else '-'} | {row['samples']} | "
+                     + " / ".join(f"{1e3 * row['cpu'][part]:.1f}" for part in PARTS) + " |")
     lines += ["", "Products: oneDNN's generated code and BLAS symbols; own passes: the rest of the engine's library (the "
               "kernel's shared object, libtorch_cpu for SDPA); rest: the OpenMP runtime waiting, allocation, the "
-              "operating system. Seconds = the median call x the share of samples."]
+              "operating system. Seconds = the median call x the share of samples; CPU ms per call = the part's samples / "
+              f"{SAMPLES_PER_SECOND} Hz / calls, both threads together, what to compare on a busy machine."]
     (results / f"{name}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (results / f"{name}.json").write_text(json.dumps({"command": command, "machine": machine, "rows": rows}, indent=1))
     return results / f"{name}.md"
@@ -172,7 +180,8 @@ def main():
                 row = profile(engine, length, args.dtype, args.repeats, Path(work))
                 rows.append(row)
                 print(f"{length:6d} {engine:20s} {1e3 * row['seconds']:.1f} ms: " + ", ".join(
-                    f"{part} {1e3 * seconds:.1f} ms" for part, seconds in row["parts"].items()), flush=True)
+                    f"{part} {1e3 * seconds:.1f} ms" for part, seconds in row["parts"].items()) + "; CPU ms per call " +
+                    " / ".join(f"{1e3 * row['cpu'][part]:.1f}" for part in PARTS), flush=True)
     print(f"wrote {write_results(rows, machine, args)}")
 
 

@@ -424,6 +424,25 @@ def test_reduced_precision_dropout_and_cache_match_float64(dtype, length, K, hea
     torch.testing.assert_close(step.double(), full[..., -new:, :], atol=tolerance, rtol=0)
 
 
+@pytest.mark.parametrize("blocks", [(0, 0), (16, 32)], ids=["default-blocks", "small-blocks"])
+def test_bfloat16_packed_operands_read_every_key_row_in_place(blocks, monkeypatch):
+    """Where the CPU multiplies bfloat16 itself (AMX, or AVX512-BF16), the kernel packs keys in panels as wide as a key
+    block and values in blocks of rows. An odd length past one default key block (601 keys: a second block of 89, odd,
+    not a whole number of 16-column groups) with distinct random keys: a key or value row packed in the wrong place
+    (shifted, swapped, read twice) moves the output or a gradient off the float64 formula."""
+    if not cpu_multiplies(torch.bfloat16):
+        pytest.skip("this CPU multiplies bfloat16 in float32 (no AMX, no AVX512-BF16): nothing is packed")
+    monkeypatch.setattr(fused_attention, "KERNEL_BLOCK_SIZES", blocks)
+    low, exact, mask, allowed, table = reduced_case("bidirectional", torch.bfloat16, length=601, K=64)
+    got = kernel(*low, mask, 64)
+    expected = reference.attention(*exact, 64, allowed, table=table)[0]
+    torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=0)
+    grad = torch.randn_like(expected)
+    for name, a, b in zip("qkv", torch.autograd.grad((got.double() * grad).sum(), low),
+                          torch.autograd.grad((expected * grad).sum(), exact)):
+        torch.testing.assert_close(a.double(), b, atol=1e-1, rtol=0, msg=f"d{name}")
+
+
 def cpu_multiplies(dtype):
     """Whether the CPU has instructions that multiply `dtype` pairs with float32 accumulation, as PyTorch detects
     them: AMX or AVX512-BF16 for bfloat16, AMX-FP16 for float16 (an AVX512-FP16 path is not taken: unmeasured)."""

@@ -21,13 +21,14 @@
 // - float32: `cpublas::brgemm` on float32 blocks (oneDNN's micro-kernel).
 // - bfloat16 / float16 where the CPU multiplies that type itself: the products take the reduced-precision blocks with
 //   float32 accumulation through `cpublas::brgemm` on packed B operands (`Packed`): keys and values once per call, the
-//   query blocks and their output gradients once per block. Where oneDNN packs the type for its tile instructions
-//   (`cpublas::could_pack`: AMX, e.g. every Xeon since Sapphire Rapids) `cpublas::pack` packs them, as in PyTorch's
-//   kernel; bfloat16 on a CPU with AVX512-BF16 but no AMX (`bfloat16_pairs_multiply`: AMD Zen 4 and later, Cooper
-//   Lake) is packed here into the rows-in-pairs layout oneDNN's brgemm reads there (its `vdpbf16ps` products, about
-//   twice float32's speed: benchmarks/results/avx512-bf16/attention-bfloat16.md). Scores, softmax, the relative
-//   terms and every accumulator stay float32; only the probabilities (and their gradients) are rounded to the input
-//   type before their products, as in PyTorch's kernel.
+//   query blocks and their output gradients once per block. Where oneDNN has tile instructions for the type
+//   (`cpublas::could_pack`: AMX, e.g. every Xeon since Sapphire Rapids) and for bfloat16 on a CPU with AVX512-BF16 but
+//   no AMX (`bfloat16_pairs_multiply`: AMD Zen 4 and later, Cooper Lake; its `vdpbf16ps` products, about twice
+//   float32's speed: benchmarks/results/avx512-bf16/attention-bfloat16.md), the operands are packed here, straight
+//   from the source rows, into the rows-in-pairs layout both read ([K / 2, N, 2], as PyTorch's own kernel packs them),
+//   keys in panels as wide as a key block so that one brgemm call multiplies a whole block. Scores, softmax, the
+//   relative terms and every accumulator stay float32; only the probabilities (and their gradients) are rounded to
+//   the input type before their products, as in PyTorch's kernel.
 // - bfloat16 / float16 elsewhere (float16 without AMX-FP16, any type with oneDNN switched off, CPUs without either):
 //   converted to float32 and computed as float32.
 // Which one ran is counted (`routine_calls`), so tests can tell. If this file does not build or load, the loader in
@@ -44,6 +45,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || (defined(_MSC_VER) && (defined(_M_X64) || defined(_M_IX86)))
@@ -104,11 +106,32 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, c
   if (M > 0 && N > 0) cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, false);
 }
 
-constexpr int64_t kPanel = 64;  // columns per packed panel (oneDNN packs 16, 32, 48 or 64)
+// Columns per packed panel of a block of rows (`row_block`), and what key blocks and row strides are rounded to.
+constexpr int64_t kPanel = 64;
 inline int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
 inline int64_t even(int64_t x) { return x + (x & 1); }
-// The width of the panel starting at column j of N: 64, or what is left rounded up to 16.
-inline int64_t panel_width(int64_t N, int64_t j) { return round_up(std::min(kPanel, N - j), 16); }
+// The width of the panel starting at column j of N in panels of `panel` columns (a multiple of 16): `panel`, or what
+// is left rounded up to 16.
+inline int64_t panel_width(int64_t N, int64_t j, int64_t panel) { return round_up(std::min(panel, N - j), 16); }
+
+// A vector whose storage starts on a cache line, for the blocks the products load and store: a tile row (64 bytes)
+// that straddles two lines is two loads, and glibc's malloc gives 16-byte alignment (large blocks: a page plus 16).
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  static constexpr std::align_val_t alignment{64};
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), alignment)); }
+  void deallocate(T* data, std::size_t) { ::operator delete(data, alignment); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+template <typename T>
+using Buffer = std::vector<T, LineAligned<T>>;
 
 template <typename T>
 at::ScalarType type_of() {
@@ -132,26 +155,18 @@ inline void prefetch(const void* address, int64_t bytes) {
 }
 
 // Packs the B operand [K, N], B[k][n] = source[k * row + n * column], for the block products into `out`: panels of
-// `kPanel` columns, each `even(K)` rows (zero past K) by `panel_width` columns (zero past N), panel j at
-// `out + j * even(K)`. Where oneDNN packs the type (AMX) it does, from an unpacked panel in `scratch`; elsewhere
-// (`bfloat16_pairs_multiply`) the panel is written here in oneDNN's rows-in-pairs layout, B[k][c] at
-// panel[(k / 2) 2 padded + 2 c + k % 2], straight from the source rows, asking for the rows `kPrefetchRows` ahead:
-// one head's rows lie far apart, and waiting for each made packing about 5% of a bfloat16 forward at 2,048 tokens.
+// `panel_columns` columns (a multiple of 16 unless one panel holds all N), each `even(K)` rows (zero past K) by `panel_width` columns (zero past N), panel
+// j at `out + j * even(K)`, in the rows-in-pairs layout oneDNN's brgemm reads with AMX tiles and with AVX512-BF16's
+// pair products alike, B[k][c] at panel[(k / 2) 2 padded + 2 c + k % 2]. Written straight from the source rows (no
+// unpacked copy), asking for the rows `kPrefetchRows` ahead: one head's rows lie far apart, and waiting for each made
+// packing about 5% of a bfloat16 forward at 2,048 tokens.
 template <typename T>
-void pack(const T* source, int64_t row, int64_t column, int64_t K, int64_t N, T* out, std::vector<T>& scratch) {
+void pack(const T* source, int64_t row, int64_t column, int64_t K, int64_t N, int64_t panel_columns, T* out) {
   const int64_t Ke = even(K);
-  const bool tiles = cpublas::could_pack(type_of<T>());
-  for (int64_t j = 0; j < N; j += kPanel) {
-    const int64_t width = std::min(kPanel, N - j), padded = panel_width(N, j);
+  for (int64_t j = 0; j < N; j += panel_columns) {
+    const int64_t width = std::min(panel_columns, N - j), padded = panel_width(N, j, panel_columns);
     const T* columns = source + j * column;
     T* panel = out + j * Ke;
-    if (tiles) {
-      scratch.assign(Ke * padded, T(0));
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t c = 0; c < width; ++c) scratch[k * padded + c] = columns[k * row + c * column];
-      cpublas::pack(Ke, padded, padded, padded, type_of<T>(), type_of<T>(), scratch.data(), panel);
-      continue;
-    }
     if (row == 1) {  // a pair of rows is two neighbours in the source (keys transposed): one 32-bit copy per pair
       for (int64_t c = 0; c < width; ++c) {
         if (j + c + kPrefetchRows < N) prefetch(columns + (c + kPrefetchRows) * column, K * sizeof(T));
@@ -182,49 +197,51 @@ void pack(const T* source, int64_t row, int64_t column, int64_t K, int64_t N, T*
   }
 }
 
-// A B operand [K, N] packed by `pack`.
+// A B operand [K, N] packed by `pack` in panels of `panel` columns.
 template <typename T>
 struct Packed {
   const T* data;
-  int64_t K, N;
+  int64_t K, N, panel;
 
-  // C[M, 0 : count'] (+)= A[M, K] @ B[:, first : first + count], `first` a multiple of kPanel; whole panels are
-  // written, so C needs `round_up(count, kPanel)` columns. A's column K must be 0 when K is odd.
+  // C[M, 0 : count'] (+)= A[M, K] @ B[:, first : first + count], `first` a multiple of `panel`; whole panels are
+  // written, so C needs `round_up(count, panel)` columns. A's column K must be 0 when K is odd. One brgemm call per
+  // panel: a panel as wide as the key block is one call per block, as PyTorch's kernel makes (at 8,192 tokens on AMX,
+  // 64-column panels, eight calls a block, took twice the time of one).
   void multiply(int64_t M, const T* A, int64_t lda, int64_t first, int64_t count, float* C, int64_t ldc,
                 bool accumulate) const {
     if (M <= 0) return;
     const int64_t Ke = even(K);
-    for (int64_t j = first; j < first + count; j += kPanel) {
-      const int64_t width = panel_width(N, j);
+    for (int64_t j = first; j < first + count; j += panel) {
+      const int64_t width = panel_width(N, j, panel);
       cpublas::brgemm(M, width, Ke, lda, width, ldc, accumulate, A, data + j * Ke, C + (j - first), true);
     }
   }
 };
 
-// One head's rows [L, d] (row stride `ld`) packed two ways. As panels of rows: the B operand of `x @ rows^T` (scores
-// against keys, gradients against values), `Packed{d, L}` in `panels_size(L, d)` elements. As blocks of `block` rows:
-// for each block starting at n, the B operand of `weights @ rows[n : n + block]`, `Packed{rows in it, d}` at
-// `n * round_up(d, kPanel)`, in `blocks_size(L, d)` elements (`block` even).
+// One head's rows [L, d] (row stride `ld`) packed two ways, both by blocks of `block` rows (`block` even, and a multiple
+// of 16 where L > block). As panels of rows: the B operand of `x @ rows^T` (scores against keys, gradients against
+// values), `Packed{d, L}` in panels of `block` columns, `panels_size(L, d)` elements. As blocks of rows: for each
+// block starting at n, the B operand of `weights @ rows[n : n + block]`, `Packed{rows in it, d}` at
+// `n * round_up(d, kPanel)`, in `blocks_size(L, d)` elements.
 inline int64_t panels_size(int64_t L, int64_t d) { return d * round_up(L, kPanel); }
 inline int64_t blocks_size(int64_t L, int64_t d) { return (L + 1) * round_up(d, kPanel); }
 
 template <typename T>
-Packed<T> row_panels(const T* storage, int64_t L, int64_t d) {
-  return {storage, d, L};
+Packed<T> row_panels(const T* storage, int64_t L, int64_t d, int64_t block) {
+  return {storage, d, L, block};
 }
 
 template <typename T>
 Packed<T> row_block(const T* storage, int64_t L, int64_t d, int64_t block, int64_t n) {
-  return {storage + n * round_up(d, kPanel), std::min(block, L - n), d};
+  return {storage + n * round_up(d, kPanel), std::min(block, L - n), d, kPanel};
 }
 
 template <typename T>
-void pack_rows(const T* rows, int64_t ld, int64_t L, int64_t d, int64_t block, T* panels, T* blocks,
-               std::vector<T>& scratch) {
-  if (panels) pack(rows, 1, ld, d, L, panels, scratch);  // B[dim][row] = rows[row][dim]
+void pack_rows(const T* rows, int64_t ld, int64_t L, int64_t d, int64_t block, T* panels, T* blocks) {
+  if (panels) pack(rows, 1, ld, d, L, block, panels);  // B[dim][row] = rows[row][dim]
   if (blocks)
     for (int64_t n = 0; n < L; n += block)
-      pack(rows + n * ld, ld, 1, std::min(block, L - n), d, blocks + n * round_up(d, kPanel), scratch);
+      pack(rows + n * ld, ld, 1, std::min(block, L - n), d, kPanel, blocks + n * round_up(d, kPanel));
 }
 
 // A [rows, count] matrix (row stride `ld_in`) transposed into [count, rows] (row stride `ld_out`), in tiles.
@@ -644,7 +661,7 @@ struct TableOperands {
   static constexpr bool reduced = !std::is_same_v<T, float>;
   int64_t R, d, ld;  // ld: the row stride of `terms`' results (whole packed panels)
   at::Tensor table, table_t;
-  std::vector<T> panels, block;
+  Buffer<T> panels, block;
 
   explicit TableOperands(const at::Tensor& table_float)
       : R(table_float.size(0)), d(table_float.size(1)), ld(reduced ? round_up(R, kPanel) : R), table(table_float) {
@@ -652,8 +669,7 @@ struct TableOperands {
       const at::Tensor rounded = table_float.to(type_of<T>()).contiguous();
       panels.resize(panels_size(R, d));
       block.resize(blocks_size(R, d));
-      std::vector<T> scratch;
-      pack_rows(rounded.data_ptr<T>(), d, R, d, even(R), panels.data(), block.data(), scratch);
+      pack_rows(rounded.data_ptr<T>(), d, R, d, even(R), panels.data(), block.data());
     } else {
       table_t = table_float.t().contiguous();
     }
@@ -662,7 +678,7 @@ struct TableOperands {
   // out[qb, R] = rows[qb, d] T^T (row stride `ld`).
   void terms(int64_t qb, const T* rows, int64_t ld_rows, float* out) const {
     if constexpr (reduced) {
-      row_panels(panels.data(), R, d).multiply(qb, rows, ld_rows, 0, R, out, ld, false);
+      row_panels(panels.data(), R, d, even(R)).multiply(qb, rows, ld_rows, 0, R, out, ld, false);
     } else {
       gemm(qb, R, d, rows, ld_rows, table_t.data_ptr<float>(), R, out, ld, false);
     }
@@ -718,12 +734,11 @@ struct ForwardOperands {
       keys = at::empty({p.B * p.H * panels_size(p.Lk, p.d)}, key.options());
       values = at::empty({p.B * p.H * blocks_size(p.Lk, p.d)}, value.options());
       at::parallel_for(0, p.B * p.H, 1, [&](int64_t begin, int64_t end) {
-        std::vector<T> scratch;
         for (int64_t bh = begin; bh < end; ++bh) {
           pack_rows(key_rows(bh, 0), key_rows.row_stride, p.Lk, p.d, p.kv_block,
-                    keys.data_ptr<T>() + bh * panels_size(p.Lk, p.d), static_cast<T*>(nullptr), scratch);
+                    keys.data_ptr<T>() + bh * panels_size(p.Lk, p.d), static_cast<T*>(nullptr));
           pack_rows(value_rows(bh, 0), value_rows.row_stride, p.Lk, p.d, p.kv_block, static_cast<T*>(nullptr),
-                    values.data_ptr<T>() + bh * blocks_size(p.Lk, p.d), scratch);
+                    values.data_ptr<T>() + bh * blocks_size(p.Lk, p.d));
         }
       });
     }
@@ -747,7 +762,7 @@ struct ForwardOperands {
     } else if constexpr (std::is_same_v<T, float>) {
       gemm(qb, kb, p.d, queries, ld_queries, keys.data_ptr<float>() + bh * p.d * p.Lk + n, p.Lk, out, ld_out, false);
     } else {
-      row_panels(keys.data_ptr<T>() + bh * panels_size(p.Lk, p.d), p.Lk, p.d)
+      row_panels(keys.data_ptr<T>() + bh * panels_size(p.Lk, p.d), p.Lk, p.d, p.kv_block)
           .multiply(qb, queries, ld_queries, n, kb, out, ld_out, false);
     }
   }
@@ -794,10 +809,10 @@ void forward_impl(const Problem& p, const at::Tensor& query, const at::Tensor& k
 
   // One task per (batch, head, query block); query blocks vary fastest so each thread gets whole heads.
   at::parallel_for(0, B * H * num_q_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(p.q_block * ld_scores), qt(p.q_block * table.ld), bucket(p.q_block * R);
-    std::vector<float> acc(p.q_block * ld_acc), row_max(p.q_block), row_sum(p.q_block);
-    std::vector<T> probs(reduced ? p.q_block * ld_probs : 0);
-    std::vector<T> rounded_bucket(reduced ? p.q_block * even(R) : 0);
+    Buffer<float> scores(p.q_block * ld_scores), qt(p.q_block * table.ld), bucket(p.q_block * R);
+    Buffer<float> acc(p.q_block * ld_acc), row_max(p.q_block), row_sum(p.q_block);
+    Buffer<T> probs(reduced ? p.q_block * ld_probs : 0);
+    Buffer<T> rounded_bucket(reduced ? p.q_block * even(R) : 0);
     std::vector<uint32_t> row_keys(p.q_block);
     for (int64_t task = begin; task < end; ++task) {
       if (p.interruption->check()) break;
@@ -931,22 +946,21 @@ std::vector<at::Tensor> backward_impl(const Problem& p, const at::Tensor& grad_o
 
   // One task per (batch, head): key and value gradients of a head are summed over its query blocks.
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs(p.q_block * ld_scores), grad_scores(p.q_block * ld_scores);
-    std::vector<float> qt(p.q_block * table.ld), grad_terms(p.q_block * table.ld), grad_bucket(p.q_block * R);
-    std::vector<float> acc(p.q_block * ld_grad), row_dot(p.q_block), row_lse_inf(p.q_block);
+    Buffer<float> probs(p.q_block * ld_scores), grad_scores(p.q_block * ld_scores);
+    Buffer<float> qt(p.q_block * table.ld), grad_terms(p.q_block * table.ld), grad_bucket(p.q_block * R);
+    Buffer<float> acc(p.q_block * ld_grad), row_dot(p.q_block), row_lse_inf(p.q_block);
     // float32: the query block's rows and their output gradients, transposed for the products.
-    std::vector<float> query_t(reduced ? 0 : d * p.q_block), grad_out_t(reduced ? 0 : d * p.q_block);
+    Buffer<float> query_t(reduced ? 0 : d * p.q_block), grad_out_t(reduced ? 0 : d * p.q_block);
     // Reduced precision: the query block and its output gradients packed as B operands; keys and values packed; the
     // probabilities and score gradients rounded for their products, as rows and transposed.
     const int64_t reduced_size = reduced ? 1 : 0;
-    std::vector<T> query_packed(reduced_size * blocks_size(p.q_block, d));
-    std::vector<T> grad_packed(reduced_size * blocks_size(p.q_block, d));
-    std::vector<T> key_panels(reduced_size * panels_size(Lk, d)), value_panels(reduced_size * panels_size(Lk, d));
-    std::vector<T> key_blocks(reduced_size * blocks_size(Lk, d));
-    std::vector<T> kept(reduced_size * p.q_block * ld_kept), grad_kept(reduced_size * p.q_block * ld_kept);
-    std::vector<T> kept_t(reduced_size * p.kv_block * ld_kept_t), grad_kept_t(reduced_size * p.kv_block * ld_kept_t);
-    std::vector<T> rounded_bucket(reduced_size * p.q_block * even(R));
-    std::vector<T> scratch;
+    Buffer<T> query_packed(reduced_size * blocks_size(p.q_block, d));
+    Buffer<T> grad_packed(reduced_size * blocks_size(p.q_block, d));
+    Buffer<T> key_panels(reduced_size * panels_size(Lk, d)), value_panels(reduced_size * panels_size(Lk, d));
+    Buffer<T> key_blocks(reduced_size * blocks_size(Lk, d));
+    Buffer<T> kept(reduced_size * p.q_block * ld_kept), grad_kept(reduced_size * p.q_block * ld_kept);
+    Buffer<T> kept_t(reduced_size * p.kv_block * ld_kept_t), grad_kept_t(reduced_size * p.kv_block * ld_kept_t);
+    Buffer<T> rounded_bucket(reduced_size * p.q_block * even(R));
     std::vector<uint32_t> row_keys(p.q_block);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H, h = task % H;
@@ -958,8 +972,8 @@ std::vector<at::Tensor> backward_impl(const Problem& p, const at::Tensor& grad_o
       float* gqh = gq + b * Lq * gs + h * d;
       float *gkh = gk + (b * H + h) * ld_grad * Lk, *gvh = gv + (b * H + h) * ld_grad * Lk;
       if constexpr (reduced) {
-        pack_rows(kh, ks, Lk, d, p.kv_block, key_panels.data(), key_blocks.data(), scratch);
-        pack_rows(vh, vs, Lk, d, p.kv_block, value_panels.data(), static_cast<T*>(nullptr), scratch);
+        pack_rows(kh, ks, Lk, d, p.kv_block, key_panels.data(), key_blocks.data());
+        pack_rows(vh, vs, Lk, d, p.kv_block, value_panels.data(), static_cast<T*>(nullptr));
       }
       for (int64_t m = 0; m < Lq; m += p.q_block) {
         if (p.interruption->check()) break;
@@ -967,8 +981,8 @@ std::vector<at::Tensor> backward_impl(const Problem& p, const at::Tensor& grad_o
         const T* qm = qh + m * qs;
         const T* gom = goh + m * gos;
         if constexpr (reduced) {
-          pack_rows(qm, qs, qb, d, p.q_block, static_cast<T*>(nullptr), query_packed.data(), scratch);
-          pack_rows(gom, gos, qb, d, p.q_block, static_cast<T*>(nullptr), grad_packed.data(), scratch);
+          pack_rows(qm, qs, qb, d, p.q_block, static_cast<T*>(nullptr), query_packed.data());
+          pack_rows(gom, gos, qb, d, p.q_block, static_cast<T*>(nullptr), grad_packed.data());
         } else {
           for (int64_t r = 0; r < qb; ++r)
             for (int64_t x = 0; x < d; ++x) {
@@ -994,8 +1008,8 @@ std::vector<at::Tensor> backward_impl(const Problem& p, const at::Tensor& grad_o
           const int64_t kb = std::min(p.kv_block, keys - n);
           const int64_t ld = reduced ? ld_scores : kb;
           if constexpr (reduced) {
-            row_panels(key_panels.data(), Lk, d).multiply(qb, qm, qs, n, kb, probs.data(), ld, false);
-            row_panels(value_panels.data(), Lk, d).multiply(qb, gom, gos, n, kb, grad_scores.data(), ld, false);
+            row_panels(key_panels.data(), Lk, d, p.kv_block).multiply(qb, qm, qs, n, kb, probs.data(), ld, false);
+            row_panels(value_panels.data(), Lk, d, p.kv_block).multiply(qb, gom, gos, n, kb, grad_scores.data(), ld, false);
           } else {
             gemm(qb, kb, d, qm, qs, key_t.data_ptr<float>() + (b * H + h) * d * Lk + n, Lk, probs.data(), kb, false);
             gemm(qb, kb, d, gom, gos, value_t.data_ptr<float>() + (b * H + h) * d * Lk + n, Lk, grad_scores.data(), kb,
