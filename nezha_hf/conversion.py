@@ -34,6 +34,7 @@ from .configuration_nezha import NezhaConfig
 from .extras import require_extra
 from .hub import export_remote_code, write_model_card
 from .modeling_nezha import NEZHA_HEADS, NezhaForMaskedLM, nezha_head
+from .named_files import weight_files
 from .safe_output import check_destination, staged_folder
 
 REPORT_NAME = "conversion_report.json"
@@ -157,17 +158,10 @@ def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
 def read_pytorch_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a Hugging Face checkpoint directory (safetensors or `.bin`, sharded or not)."""
     directory = model_folder(directory, needs=None)
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index_path = directory / index_name
-        if index_path.exists():
-            try:
-                shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError) as error:
-                raise ConversionError(f"{index_path} is not a valid shard index: {error}") from error
-            files = [directory / shard for shard in shards]
-            break
-    else:
-        files = [path for path in (directory / "model.safetensors", directory / "pytorch_model.bin") if path.exists()][:1]
+    try:
+        files = weight_files(directory)  # only regular files inside the folder, whatever an index names
+    except ValueError as error:
+        raise ConversionError(str(error)) from None
     if not files:
         raise ConversionError(f"No model.safetensors or pytorch_model.bin in {directory}.")
     state = {}

@@ -46,6 +46,7 @@ from .distributed import claimed_by_main, cpu_only, on_main, processes, run_batc
 from .extras import require_extra
 from .generation_nezha import CopySpanLogitsProcessor
 from .modeling_nezha import NezhaForSentenceExtraction, NezhaForUniLM, NezhaSentenceExtractionOutput, sentence_means
+from .named_files import file_in_folder
 from .padding import attention_mask_for, pad_rows
 from .safe_output import check_destination, write_text_atomically
 from .unilm import UniLMDataCollator, generate_text
@@ -416,12 +417,8 @@ def check_export(folder: Path) -> None:
     if manifest["export_format"] != "onnx":
         raise ValueError(f"{manifest_path} names {manifest['export_format']!r} programs; an exported summariser holds "
                          "ONNX programs (nezha-hf export onnx).")
-    outside = [name for name in files if Path(name).name != name or name in ("", ".", "..")]
-    if outside:
-        raise ValueError(f"{manifest_path} names files outside its folder ({', '.join(map(repr, outside[:3]))}): "
-                         "export the summariser again.")
     for name in [*files, "config.json"]:
-        if not (folder / name).is_file():
+        if file_in_folder(folder, name, manifest_path, must_exist=False) is None:
             raise FileNotFoundError(f"{folder / name} is missing: export the summariser again.")
 
 
