@@ -239,3 +239,26 @@ def test_an_interrupted_writer_failing_again_at_exit_stays_one_line():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 130 and done.stderr.strip() == (
         "nezha-hf evaluate: interrupted; outputs not yet in place were removed"), done.stderr
+
+
+@pytest.mark.parametrize("command", ["convert", "pretrain", "export", "train-summarizer"])
+def test_a_folder_output_whose_parent_does_not_exist_is_refused_in_one_line(tmp_path, run_cli, command):
+    """A mistyped `--output /mnt/bakcup/x` was created, parents and all; now the parent must exist, as for files."""
+    from helpers import make_tokenizer
+    from test_nothing_lost import one_line_failure
+
+    model = tmp_path / "model"
+    NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)).save_pretrained(model, model_card=False)
+    make_tokenizer(model)
+    summarizer = tmp_path / "summarizer"  # enough for the checks that come before loading one
+    summarizer.mkdir()
+    (summarizer / "summarizer.json").write_text("{}")
+    data = write_jsonl(tmp_path / "data.jsonl", [synthetic_judgment(random.Random(0), i) for i in range(4)])
+    (tmp_path / "corpus.txt").write_text("原告诉称。被告辩称。\n\n本院认为。\n", encoding="utf-8")
+    output = tmp_path / "bakcup" / "deeper" / "out"
+    args = {"convert": ["convert", "nezha", model, output],
+            "pretrain": ["pretrain", model, tmp_path / "corpus.txt", "--output", output],
+            "export": ["export", "onnx", summarizer, output],
+            "train-summarizer": ["train-summarizer", data, "--base", model, "--output", output]}[command]
+    one_line_failure(run_cli(*args), "bakcup", "does not exist")
+    assert not (tmp_path / "bakcup").exists()
