@@ -725,3 +725,52 @@ def test_a_tokenizer_config_names_no_tokenizer_file_outside_its_folder(tmp_path,
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"tokenizer_config\.json names .*it may only name regular files"):
         load_tokenizer(folder)
+
+
+def _exported_generator(decode_kwargs, components=("prefill", "decode")):
+    """What `ExportedModel.from_pretrained` gives for an exported generator whose export.json describes its decoding
+    step's inputs as `decode_kwargs`; its programs must not run."""
+    from types import SimpleNamespace
+
+    def never(**_):
+        pytest.fail("a program ran")
+
+    metadata = SimpleNamespace(kwargs=decode_kwargs)
+    return SimpleNamespace(components={name: SimpleNamespace(metadata=metadata) for name in components},
+                           runners={name: never for name in components}, config=tiny_config(is_decoder=True),
+                           generation_config=None)
+
+
+STATIC = {"container": "StaticCache"}
+ODD_MANIFESTS = {
+    "no decode": ({"cache": STATIC, "attention_mask": {"shape": [1, 64]}}, ("prefill",), "decode"),
+    "no prefill": ({"cache": STATIC, "attention_mask": {"shape": [1, 64]}}, ("decode",), "prefill"),
+    "no inputs": (None, ("prefill", "decode"), "no KV cache"),
+    "no cache": ({"attention_mask": {"shape": [1, 64]}}, ("prefill", "decode"), "no KV cache"),
+    "no mask shape": ({"cache": STATIC, "attention_mask": {"shape": None}}, ("prefill", "decode"), "size of None"),
+    "16 TB": ({"cache": STATIC, "attention_mask": {"shape": [1, 2**40]}}, ("prefill", "decode"), "size of"),
+    "text": ({"cache": STATIC, "attention_mask": {"shape": [1, "64"]}}, ("prefill", "decode"), "size of '64'"),
+}
+
+
+@pytest.mark.parametrize("case", ODD_MANIFESTS)
+def test_an_exported_generators_odd_manifest_is_one_error_naming_it_before_any_cache(case):
+    """Odd exported folders ended in `KeyError: 'decode'` or `'NoneType' object is not subscriptable`, and a static
+    cache size from export.json was trusted (one asked for 16 TB)."""
+    from nezha_hf.summarization import generate_exported
+
+    kwargs, components, what = ODD_MANIFESTS[case]
+    generator = _exported_generator(kwargs, components)
+    with pytest.raises(ValueError, match=rf"export\.json.*{re.escape(what)}"):
+        generate_exported(generator, torch.ones(1, 4, dtype=torch.long), None, 4, None, 0)
+
+
+def test_a_static_cache_larger_than_free_memory_is_refused_before_it_is_made(monkeypatch):
+    import psutil
+
+    from nezha_hf.summarization import generate_exported
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 2**20})())
+    generator = _exported_generator({"cache": STATIC, "attention_mask": {"shape": [1, 100_000]}})
+    with pytest.raises(ValueError, match="static cache of 100,000 positions .* GiB free"):
+        generate_exported(generator, torch.ones(1, 4, dtype=torch.long), None, 4, None, 0)
