@@ -148,10 +148,19 @@ def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
             with safe_open(str(path), framework="pt") as handle:
                 return {name: handle.get_tensor(name) for name in handle.keys()}
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
-        raise ConversionError(f"Could not read {path} (corrupt, truncated, or not a plain tensor file): {error}") from error
-    if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
+    # torch.load of bytes from elsewhere raises what its unpickler meets (an AttributeError for a float8 tensor in the
+    # legacy format, a KeyError, ...): each is an unreadable file, named.
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, OSError, AttributeError, KeyError,
+            TypeError, ValueError, IndexError) as error:
+        first_line = (str(error).splitlines() or [""])[0][:300] or type(error).__name__
+        raise ConversionError(f"Could not read {path} (corrupt, truncated, or not a plain tensor file): "
+                              f"{first_line}") from error
+    if not isinstance(state, dict):
         raise ConversionError(f"{path} does not hold a flat name -> tensor state dict.")
+    for name, value in state.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise ConversionError(f"{path} does not hold a flat name -> tensor state dict: its entry {name!r} is a "
+                                  f"{type(value).__name__} under a {type(name).__name__} key.")
     return state
 
 
