@@ -655,7 +655,7 @@ for fifo in {[str(p) for p in folder.glob("*") if p.is_fifo()]!r}:
         return call()
     finally:
         release.kill()
-        hung = release.communicate()[0].split()
+        hung = sorted(set(release.communicate()[0].split()))
         assert not hung, f"still reading the FIFO {hung} after {seconds} s"
 
 
