@@ -130,15 +130,45 @@ def carried_cache(folder: Path) -> list[Path]:
     return [whole] if whole.is_file() else sorted(folder.glob("triton-cache.tar.gz.[0-9][0-9]"))
 
 
+def unsafe_member(member: tarfile.TarInfo, cache: Path) -> str | None:
+    """Why `member` of a carried Triton cache is not unpacked into `cache`, or None: only regular files and folders
+    whose names stay inside it are (a cache holds nothing else). No link of any kind, device or FIFO is made, so no
+    chain of links can lead a later member out (CVE-2025-4517 got past `extractall(filter="data")`)."""
+    if not (member.isfile() or member.isdir()):
+        kind = ("a symbolic link" if member.issym() else "a hard link" if member.islnk() else "a device"
+                if member.ischr() or member.isblk() else "a FIFO" if member.isfifo() else "no plain file or folder")
+        return f"{member.name!r} is {kind}"
+    name = Path(member.name)
+    if not member.name or name.is_absolute() or ".." in name.parts or not (cache / name).resolve().is_relative_to(
+            cache.resolve()):
+        return f"{member.name!r} lies outside the cache"
+    return None
+
+
 def restore_cache(cache: Path, parts: list[Path], log: Log) -> None:
-    """Unpack a carried Triton cache (one archive, or its parts in order) into `cache`."""
+    """Unpack a carried Triton cache (one archive, or its parts in order) into `cache`: its regular files and folders,
+    member by member, by name; an archive holding anything else (`unsafe_member`) is refused whole."""
     if not parts:
         log("setup: no Triton cache carried (.gpu/triton-cache.tar.gz): kernels compile in this run")
         return
     data = b"".join(part.read_bytes() for part in parts)
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
-            archive.extractall(cache, filter="data")
+            members = archive.getmembers()
+            problem = next((why for member in members if (why := unsafe_member(member, cache))), None)
+            if problem:
+                log(f"setup: the carried Triton cache is refused ({problem}): kernels compile in this run")
+                return
+            for member in members:
+                target = cache / member.name
+                if member.isdir():
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                # O_NOFOLLOW: a file is written where its name says, never through a link.
+                descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+                with os.fdopen(descriptor, "wb") as file, archive.extractfile(member) as source:
+                    shutil.copyfileobj(source, file)
     except (tarfile.TarError, EOFError, OSError) as error:
         log(f"setup: the carried Triton cache could not be unpacked ({error}): kernels compile in this run")
         return

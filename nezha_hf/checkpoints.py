@@ -54,6 +54,7 @@ from .json_files import (
     String,
     read_json,
 )
+from .named_files import allowed_roots, file_in_folder
 from .safe_output import check_destination, write_text_atomically
 
 logger = logging.get_logger(__name__)
@@ -98,10 +99,7 @@ def check_links(folder: Path) -> None:
     comes from whoever published it, and a link in it would have nezha_hf read, and copy into what it writes, any
     file on the machine. The Hugging Face cache's own layout is allowed: a snapshot's links into its repository's
     `blobs/`."""
-    root = folder.resolve()
-    allowed = [root]
-    if root.parent.name == "snapshots":
-        allowed.append(root.parent.parent / "blobs")
+    allowed = allowed_roots(folder)
     for directory, folders, files in os.walk(folder):
         for name in [*folders, *files]:
             path = Path(directory) / name
@@ -118,6 +116,14 @@ def load_tokenizer(folder):
     saved without it."""
     from transformers import AutoTokenizer
 
+    config_file = Path(folder) / "tokenizer_config.json"
+    if config_file.is_file():  # transformers reads one of the `fast_tokenizer_files` it names, joined to the folder
+        try:
+            named = json.loads(config_file.read_text(encoding="utf-8")).get("fast_tokenizer_files") or []
+        except (ValueError, AttributeError, RecursionError):
+            named = []  # not an object: transformers' own error names the file
+        for name in named if isinstance(named, list) else [named]:
+            file_in_folder(folder, name, config_file, must_exist=False)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     code = tokenizer.init_kwargs.pop("auto_map", None)
     if code is not None:
@@ -215,8 +221,11 @@ def _distributed_checkpoint_problem(folder: Path) -> str | None:
     except Exception as error:  # a missing or cut metadata file: pickle and file errors alike
         return f"{folder.name}/.metadata is missing or unreadable ({type(error).__name__})"
     for info in (metadata.storage_data or {}).values():
-        piece = folder / info.relative_path
-        if not piece.is_file() or piece.stat().st_size < info.offset + info.length:
+        try:
+            piece = file_in_folder(folder, info.relative_path, folder / ".metadata")
+        except ValueError as error:
+            return str(error)
+        if piece.stat().st_size < info.offset + info.length:
             return f"{folder.name}/{info.relative_path} is missing or cut short"
     return None
 

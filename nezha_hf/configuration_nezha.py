@@ -32,6 +32,13 @@ if Version(transformers.__version__) < Version(MINIMUM_TRANSFORMERS):
 # (English); distances beyond the longest input carry nothing, and every engine holds `[.., length, 2K + 1]` terms per
 # call, so a `K` in the millions (10^9 in a downloaded config.json) would only exhaust memory before the first token.
 MAX_RELATIVE_POSITION = 16_384
+# The largest sizes a config may ask for, read from a file before anything of the model (meta tensors included) is
+# built: 20,000 layers in a downloaded config.json took 50 s and 1.8 GB before anything else could refuse them. Each is
+# several times the largest encoder published (XLM-RoBERTa XXL: 48 layers of 4,096, 16,384 wide, 250,002 tokens;
+# BERT, NEZHA: 2 token types), and so is the product (`parameter_count`, 10.7 * 10^9 for XLM-R XXL).
+MAX_SIZES = {"num_hidden_layers": 512, "hidden_size": 65_536, "intermediate_size": 262_144,
+             "num_attention_heads": 1_024, "vocab_size": 4_194_304, "type_vocab_size": 1_024}
+MAX_PARAMETERS = 10**11
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: below it LayerNorm's epsilon fades to 0
 
 # The model-card templates (`model_cards/<kind>.md`) a config's `nezha_card["kind"]` may name, and the other
@@ -236,6 +243,12 @@ class NezhaConfig(PreTrainedConfig):
                      "type_vocab_size", "max_relative_position"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        for name, bound in MAX_SIZES.items():
+            if getattr(self, name) > bound:
+                raise ValueError(f"{name} must be at most {bound:,} (no encoder has more), got {getattr(self, name):,}.")
+        if self.parameter_count() > MAX_PARAMETERS:
+            raise ValueError(f"These sizes make {self.parameter_count():,} parameters, more than the {MAX_PARAMETERS:,} "
+                             "a config may ask for (the largest encoder published has 10.7 * 10^9).")
         if self.max_relative_position > MAX_RELATIVE_POSITION:
             raise ValueError(f"max_relative_position must be at most {MAX_RELATIVE_POSITION:,} (the published "
                              f"checkpoints use 64 and 127), got {self.max_relative_position:,}.")
@@ -270,6 +283,13 @@ class NezhaConfig(PreTrainedConfig):
             raise ValueError(f"copy_loss_weight must be finite and non-negative, got {self.copy_loss_weight}.")
         if isinstance(self.hidden_act, str) and self.hidden_act not in ACT2FN:
             raise ValueError(f"Unknown hidden_act {self.hidden_act!r}; known: {sorted(ACT2FN)}.")
+
+    def parameter_count(self) -> int:
+        """The parameters of a model of this config, to the leading terms (embeddings and layers; heads add less than
+        a layer), computed from the sizes before anything is built."""
+        hidden, inner = self.hidden_size, self.intermediate_size
+        layer = 4 * hidden * hidden + 2 * hidden * inner + (4 * hidden * hidden if self.add_cross_attention else 0)
+        return (self.vocab_size + self.type_vocab_size) * hidden + self.num_hidden_layers * layer
 
     def to_dict(self) -> dict:
         """The config as a dict, with `max_position_embeddings` under its transformers 4.x name."""
@@ -311,5 +331,5 @@ def _value_errors(init):
 NezhaConfig.__init__ = _value_errors(NezhaConfig.__init__)
 
 
-__all__ = ["CARD_KINDS", "CARD_PIPELINE_TAGS", "LOADER_CODE_KEYS", "MAX_RELATIVE_POSITION", "NezhaConfig",
-           "NezhaConfigError", "card_setting_problem", "checked_card_settings"]
+__all__ = ["CARD_KINDS", "CARD_PIPELINE_TAGS", "LOADER_CODE_KEYS", "MAX_PARAMETERS", "MAX_RELATIVE_POSITION", "MAX_SIZES",
+           "NezhaConfig", "NezhaConfigError", "card_setting_problem", "checked_card_settings"]

@@ -35,6 +35,7 @@ from .extras import require_extra
 from .json_files import JSON_OBJECT, JSONFileError, read_json
 from .hub import export_remote_code, write_model_card
 from .modeling_nezha import NEZHA_HEADS, NezhaForMaskedLM, nezha_head
+from .named_files import weight_files
 from .safe_output import check_destination, staged_folder
 
 REPORT_NAME = "conversion_report.json"
@@ -148,27 +149,29 @@ def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
             with safe_open(str(path), framework="pt") as handle:
                 return {name: handle.get_tensor(name) for name in handle.keys()}
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
-        raise ConversionError(f"Could not read {path} (corrupt, truncated, or not a plain tensor file): {error}") from error
-    if not isinstance(state, dict) or not all(isinstance(value, torch.Tensor) for value in state.values()):
+    # torch.load of bytes from elsewhere raises what its unpickler meets (an AttributeError for a float8 tensor in the
+    # legacy format, a KeyError, ...): each is an unreadable file, named.
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, OSError, AttributeError, KeyError,
+            TypeError, ValueError, IndexError) as error:
+        first_line = (str(error).splitlines() or [""])[0][:300] or type(error).__name__
+        raise ConversionError(f"Could not read {path} (corrupt, truncated, or not a plain tensor file): "
+                              f"{first_line}") from error
+    if not isinstance(state, dict):
         raise ConversionError(f"{path} does not hold a flat name -> tensor state dict.")
+    for name, value in state.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise ConversionError(f"{path} does not hold a flat name -> tensor state dict: its entry {name!r} is a "
+                                  f"{type(value).__name__} under a {type(name).__name__} key.")
     return state
 
 
 def read_pytorch_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a Hugging Face checkpoint directory (safetensors or `.bin`, sharded or not)."""
     directory = model_folder(directory, needs=None)
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index_path = directory / index_name
-        if index_path.exists():
-            try:
-                shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError) as error:
-                raise ConversionError(f"{index_path} is not a valid shard index: {error}") from error
-            files = [directory / shard for shard in shards]
-            break
-    else:
-        files = [path for path in (directory / "model.safetensors", directory / "pytorch_model.bin") if path.exists()][:1]
+    try:
+        files = weight_files(directory)  # only regular files inside the folder, whatever an index names
+    except ValueError as error:
+        raise ConversionError(str(error)) from None
     if not files:
         raise ConversionError(f"No model.safetensors or pytorch_model.bin in {directory}.")
     state = {}

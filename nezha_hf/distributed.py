@@ -37,6 +37,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from .json_files import Anything, Integer, JSONFileError, Nullable, Object, String, checked, parse_json
+from .named_files import weight_files
 from .safe_output import claimed, naming, staged_folder
 
 logger = logging.get_logger(__name__)
@@ -341,14 +342,9 @@ def _one_process_is_fine():
 
 def read_weights(folder) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors weights in a model folder (one file, or the shards its index lists)."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    files = ["model.safetensors"]
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     weights = {}
-    for name in files:
-        weights.update(load_file(folder / name))
+    for path in weight_files(folder) or [Path(folder) / "model.safetensors"]:
+        weights.update(load_file(path))
     return weights
 
 

@@ -22,6 +22,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
 from .json_files import read_json
+from .named_files import weight_files
 from .relative_attention import prepare_attention
 from .tokenizer_cap import warn_if_tokenizer_caps_length
 
@@ -43,6 +44,8 @@ def _check_archives(folder) -> None:
     file cut short is a `zipfile.BadZipFile` here rather than an untyped error inside torch.load. Older pickles are
     left to torch.load (`pickle.UnpicklingError`, `EOFError`)."""
     for path in Path(folder).glob("*.bin"):
+        if not path.is_file():  # no FIFO is opened: `weight_files` refused any that a loader would read
+            continue
         with open(path, "rb") as handle:
             if handle.read(4) == b"PK\x03\x04":
                 zipfile.ZipFile(path).close()
@@ -183,8 +186,8 @@ class NezhaLoadingMixin:
         Same arguments as `PreTrainedModel.from_pretrained`, plus `allow_new_layers=True` to accept a config
         with more layers than the checkpoint has (they are initialised randomly; without it that is a
         `ValueError`, as is a config with fewer layers). Persisted buffers of old releases are ignored. `.bin` files
-        are read with `torch.load(weights_only=True)`, so a pickle that tries to run code is refused. Errors name the
-        checkpoint, and for tensors whose shape does not fit the config, each tensor with both shapes.
+        are read with `torch.load(weights_only=True)`, so a pickle that tries to run code is refused. A weight index
+        may only name regular files inside the folder (`named_files.weight_files`). Errors name the checkpoint, and for tensors whose shape does not fit the config, each tensor with both shapes.
 
         Changes from transformers: a path that is no model-hub id and no folder is a `FileNotFoundError` (transformers
         would look it up on the Hub); a tokenizer beside the model that caps inputs at BERT's 512 tokens is one
@@ -204,6 +207,8 @@ class NezhaLoadingMixin:
         try:
             if folder is not None:
                 _check_json_files(folder)
+                # Before transformers reads an index: the shards it names are regular files inside the folder.
+                weight_files(os.path.join(folder, kwargs.get("subfolder") or ""))
                 _check_archives(folder)
             model, info = super().from_pretrained(
                 path, *args, **{**kwargs, "ignore_mismatched_sizes": True, "output_loading_info": True}

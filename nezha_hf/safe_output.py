@@ -57,7 +57,7 @@ def check_destination(destination, sources=(), overwrite: bool = False, kind: st
     Raises:
         ValueError: the destination is a source, inside one, or holds one.
         FileExistsError: it exists (a non-empty folder, or a file) and `overwrite` is False.
-        FileNotFoundError: its parent folder does not exist (a file's) .
+        FileNotFoundError: its parent folder does not exist (a mistyped path is not created).
         IsADirectoryError / NotADirectoryError: it exists as the other kind.
     """
     destination = Path(destination)
@@ -69,11 +69,11 @@ def check_destination(destination, sources=(), overwrite: bool = False, kind: st
                 f"{destination} is the source {source}, inside it or holds it: the source is never written. "
                 "Choose another destination."
             )
+    if not resolved.parent.is_dir():  # a mistyped parent (/mnt/bakcup/x) is not created
+        raise FileNotFoundError(f"The folder {destination.parent} does not exist: create it first, or check the path.")
     if kind == "file":
         if destination.is_dir():
             raise IsADirectoryError(f"{destination} is a folder; give a file name.")
-        if not resolved.parent.is_dir():
-            raise FileNotFoundError(f"The folder {destination.parent} does not exist.")
         if _occupied(destination) and not overwrite:
             raise FileExistsError(f"{destination} exists; pass --overwrite (overwrite=True) to replace it.")
     else:

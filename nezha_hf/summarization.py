@@ -47,6 +47,7 @@ from .extras import require_extra
 from .generation_nezha import CopySpanLogitsProcessor
 from .json_files import JSON_OBJECT, Anything, Integer, JSONFileError, ListOf, Object, String, read_json
 from .modeling_nezha import NezhaForSentenceExtraction, NezhaForUniLM, NezhaSentenceExtractionOutput, sentence_means
+from .named_files import file_in_folder
 from .padding import attention_mask_for, pad_rows
 from .safe_output import check_destination, write_text_atomically
 from .unilm import UniLMDataCollator, generate_text
@@ -301,6 +302,47 @@ def settings_problem(settings: dict) -> str | None:
 # --- an exported summariser, on onnxruntime --------------------------------------------------------------------
 
 
+# The longest static cache an exported generator may say it was made with (its `export.json`, data from whoever made
+# the folder: one asked for 16 TB); memory is checked too, before the cache is made (`check_cache_memory`).
+MAX_STATIC_CACHE = 1 << 20
+
+
+def exported_cache_size(generator, where) -> int | None:
+    """The static cache size the `export_for_generation` model `generator` was exported with (None for a dynamic
+    cache), read from its manifest's description of its `decode` component; a `ValueError` starting with `where`
+    (what names the manifest) when the manifest lacks a `prefill` or `decode` component or a cache, or gives a
+    size that is no whole number from 1 to `MAX_STATIC_CACHE`."""
+    components = getattr(generator, "components", None) or {}
+    missing = [name for name in ("prefill", "decode") if name not in components]
+    if missing:
+        raise ValueError(f"{where} describes no {' or '.join(missing)} component: export the summariser again.")
+    traced = getattr(components["decode"].metadata, "kwargs", None)
+    if not isinstance(traced, dict) or not isinstance(traced.get("cache"), dict):
+        raise ValueError(f"{where} describes no KV cache for the decode component (a generator exported from a config "
+                         "saying use_cache=False): export it again from a model whose config has use_cache=True.")
+    if traced["cache"].get("container") != "StaticCache":
+        return None
+    mask = traced.get("attention_mask")
+    shape = mask.get("shape") if isinstance(mask, dict) else None
+    size = shape[1] if isinstance(shape, list) and len(shape) == 2 else None  # a static cache's masks span it whole
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_STATIC_CACHE:
+        raise ValueError(f"{where} gives the static cache a size of {size!r}, not a length from 1 to "
+                         f"{MAX_STATIC_CACHE:,}: export the summariser again.")
+    return size
+
+
+def check_cache_memory(config, rows: int, size: int) -> None:
+    """A `ValueError` if a static key/value cache of `size` positions for `rows` sequences of a model of `config`
+    (float32) needs more memory than the machine has free, before it is made."""
+    import psutil
+
+    needed = rows * 2 * config.num_hidden_layers * size * config.hidden_size * 4
+    free = psutil.virtual_memory().available
+    if needed > free:
+        raise ValueError(f"A static cache of {size:,} positions for {rows} sequences needs {needed / 2**30:,.1f} GiB; "
+                         f"this machine has {free / 2**30:,.1f} GiB free.")
+
+
 def generate_exported(generator, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
                       eos_token_id: int | None, pad_token_id: int, logits_processor=None) -> torch.Tensor:
     """Greedy decoding with a `NezhaForUniLM` exported by transformers' `export_for_generation` (its `prefill` and
@@ -316,16 +358,12 @@ def generate_exported(generator, input_ids: torch.Tensor, attention_mask: torch.
     from transformers.generation import LogitsProcessorList
 
     processors = LogitsProcessorList(logits_processor or [])
-    traced = generator.components["decode"].metadata.kwargs
-    if "cache" not in traced:
-        raise ValueError("This generator was exported without a KV cache (its config says use_cache=False): export it "
-                         "again from a model whose config has use_cache=True.")
-    size = None
-    if traced["cache"].get("container") == "StaticCache":
-        size = traced["attention_mask"]["shape"][1]  # a static cache's masks span the whole cache
+    size = exported_cache_size(generator, "The exported generator's export.json")
+    if size is not None:
         if input_ids.shape[1] + max_new_tokens > size:
             raise ValueError(f"The prompt ({input_ids.shape[1]} tokens) and {max_new_tokens} new tokens do not fit the "
                              f"static cache of {size} the generator was exported with.")
+        check_cache_memory(generator.config, input_ids.shape[0], size)
         cache = StaticCache(config=generator.config, max_cache_len=size)
     else:
         cache = DynamicCache(config=generator.config)
@@ -429,12 +467,8 @@ def check_export(folder: Path) -> None:
     if manifest["export_format"] != "onnx":
         raise ValueError(f"{manifest_path} names {manifest['export_format']!r} programs; an exported summariser holds "
                          "ONNX programs (nezha-hf export onnx).")
-    outside = [name for name in files if Path(name).name != name or name in ("", ".", "..")]
-    if outside:
-        raise ValueError(f"{manifest_path} names files outside its folder ({', '.join(map(repr, outside[:3]))}): "
-                         "export the summariser again.")
     for name in [*files, "config.json"]:
-        if not (folder / name).is_file():
+        if file_in_folder(folder, name, manifest_path, must_exist=False) is None:
             raise FileNotFoundError(f"{folder / name} is missing: export the summariser again.")
     for name in ("config.json", "generation_config.json"):  # bounded before transformers reads them
         if (folder / name).is_file():
@@ -454,10 +488,16 @@ def load_exported_summarizer(directory, **settings) -> Summarizer:
     if saved.get("num_beams", Summarizer.num_beams) != 1:
         raise ValueError(f"{directory} is an exported summariser, which decodes greedily: it cannot use "
                          f"{saved['num_beams']} beams (pass 1, or run the trained summariser).")
+    parts = {}
     for part in (EXTRACTOR_DIR, GENERATOR_DIR):
         check_export(directory / part)
-    summarizer = Summarizer(ExportedExtractor(ExportedModel.from_pretrained(directory / EXTRACTOR_DIR)),
-                            ExportedGenerator(ExportedModel.from_pretrained(directory / GENERATOR_DIR)),
+        try:
+            parts[part] = ExportedModel.from_pretrained(directory / part)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:  # a manifest of another shape
+            raise ValueError(f"{directory / part / 'export.json'} is damaged ({type(error).__name__}: "
+                             f"{str(error)[:200]}): export the summariser again.") from None
+    exported_cache_size(parts[GENERATOR_DIR], directory / GENERATOR_DIR / "export.json")
+    summarizer = Summarizer(ExportedExtractor(parts[EXTRACTOR_DIR]), ExportedGenerator(parts[GENERATOR_DIR]),
                             load_tokenizer(directory), **saved)
     summarizer.check(directory)
     return summarizer

@@ -1,5 +1,6 @@
 """Benchmark results say where they come from: the command that made them and the machine it ran on."""
 
+import io
 import json
 import re
 import sys
@@ -391,3 +392,68 @@ def test_a_failed_gpu_check_step_ends_the_run_and_the_summary_says_so(monkeypatc
     assert capsys.readouterr().out.rstrip().endswith(summary.rstrip())  # the table is what it prints last
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["gpu-check.log", "results.tar.gz",
                                                                           "summary.md"]
+
+
+def _archive(path, members):
+    """A gzipped tar at `path` of `members`: (name, kind, data or link target), as a hostile carried cache would be."""
+    with tarfile.open(path, "w:gz") as archive:
+        for name, kind, payload in members:
+            info = tarfile.TarInfo(name)
+            if kind == "file":
+                info.size = len(payload)
+                archive.addfile(info, io.BytesIO(payload))
+                continue
+            info.type = {"dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE, "hardlink": tarfile.LNKTYPE,
+                         "chardevice": tarfile.CHRTYPE, "blockdevice": tarfile.BLKTYPE, "fifo": tarfile.FIFOTYPE}[kind]
+            if kind in ("symlink", "hardlink"):
+                info.linkname = payload
+            if kind.endswith("device"):
+                info.devmajor, info.devminor = 1, 3
+            archive.addfile(info)
+    return path
+
+
+# Each archive holds a good kernel first, then one member that is no plain file or folder inside the cache.
+HOSTILE_MEMBERS = {
+    "symlink inside": [("ab12/link", "symlink", "kernel.cubin")],
+    "symlink out": [("ab12/link", "symlink", "../../outside"), ("ab12/link/evidence", "file", b"x")],
+    "symlink chain": [(f"ab12/{'d' * 50}{i}", "symlink", f"{'d' * 50}{i + 1}" if i < 40 else "../../..")
+                      for i in range(41)] + [("ab12/" + "d" * 50 + "0/evidence", "file", b"x")],
+    "hard link": [("ab12/hard", "hardlink", "ab12/kernel.cubin")],
+    "hard link out": [("ab12/hard", "hardlink", "../outside/evidence")],
+    "parent": [("../evidence", "file", b"x")],
+    "absolute": [("/tmp/nezha-hf-test-evidence-absolute", "file", b"x")],
+    "device": [("ab12/null", "chardevice", None)],
+    "block device": [("ab12/disk", "blockdevice", None)],
+    "fifo": [("ab12/pipe", "fifo", None)],
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_MEMBERS)
+def test_a_carried_triton_cache_with_anything_but_files_and_folders_is_refused_whole(tmp_path, case):
+    """`restore_cache` unpacks plain files and folders inside the cache only; an archive holding a link of any kind, a
+    device, a FIFO or a name outside is refused before anything of it is written (Python's `filter="data"` is passed
+    by a long symlink chain on 3.11.7, CVE-2025-4517)."""
+    from benchmarks import gpu_check
+
+    (tmp_path / "outside").mkdir()
+    cache = tmp_path / "run" / "cache"
+    members = [("ab12", "dir", None), ("ab12/kernel.cubin", "file", b"kernel"), *HOSTILE_MEMBERS[case]]
+    part = _archive(tmp_path / "triton-cache.tar.gz", members)
+    log = gpu_check.Log(tmp_path / "gpu-check.log")
+    gpu_check.restore_cache(cache, [part], log)
+    text = (tmp_path / "gpu-check.log").read_text()
+    assert "refused" in text and "kernels compile in this run" in text, text
+    assert not cache.exists() or not any(cache.rglob("*")), sorted(cache.rglob("*"))
+    written = [p for p in tmp_path.rglob("*") if p.name in ("evidence", "link", "hard")]
+    assert not written and not Path("/tmp/nezha-hf-test-evidence-absolute").exists(), written
+
+
+def test_a_carried_triton_cache_of_files_and_folders_is_restored(tmp_path):
+    from benchmarks import gpu_check
+
+    part = _archive(tmp_path / "triton-cache.tar.gz", [("ab12", "dir", None), ("ab12/kernel.cubin", "file", b"k"),
+                                                       ("ab12/deeper/kernel.json", "file", b"{}")])
+    gpu_check.restore_cache(tmp_path / "cache", [part], gpu_check.Log(tmp_path / "gpu-check.log"))
+    assert (tmp_path / "cache" / "ab12" / "kernel.cubin").read_bytes() == b"k"
+    assert (tmp_path / "cache" / "ab12" / "deeper" / "kernel.json").read_bytes() == b"{}"

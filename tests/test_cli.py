@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from helpers import VOCAB, synthetic_judgment, tiny_config, write_jsonl
 
 import nezha_hf
@@ -239,3 +240,64 @@ def test_an_interrupted_writer_failing_again_at_exit_stays_one_line():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 130 and done.stderr.strip() == (
         "nezha-hf evaluate: interrupted; outputs not yet in place were removed"), done.stderr
+
+
+@pytest.mark.parametrize("command", ["convert", "pretrain", "export", "train-summarizer"])
+def test_a_folder_output_whose_parent_does_not_exist_is_refused_in_one_line(tmp_path, run_cli, command):
+    """A mistyped `--output /mnt/bakcup/x` was created, parents and all; now the parent must exist, as for files."""
+    from helpers import make_tokenizer
+    from test_nothing_lost import one_line_failure
+
+    model = tmp_path / "model"
+    NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)).save_pretrained(model, model_card=False)
+    make_tokenizer(model)
+    summarizer = tmp_path / "summarizer"  # enough for the checks that come before loading one
+    summarizer.mkdir()
+    (summarizer / "summarizer.json").write_text("{}")
+    data = write_jsonl(tmp_path / "data.jsonl", [synthetic_judgment(random.Random(0), i) for i in range(4)])
+    (tmp_path / "corpus.txt").write_text("原告诉称。被告辩称。\n\n本院认为。\n", encoding="utf-8")
+    output = tmp_path / "bakcup" / "deeper" / "out"
+    args = {"convert": ["convert", "nezha", model, output],
+            "pretrain": ["pretrain", model, tmp_path / "corpus.txt", "--output", output],
+            "export": ["export", "onnx", summarizer, output],
+            "train-summarizer": ["train-summarizer", data, "--base", model, "--output", output]}[command]
+    one_line_failure(run_cli(*args), "bakcup", "does not exist")
+    assert not (tmp_path / "bakcup").exists()
+
+
+def _bert_with(folder, weights):
+    """A BERT folder (config, tokenizer) whose `pytorch_model.bin` is `weights(state)` written by `torch.save`."""
+    from helpers import make_tokenizer, small_bert
+
+    bert = small_bert(transformers.BertForMaskedLM)
+    folder.mkdir()
+    bert.config.save_pretrained(folder)
+    make_tokenizer(folder)
+    state, options = weights(dict(bert.state_dict()))
+    torch.save(state, folder / "pytorch_model.bin", **options)
+    return folder
+
+
+MALFORMED_WEIGHTS = {
+    "a key that is no name": lambda state: ({**state, 7: torch.zeros(2)}, {}),
+    "float8 in the legacy format": lambda state: ({**state, "x": torch.zeros(2, dtype=torch.float8_e4m3fn)},
+                                                  {"_use_new_zipfile_serialization": False}),
+    "an index naming a number": None,
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED_WEIGHTS)
+def test_a_malformed_converter_input_is_one_line_naming_the_file(tmp_path, run_cli, case):
+    """They ended in `'<' not supported between instances of 'str' and 'int'` or an error of torch's naming no file."""
+    from test_nothing_lost import one_line_failure
+
+    if case == "an index naming a number":
+        folder = _bert_with(tmp_path / "bert", lambda state: (state, {}))
+        (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"a": "pytorch_model.bin",
+                                                                                        "b": 3}}))
+        named = "pytorch_model.bin.index.json"
+    else:
+        folder = _bert_with(tmp_path / "bert", MALFORMED_WEIGHTS[case])
+        named = "pytorch_model.bin"
+    line = one_line_failure(run_cli("convert", "bert", folder, tmp_path / "out"), named)
+    assert "not supported between" not in line and not (tmp_path / "out").exists(), line

@@ -3,6 +3,7 @@ every value is checked where it is read (the config, `summarizer.json`, a journa
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -190,6 +191,42 @@ def test_convert_refuses_an_oversized_max_relative_position_before_reading_weigh
     monkeypatch.setattr(conversion, "read_pytorch_checkpoint", lambda *a: pytest.fail("weights read first"))
     with pytest.raises(ValueError, match="max_relative_position"):
         convert_bert(source, tmp_path / "out", max_relative_position=10**9)
+
+
+# Sizes no encoder has, each alone (num_hidden_layers=20,000 took 50 s and 1.8 GB to build before a refusal), and
+# sizes each within sense whose product is not (16,384-wide layers of 65,536, 512 of them: 1.6 * 10^12 parameters).
+OVERSIZED = [({"num_hidden_layers": 20_000}, "num_hidden_layers"), ({"num_hidden_layers": 10**6}, "num_hidden_layers"),
+             ({"hidden_size": 2**20, "num_attention_heads": 4}, "hidden_size"),
+             ({"intermediate_size": 10**9}, "intermediate_size"),
+             ({"hidden_size": 4096, "num_attention_heads": 2048}, "num_attention_heads"),
+             ({"vocab_size": 10**9}, "vocab_size"), ({"type_vocab_size": 10**7}, "type_vocab_size"),
+             ({"hidden_size": 16_384, "num_attention_heads": 128, "intermediate_size": 65_536,
+               "num_hidden_layers": 512}, "parameters")]
+
+
+@pytest.mark.parametrize("sizes,field", OVERSIZED)
+def test_sizes_no_encoder_has_are_refused_when_the_config_is_made(sizes, field):
+    with pytest.raises(NezhaConfigError, match=field):
+        tiny_config(**sizes)
+
+
+@pytest.mark.parametrize("sizes,field", OVERSIZED)
+def test_sizes_in_a_config_file_are_refused_before_any_layer_is_built(tmp_path, monkeypatch, sizes, field):
+    from nezha_hf import modeling_nezha
+
+    NezhaModel(tiny_config()).save_pretrained(tmp_path / "m", model_card=False)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, **sizes}))
+    monkeypatch.setattr(modeling_nezha.NezhaLayer, "__init__", lambda *a, **k: pytest.fail("a layer was built"))
+    with pytest.raises(ValueError, match=field):
+        NezhaModel.from_pretrained(tmp_path / "m")
+
+
+def test_the_largest_published_encoder_sizes_are_accepted():
+    """XLM-RoBERTa XXL's shape (48 layers of 4,096, 16,384 wide, 250,002 tokens): the bounds are far from real ones."""
+    config = NezhaConfig(num_hidden_layers=48, hidden_size=4096, num_attention_heads=32, intermediate_size=16_384,
+                         vocab_size=250_002)
+    assert config.num_hidden_layers == 48
 
 
 # --- caches handed to forward / generate ----------------------------------------------------------------------------
@@ -635,3 +672,188 @@ def test_the_json_reader_bounds_size_depth_and_kind_and_names_the_field(tmp_path
             read_json(shaped, schema)
     shaped.write_text('{"steps": [{"step": 3}]}')
     assert read_json(shaped, schema) == {"steps": [{"step": 3}]}
+# --- paths that a file names are held to its folder (issue 54) ---------------------------------------------------
+
+
+def _folder_naming(tmp_path, entry: str, index_name="model.safetensors.index.json", layout="nezha") -> Path:
+    """A model folder with no weights of its own whose weight index names `entry` for every tensor, beside a
+    `private/` folder holding real weights (what an index naming them would copy into an output). Entries with a
+    `@` are made inside the folder: `@link` a link out to the private weights, `@fifo` a FIFO, `@device` a device
+    (/dev/null's), `@folder` a folder."""
+    import os
+    import stat
+
+    private, folder = tmp_path / "private", tmp_path / "hostile"
+    model = NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)) if layout == "nezha" else small_bert(
+        transformers.BertForMaskedLM)
+    model.save_pretrained(private, **({"model_card": False} if layout == "nezha" else {}))
+    weights = next(private.glob("model.safetensors"))
+    folder.mkdir()
+    (folder / "config.json").write_text((private / "config.json").read_text())
+    make_tokenizer(folder)
+    name = {"@link": "link.safetensors", "@fifo": "fifo.safetensors", "@device": "device.safetensors",
+            "@folder": "sub"}.get(entry, entry.replace("PRIVATE", str(weights)))
+    if entry == "@link":
+        (folder / name).symlink_to(weights)
+    elif entry == "@fifo":
+        os.mkfifo(folder / name)
+    elif entry == "@device":
+        os.mknod(folder / name, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    elif entry == "@folder":
+        (folder / name).mkdir()
+    keys = json.loads(json.dumps(list(load_safetensors(weights))))
+    (folder / index_name).write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(keys, name)}))
+    return folder
+
+
+def load_safetensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+# Entries that name a file outside the folder, or one inside that is no regular file.
+HOSTILE_ENTRIES = ["../private/model.safetensors", "PRIVATE", "sub/../../private/model.safetensors", "@link", "@fifo",
+                   "@device", "@folder"]
+
+
+def _within(seconds, call, folder):
+    """`call()`, failing the test if it was still blocked on a FIFO of `folder` after `seconds` (reading one never
+    ends): another process then opens them for writing, so that the reader sees their end and the test ends. (A
+    thread of this process may never run: the reader can hold the GIL while it waits.)"""
+    import subprocess
+
+    release = subprocess.Popen([sys.executable, "-c", f"""
+import os, sys, time
+time.sleep({seconds})
+for fifo in {[str(p) for p in folder.glob("*") if p.is_fifo()]!r}:
+    for _ in range(100):
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            print(fifo, flush=True)
+        except OSError:
+            break
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        return call()
+    finally:
+        release.kill()
+        hung = sorted(set(release.communicate()[0].split()))
+        assert not hung, f"still reading the FIFO {hung} after {seconds} s"
+
+
+@pytest.mark.parametrize("entry", HOSTILE_ENTRIES)
+def test_convert_reads_no_shard_an_index_names_outside_its_folder(tmp_path, entry):
+    folder = _folder_naming(tmp_path, entry, layout="bert")
+    refusal = r"model\.safetensors\.index\.json names .*it may only name regular files|is a link to .*outside the model"
+    with pytest.raises(ValueError, match=refusal):
+        _within(10, lambda: convert_bert(folder, tmp_path / "out"), folder)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("entry", HOSTILE_ENTRIES)
+@pytest.mark.parametrize("index_name", ["model.safetensors.index.json", "pytorch_model.bin.index.json"])
+def test_from_pretrained_reads_no_shard_an_index_names_outside_its_folder(tmp_path, entry, index_name):
+    folder = _folder_naming(tmp_path, entry, index_name)
+    with pytest.raises(ValueError, match=rf"{re.escape(index_name)} names .*it may only name regular files"):
+        _within(10, lambda: NezhaForMaskedLM.from_pretrained(folder), folder)
+
+
+@pytest.mark.parametrize("entry", ["../private/model.safetensors", "@fifo"])
+def test_every_reader_of_weights_holds_an_index_to_its_folder(tmp_path, entry):
+    from nezha_hf.distributed import read_weights
+
+    folder = _folder_naming(tmp_path, entry)
+    with pytest.raises(ValueError, match=r"names .*it may only name regular files"):
+        _within(10, lambda: read_weights(folder), folder)
+
+
+@pytest.mark.parametrize("entry", ["../private/model.safetensors", "@fifo", "@device"])
+def test_convert_refuses_an_index_naming_outside_in_one_line(tmp_path, run_cli, entry):
+    from test_nothing_lost import one_line_failure
+
+    folder = _folder_naming(tmp_path, entry, layout="bert")
+    done = _within(10, lambda: run_cli("convert", "bert", folder, tmp_path / "out"), folder)
+    one_line_failure(done, "model.safetensors.index.json", "it may only name regular files")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_index_naming_its_own_shards_still_loads(tmp_path):
+    """The check keeps what is right: shards named plainly, or in a subfolder of the model folder."""
+    model = NezhaForMaskedLM(tiny_config(vocab_size=VOCAB))
+    model.save_pretrained(tmp_path / "m", model_card=False, max_shard_size="20KB")
+    index = tmp_path / "m" / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    (tmp_path / "m" / "shards").mkdir()
+    for name in set(weight_map.values()):
+        (tmp_path / "m" / name).rename(tmp_path / "m" / "shards" / name)
+    index.write_text(json.dumps({"weight_map": {k: f"shards/{v}" for k, v in weight_map.items()}}))
+    from nezha_hf.distributed import read_weights
+
+    assert set(read_weights(tmp_path / "m")) == set(weight_map)
+
+
+@pytest.mark.parametrize("entry", ["../private/tokenizer.1.0.0.json", "PRIVATE"])
+def test_a_tokenizer_config_names_no_tokenizer_file_outside_its_folder(tmp_path, entry):
+    """transformers reads the newest of the `fast_tokenizer_files` a tokenizer_config.json names, joined to the
+    folder: a name that climbs out had a file outside read as the tokenizer."""
+    from nezha_hf.checkpoints import load_tokenizer
+
+    private, folder = tmp_path / "private", tmp_path / "t"
+    make_tokenizer(private)
+    make_tokenizer(folder)
+    (private / "tokenizer.1.0.0.json").write_text((private / "tokenizer.json").read_text())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["fast_tokenizer_files"] = [entry.replace("PRIVATE", str(private / "tokenizer.1.0.0.json"))]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json names .*it may only name regular files"):
+        load_tokenizer(folder)
+
+
+def _exported_generator(decode_kwargs, components=("prefill", "decode")):
+    """What `ExportedModel.from_pretrained` gives for an exported generator whose export.json describes its decoding
+    step's inputs as `decode_kwargs`; its programs must not run."""
+    from types import SimpleNamespace
+
+    def never(**_):
+        pytest.fail("a program ran")
+
+    metadata = SimpleNamespace(kwargs=decode_kwargs)
+    return SimpleNamespace(components={name: SimpleNamespace(metadata=metadata) for name in components},
+                           runners={name: never for name in components}, config=tiny_config(is_decoder=True),
+                           generation_config=None)
+
+
+STATIC = {"container": "StaticCache"}
+ODD_MANIFESTS = {
+    "no decode": ({"cache": STATIC, "attention_mask": {"shape": [1, 64]}}, ("prefill",), "decode"),
+    "no prefill": ({"cache": STATIC, "attention_mask": {"shape": [1, 64]}}, ("decode",), "prefill"),
+    "no inputs": (None, ("prefill", "decode"), "no KV cache"),
+    "no cache": ({"attention_mask": {"shape": [1, 64]}}, ("prefill", "decode"), "no KV cache"),
+    "no mask shape": ({"cache": STATIC, "attention_mask": {"shape": None}}, ("prefill", "decode"), "size of None"),
+    "16 TB": ({"cache": STATIC, "attention_mask": {"shape": [1, 2**40]}}, ("prefill", "decode"), "size of"),
+    "text": ({"cache": STATIC, "attention_mask": {"shape": [1, "64"]}}, ("prefill", "decode"), "size of '64'"),
+}
+
+
+@pytest.mark.parametrize("case", ODD_MANIFESTS)
+def test_an_exported_generators_odd_manifest_is_one_error_naming_it_before_any_cache(case):
+    """Odd exported folders ended in `KeyError: 'decode'` or `'NoneType' object is not subscriptable`, and a static
+    cache size from export.json was trusted (one asked for 16 TB)."""
+    from nezha_hf.summarization import generate_exported
+
+    kwargs, components, what = ODD_MANIFESTS[case]
+    generator = _exported_generator(kwargs, components)
+    with pytest.raises(ValueError, match=rf"export\.json.*{re.escape(what)}"):
+        generate_exported(generator, torch.ones(1, 4, dtype=torch.long), None, 4, None, 0)
+
+
+def test_a_static_cache_larger_than_free_memory_is_refused_before_it_is_made(monkeypatch):
+    import psutil
+
+    from nezha_hf.summarization import generate_exported
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 2**20})())
+    generator = _exported_generator({"cache": STATIC, "attention_mask": {"shape": [1, 100_000]}})
+    with pytest.raises(ValueError, match="static cache of 100,000 positions .* GiB free"):
+        generate_exported(generator, torch.ones(1, 4, dtype=torch.long), None, 4, None, 0)
