@@ -53,7 +53,8 @@ def test_no_import_cycles_not_even_lazy_ones():
     assert graph["modeling_nezha"] == {"configuration_nezha", "relative_attention", "generation_nezha", "loading_nezha"}
     assert "modeling_nezha" not in graph["generation_nezha"] and graph["tokenizer_cap"] == {"json_files"}
     assert not graph["json_files"]  # copied with the modeling file as remote code: it imports no sibling
-    assert {"tokenizer_cap", "json_files"} <= graph["loading_nezha"]
+    assert graph["named_files"] == {"json_files"}
+    assert {"tokenizer_cap", "json_files", "named_files"} <= graph["loading_nezha"]
 
 
 def test_an_older_transformers_is_refused_in_words():
