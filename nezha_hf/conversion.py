@@ -33,7 +33,7 @@ from .checkpoints import model_folder
 from .configuration_nezha import NezhaConfig
 from .extras import require_extra
 from .hub import export_remote_code, write_model_card
-from .modeling_nezha import NEZHA_HEADS, NezhaForMaskedLM, nezha_head
+from .modeling_nezha import NEZHA_HEADS, POOLER_WEIGHT, NezhaForMaskedLM, nezha_head
 from .safe_output import check_destination, staged_folder
 
 REPORT_NAME = "conversion_report.json"
@@ -296,7 +296,51 @@ def _target_shapes(config: NezhaConfig, architecture: str) -> dict[str, torch.Si
     with torch.device("meta"):
         model = nezha_head(architecture).model_class(config)
     buffers = {name for name, _ in model.named_buffers()}
-    return {name: tensor.shape for name, tensor in model.state_dict().items() if name not in buffers}
+    shapes = {name: tensor.shape for name, tensor in model.state_dict().items() if name not in buffers}
+    if not any(re.search(POOLER_WEIGHT, name) for name in shapes):  # kept by heads without one (POOLER_WEIGHT)
+        shapes.update({name: tensor.shape for name, tensor in initialised_pooler(config).items()})
+    return shapes
+
+
+def initialised_pooler(config: NezhaConfig, dtype=torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The pooler's weights (`nezha.pooler.dense.*`) initialised as NEZHA initialises a linear layer (normal with
+    `config.initializer_range`, zero bias), from `seed`: drawn once and saved, for a checkpoint that has none."""
+    generator = torch.Generator().manual_seed(seed)
+    size = config.hidden_size
+    weight = torch.randn(size, size, generator=generator) * config.initializer_range
+    return {"nezha.pooler.dense.weight": weight.to(dtype), "nezha.pooler.dense.bias": torch.zeros(size, dtype=dtype)}
+
+
+def saved_pooler(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The pooler's weights in the checkpoint `folder` (named `nezha.pooler.dense.*`), empty if it has none."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())) if index.is_file() else (
+        ["model.safetensors"] if (folder / "model.safetensors").is_file() else [])
+    found = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as weights:
+            found.update({nezha_name(key): weights.get_tensor(key) for key in weights.keys()
+                          if re.search(POOLER_WEIGHT, key)})
+    return found
+
+
+def add_pooler(folder: str | Path, pooler: dict[str, torch.Tensor]) -> None:
+    """Write `pooler` (`nezha.pooler.dense.*`) into the safetensors checkpoint in `folder` (a folder being written:
+    the caller stages it), beside weights that lack it; a sharded checkpoint gets a file of its own in its index."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        contents = json.loads(index.read_text(encoding="utf-8"))
+        save_file(pooler, str(folder / "model-pooler.safetensors"), metadata={"format": "pt"})
+        contents["weight_map"].update(dict.fromkeys(pooler, "model-pooler.safetensors"))
+        index.write_text(json.dumps(contents, indent=2) + "\n", encoding="utf-8")
+        return
+    path = folder / "model.safetensors"
+    with safe_open(str(path), framework="pt") as weights:
+        metadata = weights.metadata()
+        state = {key: weights.get_tensor(key) for key in weights.keys()}
+    save_file({**state, **pooler}, str(path), metadata=metadata or {"format": "pt"})
 
 
 def map_state_dict(
@@ -352,6 +396,12 @@ def map_state_dict(
         raise ConversionError("Tensors that do not fit the translated config: " + "; ".join(mismatches))
     for target in sorted(set(targets) - set(mapped)):
         if config.tie_word_embeddings and target in TIED_DECODER:
+            continue
+        if re.search(POOLER_WEIGHT, target):  # no pooler in the source: one drawn here, once, and saved
+            dtype = next(iter(mapped.values())).dtype if mapped else torch.float32
+            mapped[target] = initialised_pooler(config, dtype)["nezha.pooler.dense." + target.rsplit(".", 1)[1]]
+            report.notes.append(f"{target}: the source has no pooler; initialised once (seed 0) and saved, so that "
+                                "a classifier built on this model reads the same pooler at every load")
             continue
         if CORE_WEIGHTS.match(target):
             raise ConversionError(
@@ -670,15 +720,18 @@ def convert_tf(
 
 __all__ = [
     "ConversionError",
+    "add_pooler",
     "ConversionReport",
     "convert_bert",
     "convert_bert_hierarchical",
     "convert_legacy_nezha",
     "convert_tf",
     "hierarchical_positions",
+    "initialised_pooler",
     "map_state_dict",
     "nezha_config_from_bert",
     "nezha_name",
     "read_pytorch_checkpoint",
     "read_tf_checkpoint",
+    "saved_pooler",
 ]

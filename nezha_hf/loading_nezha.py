@@ -80,7 +80,7 @@ class NezhaLoadingMixin:
         # in silence; NEZHA says it did, once (a note, never an error).
         before = set(loading_info.unexpected_keys)
         super()._adjust_missing_and_unexpected_keys(loading_info)
-        dropped = sorted(before - set(loading_info.unexpected_keys))
+        dropped = sorted(key for key in before - set(loading_info.unexpected_keys) if "pooler.dense." not in key)
         if dropped:
             logger.warning(
                 f"Dropped {len(dropped)} persisted buffer(s) of an older NEZHA release; they carry no information "

@@ -263,6 +263,12 @@ class NezhaEncoder(nn.Module):
         )
 
 
+# The pooler's weights in a checkpoint. Every checkpoint nezha_hf writes keeps one, heads without a pooler (masked LM)
+# included, so that a classifier built on it reads the same pooler at every load (a pooler drawn at load is in no PEFT
+# adapter either).
+POOLER_WEIGHT = r"(^|\.)pooler\.dense\.(weight|bias)$"
+
+
 class NezhaPooler(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -425,6 +431,8 @@ class NezhaModel(NezhaPreTrainedModel):
         self.embeddings = NezhaEmbeddings(config)
         self.encoder = NezhaEncoder(config)
         self.pooler = NezhaPooler(config) if add_pooling_layer else None
+        if not add_pooling_layer:  # heads without one read checkpoints that keep it (every one nezha_hf writes), as BERT's
+            self._keys_to_ignore_on_load_unexpected = [*self._keys_to_ignore_on_load_unexpected, POOLER_WEIGHT]
         # One (2K+1) x head_size table for the whole model.
         self.register_buffer("relative_table", self.build_relative_table(), persistent=False)
         self.post_init()

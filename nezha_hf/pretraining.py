@@ -32,6 +32,7 @@ from transformers.utils import logging
 
 from .checkpoints import TrainingRun, check_tokenizer, finished, load_tokenizer, prepare_checkpoints
 from .configuration_nezha import NezhaConfig
+from .conversion import add_pooler, initialised_pooler, saved_pooler
 from .distributed import cpu_only, on_main
 from .documents import jieba_words, read_documents, refused_files
 from .modeling_nezha import NezhaForMaskedLM
@@ -239,4 +240,8 @@ def continue_pretraining(
                 trainer.save_model(str(staging))
             if state.is_main_process:
                 tokenizer.save_pretrained(str(staging))
+                # The masked LM has no pooler; the base's (or one drawn once) is saved with it, so that a classifier
+                # built on the output reads the same pooler at every load.
+                add_pooler(staging, saved_pooler(model_path) or initialised_pooler(
+                    model.config, model.dtype, arguments.seed))
     return metrics
