@@ -22,6 +22,7 @@ or, in Python, `continue_pretraining("converted-bert/", ["corpus/"], "nezha-adap
 """
 
 import bisect
+import json
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.distributed import DistributedConfig
 from transformers.utils import logging
 
-from .checkpoints import TrainingRun, check_tokenizer, finished, load_tokenizer, prepare_checkpoints
+from .checkpoints import TrainingRun, check_tokenizer, finished, load_tokenizer, model_folder, prepare_checkpoints
 from .configuration_nezha import NezhaConfig
 from .conversion import add_pooler, initialised_pooler, saved_pooler
 from .distributed import cpu_only, on_main
@@ -154,6 +155,20 @@ class MaskingEpochCallback(TrainerCallback):
         self.collator.epoch = int(state.epoch or 0)
 
 
+def check_is_nezha(model_path) -> None:
+    """A `ValueError` unless `model_path` holds a NEZHA checkpoint: a BERT (or any other model type) loaded as NEZHA
+    would lose its absolute positions in silence, with nothing saying that `convert bert` is the step that does it
+    (and reports what it drops)."""
+    config = model_folder(model_path) / "config.json"
+    model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    if model_type == "bert":
+        raise ValueError(f"{model_path} is a BERT: run `nezha-hf convert bert {model_path} NEW_FOLDER` first, then "
+                         "pretrain NEW_FOLDER.")
+    if model_type not in (None, "nezha"):
+        raise ValueError(f"{model_path} is a {model_type!r} checkpoint, not a NEZHA: only NEZHA checkpoints (and BERTs "
+                         "after `nezha-hf convert bert`) continue pretraining.")
+
+
 def continue_pretraining(
     model_path: str | Path,
     files,
@@ -195,6 +210,7 @@ def continue_pretraining(
         Trainer's training metrics (`train_loss`, `train_runtime`, ...); empty when the run had already ended.
         A loss or weights that stop being finite end the run with `checkpoints.NotFiniteError`, writing nothing.
     """
+    check_is_nezha(model_path)
     run = TrainingRun("pretrain", model_path, files, output_dir, overwrite)
     state = run.state
     defaults = dict(

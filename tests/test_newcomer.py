@@ -1,0 +1,85 @@
+"""What a newcomer meets on the normal path (issue 57): traps closed, cards that say true things, quiet loads."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from helpers import make_tokenizer, save_layout, small_bert
+from transformers import BertForMaskedLM, BertModel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one_line_failure(done, *needles):
+    assert done.returncode == 2, (done.returncode, done.stdout[-500:], done.stderr[-2000:])
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_pretrain_refuses_an_unconverted_bert_in_one_line(tmp_path, run_cli):
+    save_layout(small_bert(BertForMaskedLM), tmp_path / "bert", "safetensors")
+    make_tokenizer(tmp_path / "bert")
+    (tmp_path / "corpus.txt").write_text("原告被告法院判决了。\n", encoding="utf-8")
+    done = run_cli("pretrain", tmp_path / "bert", tmp_path / "corpus.txt", "--output", tmp_path / "out")
+    one_line_failure(done, "is a BERT", "nezha-hf convert bert")
+    assert not (tmp_path / "out").exists()
+
+
+REMOTE_CODE_LOAD = """
+import sys
+from transformers import AutoModelForMaskedLM, AutoTokenizer
+path = sys.argv[1]
+{calls}
+assert "nezha_hf" not in sys.modules
+print(type(model).__module__, type(tokenizer).__name__)
+"""
+
+
+def test_a_remote_code_folder_loads_as_the_docs_show_without_a_prompt(tmp_path):
+    """docs/ecosystem.md's two calls, in a process without nezha_hf and without a terminal to answer a prompt."""
+    from nezha_hf.conversion import convert_bert
+
+    save_layout(small_bert(BertForMaskedLM), tmp_path / "bert", "safetensors")
+    make_tokenizer(tmp_path / "bert")
+    convert_bert(tmp_path / "bert", tmp_path / "remote", remote_code=True)
+    docs = (ROOT / "docs" / "ecosystem.md").read_text(encoding="utf-8")
+    block = docs[docs.index("## Remote code"):].split("```python\n", 1)[1].split("```", 1)[0]
+    calls = "\n".join(line for line in block.splitlines() if "from_pretrained" in line)
+    assert "AutoTokenizer.from_pretrained(path, trust_remote_code=True)" in calls
+    done = subprocess.run([sys.executable, "-c", REMOTE_CODE_LOAD.format(calls=calls), str(tmp_path / "remote")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+                          env={k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Do you wish to run the custom code" not in done.stdout + done.stderr
+    assert done.stdout.split()[1] in ("BertTokenizer", "BertTokenizerFast")
+
+
+def test_what_the_readme_s_examples_write_is_ignored_by_git(tmp_path):
+    """Every output path of the README's commands and Python blocks, and the checkpoints and progress journals
+    beside them: a newcomer who ran the chain in the repository finds `git status` clean."""
+    import re
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    outputs = set(re.findall(r"--output ([\w.-]+/?)", readme))
+    outputs |= set(re.findall(r"nezha-hf (?:convert \w+|export onnx) \S+ ([\w.-]+/?)", readme))
+    outputs |= {path.rstrip("/") + "/" for path in re.findall(r'(?:save_pretrained|TrainingArguments)\("([\w./-]+)"',
+                                                             readme)}
+    outputs |= {"train_mlm.py"} if "# train_mlm.py" in readme else set()
+    outputs = {output for output in outputs if not output.isupper()}  # placeholders (NEW_FOLDER)
+    assert {"nezha-from-bert/", "nezha-adapted/", "my-summarizer/", "summaries.jsonl", "nezha-lora/"} <= outputs
+    paths = set()
+    for output in outputs:
+        paths.add(output)
+        if output.endswith("/"):
+            paths.add(output.rstrip("/") + ".checkpoints/")
+        elif output.endswith(".jsonl"):
+            paths.add(f".{output}.progress/")
+    if (ROOT / ".git").exists():
+        done = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *sorted(paths)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        not_ignored = [line.split("\t")[1] for line in done.stdout.splitlines() if line.startswith("::")]
+        assert not not_ignored, not_ignored
