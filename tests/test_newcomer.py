@@ -83,3 +83,32 @@ def test_what_the_readme_s_examples_write_is_ignored_by_git(tmp_path):
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
         not_ignored = [line.split("\t")[1] for line in done.stdout.splitlines() if line.startswith("::")]
         assert not not_ignored, not_ignored
+
+
+def test_a_resumed_run_says_so_and_its_progress_counts_judgments(tmp_path, capfd, caplog):
+    """A rerun after a kill said nothing when no batch had finished, and the bar counted batches (one bar, frozen, for
+    a few judgments): it says `Resuming: N of M judgments already done` and counts judgments."""
+    import pytest
+
+    from nezha_hf.checkpoints import RunRecord
+    from nezha_hf.distributed import processes, run_batches
+
+    (tmp_path / "base").mkdir()
+    (tmp_path / "data.txt").write_text("x", encoding="utf-8")
+    record = RunRecord.create("summarize", tmp_path / "base", [tmp_path / "data.txt"], {})
+    journal, keys, calls = tmp_path / ".out.jsonl.progress", ["a", "b", "c", "d"], []
+
+    def work(start, stop):
+        calls.append(start)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # killed during the fourth judgment
+        return [f"summary {keys[i]}" for i in range(start, stop)]
+
+    with pytest.raises(KeyboardInterrupt):
+        run_batches(processes(), 4, 1, work, journal, record, keys=keys, show_progress=True, unit="judgments")
+    first = capfd.readouterr().err
+    assert "Resuming" not in first + caplog.text and "3/4" in first and "judgment" in first
+    results = run_batches(processes(), 4, 1, lambda start, stop: [f"summary {keys[start]}"], journal, record,
+                          keys=keys, show_progress=True, unit="judgments")
+    assert results == [f"summary {key}" for key in keys]
+    assert "Resuming: 3 of 4 judgments already done" in caplog.text
