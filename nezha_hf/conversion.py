@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from .checkpoints import model_folder
 from .configuration_nezha import NezhaConfig
 from .extras import require_extra
-from .hub import export_remote_code, write_model_card
+from .hub import export_remote_code, vocabulary_languages, write_model_card
 from .modeling_nezha import NEZHA_HEADS, POOLER_WEIGHT, NezhaForMaskedLM, nezha_head
 from .safe_output import check_destination, staged_folder
 
@@ -499,6 +499,9 @@ def _convert_state(
     # Model cards of this checkpoint and of models trained from it name the source (if it is a Hub id).
     source_id = config_dict.get("_name_or_path", "")
     config.nezha_card = {"base_model": source_id} if re.fullmatch(r"[\w.-]+/[\w.-]+", source_id) else {}
+    languages = vocabulary_languages(work)  # kept by the models trained from this one, whose folders may lack it
+    if languages:
+        config.nezha_card["language"] = languages
     mapped = map_state_dict(state, config, report.architecture, report, tuple(allow_missing), source_names)
     _write_and_verify(mapped, config, work, report)
     if remote_code:

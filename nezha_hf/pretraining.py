@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import TrainerCallback, TrainingArguments
+from transformers import TrainerCallback, TrainerState, TrainingArguments
 from transformers.distributed import DistributedConfig
 from transformers.utils import logging
 
@@ -35,6 +35,7 @@ from .checkpoints import TrainingRun, check_tokenizer, finished, load_tokenizer,
 from .configuration_nezha import NezhaConfig
 from .conversion import add_pooler, initialised_pooler, saved_pooler
 from .distributed import cpu_only, on_main
+from .hub import write_model_card
 from .documents import jieba_words, read_documents, refused_files
 from .modeling_nezha import NezhaForMaskedLM
 from .padding import attention_mask_for, pad_rows
@@ -155,6 +156,18 @@ class MaskingEpochCallback(TrainerCallback):
         self.collator.epoch = int(state.epoch or 0)
 
 
+def training_summary(trained, arguments, processes: int, documents: int, sequences: int, max_length: int,
+                     mlm_probability: float) -> str:
+    """What `continue_pretraining` ran, in words, for the model card: data, steps, batch, learning rate, final loss."""
+    losses = [entry["loss"] for entry in trained.log_history if "loss" in entry]
+    batch = arguments.per_device_train_batch_size * arguments.gradient_accumulation_steps * processes
+    loss = f"; the last logged training loss was {losses[-1]:.3f}" if losses else ""
+    return (f"Continued masked-LM pretraining with `nezha-hf pretrain`: {documents:,} documents packed into "
+            f"{sequences:,} sequences of up to {max_length:,} tokens, whole-word masking of {mlm_probability:.0%} of "
+            f"the tokens; {trained.global_step:,} steps of {batch:,} sequences, peak learning rate "
+            f"{arguments.learning_rate:g}, {'bfloat16' if arguments.bf16 else 'float32'}{loss}.")
+
+
 def check_is_nezha(model_path) -> None:
     """A `ValueError` unless `model_path` holds a NEZHA checkpoint: a BERT (or any other model type) loaded as NEZHA
     would lose its absolute positions in silence, with nothing saying that `convert bert` is the step that does it
@@ -248,16 +261,22 @@ def continue_pretraining(
                     logger.warning(f"{last} already ends this run: nothing more to train.")
                     NezhaForMaskedLM.from_pretrained(last).save_pretrained(staging)
                 metrics = {}
+                trained = TrainerState.load_from_json(str(last / "trainer_state.json"))
             else:
                 collator = WholeWordMaskCollator(tokenizer, mlm_probability, seed=arguments.seed)
                 trainer = run.trainer(model=model, args=arguments, train_dataset=dataset, data_collator=collator,
                                       callbacks=[MaskingEpochCallback(collator)])
                 metrics = run.train(trainer, last)
                 trainer.save_model(str(staging))
+                trained = trainer.state
             if state.is_main_process:
                 tokenizer.save_pretrained(str(staging))
                 # The masked LM has no pooler; the base's (or one drawn once) is saved with it, so that a classifier
                 # built on the output reads the same pooler at every load.
                 add_pooler(staging, saved_pooler(model_path) or initialised_pooler(
                     model.config, model.dtype, arguments.seed))
+                summary = training_summary(trained, arguments, state.num_processes, len(texts), len(dataset), max_length,
+                                           mlm_probability)
+                write_model_card(staging, "NezhaForMaskedLM", {**(getattr(model.config, "nezha_card", None) or {}),
+                                                               "training_summary": summary})
     return metrics

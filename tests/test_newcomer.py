@@ -112,3 +112,48 @@ def test_a_resumed_run_says_so_and_its_progress_counts_judgments(tmp_path, capfd
                           keys=keys, show_progress=True, unit="judgments")
     assert results == [f"summary {key}" for key in keys]
     assert "Resuming: 3 of 4 judgments already done" in caplog.text
+
+
+def test_cards_say_true_things_language_no_empty_link_and_the_training_that_ran(tmp_path):
+    """A converted English BERT's card said `language: zh` and linked `[nezha_hf](https://github.com/)`; `pretrain`'s
+    card said `## Training` / `Not recorded.`"""
+    from test_pretraining import pretraining_start, run
+
+    from nezha_hf.conversion import convert_bert
+
+    save_layout(small_bert(BertModel), tmp_path / "bert", "safetensors")
+    english = tmp_path / "bert" / "vocab.txt"
+    english.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(f"word{chr(97 + i % 26)}" * (1 + i // 26)
+                                                                                    for i in range(94))]) + "\n")
+    convert_bert(tmp_path / "bert", tmp_path / "english", architecture="NezhaForMaskedLM",
+                 allow_missing=["cls.predictions.*"])
+    card = (tmp_path / "english" / "README.md").read_text(encoding="utf-8")
+    header = card.split("---")[1]
+    assert "- en" in header and "- zh" not in header and "https://github.com/)" not in card and "`None`" not in card
+    start, corpus = pretraining_start(tmp_path, make_tokenizer(tmp_path / "tokenizer"))
+    run(start, corpus, tmp_path / "adapted")
+    card = (tmp_path / "adapted" / "README.md").read_text(encoding="utf-8")
+    training = card.split("## Training", 1)[1]
+    assert "Not recorded" not in training and "30 steps of 4 sequences" in training and "learning rate 0.002" in training
+    assert "language" not in card.split("---")[1]  # 40 characters of Chinese: too few to tell
+
+
+def test_the_documented_local_try_of_push_to_hub_writes_what_push_to_hub_uploads(tmp_path, monkeypatch):
+    """docs/ecosystem.md's `save_pretrained(..., model_card={"repo_id": ..., "tags": ...}, remote_code=True)`,
+    against what `push_to_hub` hands a stand-in for the Hub (no network)."""
+    from helpers import VOCAB, tiny_config
+    from test_hub import LocalHub
+
+    from nezha_hf import NezhaForTokenClassification, hub
+
+    monkeypatch.setattr(hub, "HfApi", LocalHub)
+    LocalHub.instances.clear()
+    model = NezhaForTokenClassification(tiny_config(vocab_size=VOCAB, num_labels=3))
+    model.push_to_hub("my-nezha", tags=["legal"], remote_code=True)
+    uploaded = LocalHub.instances[0].uploads[0]["files"]
+    docs = (ROOT / "docs" / "ecosystem.md").read_text(encoding="utf-8")
+    call = next(line for line in docs.splitlines() if line.startswith('model.save_pretrained("my-nezha-upload"'))
+    exec(call.replace('"my-nezha-upload"', repr(str(tmp_path / "upload"))).replace("you/my-nezha", "someone/my-nezha"),
+         {"model": model})
+    saved = {path.name: path.read_bytes() for path in (tmp_path / "upload").iterdir()}
+    assert saved == uploaded
