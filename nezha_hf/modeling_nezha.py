@@ -431,8 +431,10 @@ class NezhaModel(NezhaPreTrainedModel):
         self.embeddings = NezhaEmbeddings(config)
         self.encoder = NezhaEncoder(config)
         self.pooler = NezhaPooler(config) if add_pooling_layer else None
-        if not add_pooling_layer:  # heads without one read checkpoints that keep it (every one nezha_hf writes), as BERT's
-            self._keys_to_ignore_on_load_unexpected = [*self._keys_to_ignore_on_load_unexpected, POOLER_WEIGHT]
+        # What a checkpoint may hold beyond this model, read without a report: pretraining heads (`cls.*`) where the
+        # model has none, and the pooler where it has none (every checkpoint nezha_hf writes keeps one).
+        self._keys_to_ignore_on_load_unexpected = [*self._keys_to_ignore_on_load_unexpected, r"^cls\.",
+                                                   *([] if add_pooling_layer else [POOLER_WEIGHT])]
         # One (2K+1) x head_size table for the whole model.
         self.register_buffer("relative_table", self.build_relative_table(), persistent=False)
         self.post_init()

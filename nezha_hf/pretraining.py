@@ -168,6 +168,25 @@ def training_summary(trained, arguments, processes: int, documents: int, sequenc
             f"{arguments.learning_rate:g}, {'bfloat16' if arguments.bf16 else 'float32'}{loss}.")
 
 
+def masked_lm_from(model_path, **loading) -> NezhaForMaskedLM:
+    """`NezhaForMaskedLM.from_pretrained(model_path)`, saying in one line when the checkpoint has no masked-LM head (a
+    converted `BertModel`), which then starts untrained, instead of transformers' "This checkpoint seem corrupted"
+    and its table of missing keys; anything else missing or left over is a warning naming it."""
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        model, info = NezhaForMaskedLM.from_pretrained(model_path, output_loading_info=True, **loading)
+    finally:
+        logging.set_verbosity(verbosity)
+    head = sorted(key for key in info["missing_keys"] if key.startswith("cls.predictions."))
+    missing = sorted(set(info["missing_keys"]) - set(head))
+    if missing or info["unexpected_keys"]:
+        logger.warning(f"Loading {model_path}: left over {sorted(info['unexpected_keys'])}, missing (random) {missing}.")
+    if head:
+        logger.warning(f"{model_path} has no masked-LM head (a converted BertModel): a new one is trained with the rest.")
+    return model
+
+
 def check_is_nezha(model_path) -> None:
     """A `ValueError` unless `model_path` holds a NEZHA checkpoint: a BERT (or any other model type) loaded as NEZHA
     would lose its absolute positions in silence, with nothing saying that `convert bert` is the step that does it
@@ -243,7 +262,7 @@ def continue_pretraining(
         sharding = {}
         if fsdp and state.num_processes > 1:
             sharding["distributed_config"] = DistributedConfig(fsdp_size=state.num_processes)
-        model = NezhaForMaskedLM.from_pretrained(model_path, **sharding)
+        model = masked_lm_from(model_path, **sharding)
         dataset = pack_documents(tokenizer, texts, max_length, show_progress)
         if state.is_main_process:
             for problem in problems:  # once, by the main process

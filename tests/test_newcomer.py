@@ -157,3 +157,49 @@ def test_the_documented_local_try_of_push_to_hub_writes_what_push_to_hub_uploads
          {"model": model})
     saved = {path.name: path.read_bytes() for path in (tmp_path / "upload").iterdir()}
     assert saved == uploaded
+
+
+NORMAL_PATH_LOADS = """
+import sys
+import nezha_hf
+from transformers import AutoModel, AutoModelForMaskedLM, AutoTokenizer, pipeline
+for path in sys.argv[1:]:
+    AutoModel.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    print(len(tokenizer("原告被告法院判决了。" * 200)["input_ids"]))   # 2,000 tokens and more, read whole by NEZHA
+AutoModelForMaskedLM.from_pretrained(path)   # the pretrained one has its masked-LM head
+pipeline("fill-mask", model=path)("原告[MASK]告")
+"""
+ALARMS = ("seem corrupted", "LOAD REPORT", "Token indices sequence length", "MISSING", "UNEXPECTED")
+
+
+def test_converted_and_pretrained_checkpoints_load_quietly(tmp_path):
+    """The README's first two commands on a BertModel (no MLM head, like all-MiniLM-L6-v2), then the loads a user
+    makes: transformers' "This checkpoint seem corrupted", its LOAD REPORT tables and the tokenizer's "indexing
+    errors" notice, all untrue or expected on this path, stay out of the output; pretrain says in one line that the
+    masked-LM head is new."""
+    save_layout(small_bert(BertModel), tmp_path / "bert", "safetensors")
+    make_tokenizer(tmp_path / "bert")
+    (tmp_path / "corpus.txt").write_text("原告被告法院判决了。" * 50, encoding="utf-8")
+    cli = [sys.executable, "-m", "nezha_hf"]
+    converted = subprocess.run([*cli, "convert", "bert", tmp_path / "bert", tmp_path / "converted"],
+                               capture_output=True, text=True, timeout=300)
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    pretrained = subprocess.run([*cli, "pretrain", tmp_path / "converted", tmp_path / "corpus.txt", "--output",
+                                 tmp_path / "adapted", "--max-steps", "2", "--max-length", "64", "--batch-size", "2"],
+                                capture_output=True, text=True, timeout=600)
+    assert pretrained.returncode == 0, pretrained.stderr[-3000:]
+    assert "has no masked-LM head" in pretrained.stderr
+    loads = subprocess.run([sys.executable, "-c", NORMAL_PATH_LOADS, tmp_path / "converted", tmp_path / "adapted"],
+                           capture_output=True, text=True, timeout=300)
+    assert loads.returncode == 0, loads.stderr[-3000:]
+    assert [int(n) for n in loads.stdout.split()] == [2002, 2002]
+    for output in (converted, pretrained, loads):
+        for alarm in ALARMS:
+            assert alarm not in output.stdout + output.stderr, (alarm, output.stderr[-3000:])
+    # The converted BertModel read as a masked LM: its head is missing, said by the report, and nothing is "corrupted".
+    headless = subprocess.run([sys.executable, "-c", "import sys, nezha_hf; from transformers import AutoModelForMaskedLM;"
+                               " AutoModelForMaskedLM.from_pretrained(sys.argv[1])", tmp_path / "converted"],
+                              capture_output=True, text=True, timeout=300)
+    assert headless.returncode == 0 and "seem corrupted" not in headless.stderr, headless.stderr[-3000:]
+    assert "cls.predictions.transform.dense.weight" in headless.stderr and "MISSING" in headless.stderr
