@@ -203,3 +203,24 @@ def test_converted_and_pretrained_checkpoints_load_quietly(tmp_path):
                               capture_output=True, text=True, timeout=300)
     assert headless.returncode == 0 and "seem corrupted" not in headless.stderr, headless.stderr[-3000:]
     assert "cls.predictions.transform.dense.weight" in headless.stderr and "MISSING" in headless.stderr
+
+
+def test_export_onnx_prints_what_concerns_the_user_only(tmp_path):
+    """`export onnx` printed about 15 lines of other libraries per pass (`W1127 ... torch/onnx ... torchvision is not
+    installed`, `[torch.onnx] ...` steps, FutureWarnings of PyTorch internals): now its own summary line only."""
+    import re
+
+    from helpers import VOCAB, tiny_config
+
+    from nezha_hf import NezhaForMaskedLM
+
+    NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)).save_pretrained(tmp_path / "model")
+    make_tokenizer(tmp_path / "model")
+    done = subprocess.run([sys.executable, "-m", "nezha_hf", "export", "onnx", tmp_path / "model",
+                           tmp_path / "model.onnx"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in re.split(r"[\r\n]", done.stdout + done.stderr) if line.strip()]
+    noise = [line for line in lines if re.match(r"[WIE]\d{4} ", line) or "torch.onnx" in line or "torch/onnx" in line
+             or "Warning" in line]
+    assert not noise, noise
+    assert any(line.startswith("Exported NezhaForMaskedLM") for line in lines)
