@@ -522,6 +522,57 @@ def _read_config(path: Path) -> dict:
         raise ConversionError(f"Could not read the config {path}: {error}") from error
 
 
+# Tensors with a row per vocabulary entry: the word embeddings, an untied masked-LM decoder and the output bias.
+VOCABULARY_ROWS = re.compile(r"(^|\.)(embeddings\.word_embeddings\.weight|predictions\.decoder\.weight|"
+                             r"predictions\.decoder\.bias|predictions\.bias)$")
+
+
+def corpus_characters(files) -> set[str]:
+    """The characters of the text in `files` (`.txt` / JSONL files or folders, read as `pretrain` reads them)."""
+    from .documents import read_documents
+
+    return {character for document in read_documents(files) for character in document.text if not character.isspace()}
+
+
+def add_characters(work: Path, state: dict, config_dict: dict, characters: set[str], report: ConversionReport,
+                   corpus: str) -> tuple[dict, dict]:
+    """Extend the BERT vocabulary in `work` (copied there from the source) with the `characters` its tokenizer reads
+    as `[UNK]`, appended in code-point order: `vocab.txt` and the tokenizer files rewritten, and every tensor with a
+    row per vocabulary entry (`VOCABULARY_ROWS`) given a new row per character, the mean of its old rows (a neutral
+    start that continued pretraining moves). Returns the new state and config; the report says what was added."""
+    from transformers import BertTokenizerFast
+
+    vocabulary_file = work / "vocab.txt"
+    if not vocabulary_file.is_file():
+        raise ConversionError(f"--add-characters needs the source's vocab.txt (a WordPiece vocabulary); "
+                              f"{report.source} has none.")
+    entries = vocabulary_file.read_text(encoding="utf-8").splitlines()
+    rows = config_dict.get("vocab_size")
+    if rows != len(entries):
+        raise ConversionError(f"--add-characters: {report.source} has {len(entries):,} vocabulary entries but "
+                              f"{rows:,} embedding rows; new ids would not match new rows.")
+    tokenizer = BertTokenizerFast.from_pretrained(work)
+    unknown = [tokenizer.unk_token]
+    new = sorted(c for c in characters if tokenizer.tokenize(c) == unknown)
+    if not new:
+        report.notes.append(f"--add-characters {corpus}: every character of it is in the vocabulary already")
+        return state, config_dict
+    vocabulary_file.write_text("\n".join([*entries, *new]) + "\n", encoding="utf-8")
+    (work / "tokenizer.json").unlink(missing_ok=True)  # rebuilt from vocab.txt and tokenizer_config.json
+    BertTokenizerFast.from_pretrained(work).save_pretrained(work)
+    state = dict(state)
+    for name, tensor in state.items():
+        if VOCABULARY_ROWS.search(name) and tensor.shape[0] == rows:
+            state[name] = torch.cat([tensor, tensor.float().mean(0, keepdim=True).to(tensor.dtype).expand(
+                len(new), *tensor.shape[1:])])
+    shown = "".join(new[:20]) + (" ..." if len(new) > 20 else "")
+    report.notes.append(f"--add-characters {corpus}: {len(new):,} characters it reads as [UNK] added to the "
+                        f"vocabulary ({rows:,} -> {rows + len(new):,} tokens: {shown}); their embedding rows (and "
+                        "masked-LM output rows) start as the mean of the old ones: `nezha-hf pretrain` on text that "
+                        "uses them teaches them")
+    return state, {**config_dict, "vocab_size": rows + len(new)}
+
+
 def convert_bert(
     source: str | Path,
     output: str | Path,
@@ -530,6 +581,7 @@ def convert_bert(
     max_relative_position: int | None = None,
     remote_code: bool = False,
     overwrite: bool = False,
+    add_characters_from=(),
 ) -> ConversionReport:
     """Convert a Hugging Face BERT directory (any head, with or without the `bert.` prefix) to NEZHA.
 
@@ -545,18 +597,25 @@ def convert_bert(
         max_relative_position: `K` for the new model (default: `NezhaConfig`'s).
         remote_code: also make the output loadable with `trust_remote_code=True` without nezha_hf.
         overwrite: replace an existing non-empty `output`.
+        add_characters_from: `.txt` / JSONL files or folders (a corpus): the characters of their text that the
+            BERT's tokenizer reads as `[UNK]` are added to its vocabulary (`add_characters`), so that a BERT of
+            another language, or without a domain's characters, reads that text after `nezha-hf pretrain` on it.
 
     Returns:
         The `ConversionReport` (also printed by the CLI and saved as JSON).
     """
     source = Path(source)
-    output = check_destination(output, [source], overwrite)
+    output = check_destination(output, [source, *add_characters_from], overwrite)
     _check_options(max_relative_position)
+    characters = corpus_characters(add_characters_from) if add_characters_from else set()
     state = read_pytorch_checkpoint(source)
     config_dict = _read_config(source / "config.json")
     report = ConversionReport(str(source), str(output), "huggingface-pytorch", "")
     with staged_folder(output, overwrite) as work:
         _copy_tokenizer(source, work, report)
+        if add_characters_from:
+            state, config_dict = add_characters(work, state, config_dict, characters, report,
+                                                " ".join(map(str, add_characters_from)))
         _convert_state(state, config_dict, report, work, architecture, allow_missing, max_relative_position, remote_code)
     return report
 
@@ -723,12 +782,14 @@ def convert_tf(
 
 __all__ = [
     "ConversionError",
+    "add_characters",
     "add_pooler",
     "ConversionReport",
     "convert_bert",
     "convert_bert_hierarchical",
     "convert_legacy_nezha",
     "convert_tf",
+    "corpus_characters",
     "hierarchical_positions",
     "initialised_pooler",
     "map_state_dict",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from helpers import make_tokenizer, save_layout, small_bert
-from transformers import BertForMaskedLM, BertModel
+from transformers import BertForMaskedLM, BertModel, BertTokenizerFast
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -224,3 +224,39 @@ def test_export_onnx_prints_what_concerns_the_user_only(tmp_path):
              or "Warning" in line]
     assert not noise, noise
     assert any(line.startswith("Exported NezhaForMaskedLM") for line in lines)
+
+
+def test_convert_bert_add_characters_extends_the_vocabulary_with_the_corpus_characters(tmp_path, run_cli):
+    """`convert bert --add-characters CORPUS`: the corpus's characters that the BERT reads as [UNK] get ids after the
+    old ones, and rows (embeddings, masked-LM bias) that start as the mean of the old rows; old ids are unchanged."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from helpers import SPECIAL_TOKENS
+
+    bert = small_bert(BertForMaskedLM, vocab_size=40)
+    save_layout(bert, tmp_path / "bert", "safetensors")
+    english = [*SPECIAL_TOKENS, *"abcdefghijklmnopqrstuvwxyz", "the", "court", "rule", "##s", "原", "告", "被", "判", "决"]
+    assert len(english) == 40
+    (tmp_path / "bert" / "vocab.txt").write_text("\n".join(english) + "\n", encoding="utf-8")
+    (tmp_path / "bert" / "tokenizer.json").unlink(missing_ok=True)
+    BertTokenizerFast.from_pretrained(tmp_path / "bert").save_pretrained(tmp_path / "bert")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("原告诉称，被告应当赔偿。\n\nthe court rules 法院判决如下。", encoding="utf-8")
+    done = run_cli("convert", "bert", tmp_path / "bert", tmp_path / "nezha", "--add-characters", tmp_path / "corpus")
+    assert done.returncode == 0, done.stderr
+    new = sorted(set("诉称，应当赔偿。法院如下"))
+    assert f"{len(new)} characters it reads as [UNK] added to the vocabulary (40 -> {40 + len(new)} tokens" in done.stdout
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "nezha")
+    assert len(tokenizer) == 40 + len(new)
+    text = "原告诉称，the court rules 法院判决如下。"
+    assert tokenizer.unk_token_id not in tokenizer(text)["input_ids"]
+    assert tokenizer.convert_tokens_to_ids(english) == list(range(40))  # old ids unchanged
+    assert tokenizer.convert_tokens_to_ids(new) == list(range(40, 40 + len(new)))
+    weights = load_file(tmp_path / "nezha" / "model.safetensors")
+    embeddings, bias = weights["nezha.embeddings.word_embeddings.weight"], weights["cls.predictions.bias"]
+    source = bert.bert.embeddings.word_embeddings.weight.detach()
+    torch.testing.assert_close(embeddings[:40], source, rtol=0, atol=0)
+    torch.testing.assert_close(embeddings[40:], source.mean(0).expand(len(new), -1), rtol=0, atol=1e-7)
+    torch.testing.assert_close(bias[40:], bert.cls.predictions.bias.detach().mean().expand(len(new)), rtol=0, atol=1e-7)
+    assert json.loads((tmp_path / "nezha" / "config.json").read_text())["vocab_size"] == 40 + len(new)
