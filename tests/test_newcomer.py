@@ -288,3 +288,59 @@ def test_the_demo_chain_s_model_reads_the_bundled_judgments_with_at_most_one_per
         assert ids.count(nezha.unk_token_id) <= 0.01 * len(ids)
     longest = bert(max(texts, key=len), verbose=False)["input_ids"]
     assert (longest.count(bert.unk_token_id), len(longest)) == (2782, 4768)  # the figure the README quotes
+
+
+def test_each_claim_of_ecosystem_md_about_the_512_cap_holds_as_written(tmp_path):
+    """docs/ecosystem.md said every pipeline truncates at the cap; feature-extraction returned all 2,811 tokens while
+    token-classification cut at 512. Each claim now written is checked on a folder whose tokenizer says 512."""
+    import pytest
+    from transformers import pipeline
+
+    from helpers import VOCAB, tiny_config
+
+    from nezha_hf import NezhaForMaskedLM, NezhaForSequenceClassification, NezhaForTokenClassification
+
+    docs = (ROOT / "docs" / "ecosystem.md").read_text(encoding="utf-8").replace("\n", " ")
+    assert ('`pipeline("token-classification")`, sentence-transformers and CrossEncoder cut every input at the '
+            "tokenizer's `model_max_length`") in docs
+    assert ("the `feature-extraction`, `text-classification` and `fill-mask` pipelines read the whole input unless "
+            'asked to truncate (`truncation=True`; fill-mask: `tokenizer_kwargs={"truncation": True}`), and then cut '
+            "there too") in docs
+    folders = {}
+    for cls in (NezhaForTokenClassification, NezhaForSequenceClassification, NezhaForMaskedLM):
+        folder = folders[cls] = tmp_path / cls.__name__
+        cls(tiny_config(vocab_size=VOCAB, num_labels=2)).save_pretrained(folder)
+        make_tokenizer(folder)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 512}))
+    text = "原告被告法院判决了" * 70  # 630 characters, 632 tokens
+
+    def lengths_read(task, folder, *calls):
+        runner = pipeline(task, model=str(folder))
+        seen = []
+        getattr(runner.model, "nezha", runner.model).register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append((kwargs.get("input_ids") if "input_ids" in kwargs else args[0])
+                                                     .shape[-1]), with_kwargs=True)
+        for call in calls:
+            call(runner)
+        return seen
+
+    assert lengths_read("token-classification", folders[NezhaForTokenClassification], lambda r: r(text)) == [512]
+    truncating = {"truncation": True}
+    for task, folder, prompt, asked in (
+            ("feature-extraction", folders[NezhaForTokenClassification], text, truncating),
+            ("text-classification", folders[NezhaForSequenceClassification], text, truncating),
+            ("fill-mask", folders[NezhaForMaskedLM], "原告[MASK]" + text, {"tokenizer_kwargs": truncating})):
+        whole, cut = lengths_read(task, folder, lambda r: r(prompt), lambda r: r(prompt, **asked))
+        assert whole > 512 and cut == 512, (task, whole, cut)
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    encoder = sentence_transformers.SentenceTransformer(str(folders[NezhaForMaskedLM]), device="cpu")
+    cross = sentence_transformers.CrossEncoder(str(folders[NezhaForSequenceClassification]), device="cpu")
+    assert encoder.tokenize([text])["input_ids"].shape[-1] == 512  # what encode() feeds the model
+    assert len(encoder.encode(text, output_value="token_embeddings")) == 512
+    seen = []
+    cross.model.nezha.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((kwargs.get("input_ids") if "input_ids" in kwargs else args[0])
+                                                 .shape[-1]), with_kwargs=True)
+    cross.predict([(text, text)])
+    assert seen == [512], seen
