@@ -142,6 +142,9 @@ def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser
     bert.add_argument("source", help="BERT folder with config.json and weights")
     _add_conversion_options(bert)
     bert.add_argument("--max-relative-position", type=COUNT, help="K of the new model (default: NezhaConfig's)")
+    bert.add_argument("--add-characters", nargs="+", default=[], metavar="CORPUS",
+                      help=".txt / .jsonl files or folders: add the characters of their text that the BERT reads as "
+                           "[UNK] to its vocabulary (new rows: the mean of the old), then `pretrain` on them")
     bert.add_argument("--hierarchical-positions", action="store_true",
                       help="instead of NEZHA: a BERT of the same head whose learned positions are extended "
                            "hierarchically (no training; loads with transformers alone)")
@@ -357,16 +360,18 @@ def _convert(args) -> None:
     if args.source_format == "bert" and args.hierarchical_positions:
         from nezha_hf.conversion import HIERARCHICAL_ALPHA, convert_bert_hierarchical
 
-        if args.architecture or args.allow_missing or args.max_relative_position or args.remote_code:
+        if (args.architecture or args.allow_missing or args.max_relative_position or args.remote_code
+                or args.add_characters):
             raise ValueError("--hierarchical-positions writes a BERT: --architecture, --allow-missing, "
-                             "--max-relative-position and --remote-code are for NEZHA outputs")
+                             "--max-relative-position, --remote-code and --add-characters are for NEZHA outputs")
         report = convert_bert_hierarchical(args.source, args.output, HIERARCHICAL_ALPHA if args.alpha is None
                                            else args.alpha, args.max_length, overwrite=args.overwrite)
     elif args.source_format == "bert":
         if args.alpha is not None or args.max_length is not None:
             raise ValueError("--alpha and --max-length go with --hierarchical-positions")
         report = convert_bert(args.source, args.output, args.architecture, args.allow_missing,
-                              args.max_relative_position, args.remote_code, overwrite=args.overwrite)
+                              args.max_relative_position, args.remote_code, overwrite=args.overwrite,
+                              add_characters_from=args.add_characters)
     elif args.source_format == "tf":
         report = convert_tf(args.checkpoint, args.output, args.config, args.vocab, args.architecture, args.allow_missing,
                             args.max_relative_position, do_lower_case=not args.cased, remote_code=args.remote_code,

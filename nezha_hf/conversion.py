@@ -33,8 +33,8 @@ from .checkpoints import model_folder
 from .configuration_nezha import NezhaConfig, card_setting_problem
 from .extras import require_extra
 from .json_files import JSON_OBJECT, JSONFileError, read_json
-from .hub import export_remote_code, write_model_card
-from .modeling_nezha import NEZHA_HEADS, NezhaForMaskedLM, nezha_head
+from .hub import export_remote_code, vocabulary_languages, write_model_card
+from .modeling_nezha import NEZHA_HEADS, POOLER_WEIGHT, NezhaForMaskedLM, nezha_head
 from .named_files import weight_files
 from .safe_output import check_destination, staged_folder
 
@@ -300,7 +300,51 @@ def _target_shapes(config: NezhaConfig, architecture: str) -> dict[str, torch.Si
     with torch.device("meta"):
         model = nezha_head(architecture).model_class(config)
     buffers = {name for name, _ in model.named_buffers()}
-    return {name: tensor.shape for name, tensor in model.state_dict().items() if name not in buffers}
+    shapes = {name: tensor.shape for name, tensor in model.state_dict().items() if name not in buffers}
+    if not any(re.search(POOLER_WEIGHT, name) for name in shapes):  # kept by heads without one (POOLER_WEIGHT)
+        shapes.update({name: tensor.shape for name, tensor in initialised_pooler(config).items()})
+    return shapes
+
+
+def initialised_pooler(config: NezhaConfig, dtype=torch.float32, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The pooler's weights (`nezha.pooler.dense.*`) initialised as NEZHA initialises a linear layer (normal with
+    `config.initializer_range`, zero bias), from `seed`: drawn once and saved, for a checkpoint that has none."""
+    generator = torch.Generator().manual_seed(seed)
+    size = config.hidden_size
+    weight = torch.randn(size, size, generator=generator) * config.initializer_range
+    return {"nezha.pooler.dense.weight": weight.to(dtype), "nezha.pooler.dense.bias": torch.zeros(size, dtype=dtype)}
+
+
+def saved_pooler(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The pooler's weights in the checkpoint `folder` (named `nezha.pooler.dense.*`), empty if it has none."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())) if index.is_file() else (
+        ["model.safetensors"] if (folder / "model.safetensors").is_file() else [])
+    found = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as weights:
+            found.update({nezha_name(key): weights.get_tensor(key) for key in weights.keys()
+                          if re.search(POOLER_WEIGHT, key)})
+    return found
+
+
+def add_pooler(folder: str | Path, pooler: dict[str, torch.Tensor]) -> None:
+    """Write `pooler` (`nezha.pooler.dense.*`) into the safetensors checkpoint in `folder` (a folder being written:
+    the caller stages it), beside weights that lack it; a sharded checkpoint gets a file of its own in its index."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        contents = json.loads(index.read_text(encoding="utf-8"))
+        save_file(pooler, str(folder / "model-pooler.safetensors"), metadata={"format": "pt"})
+        contents["weight_map"].update(dict.fromkeys(pooler, "model-pooler.safetensors"))
+        index.write_text(json.dumps(contents, indent=2) + "\n", encoding="utf-8")
+        return
+    path = folder / "model.safetensors"
+    with safe_open(str(path), framework="pt") as weights:
+        metadata = weights.metadata()
+        state = {key: weights.get_tensor(key) for key in weights.keys()}
+    save_file({**state, **pooler}, str(path), metadata=metadata or {"format": "pt"})
 
 
 def map_state_dict(
@@ -356,6 +400,12 @@ def map_state_dict(
         raise ConversionError("Tensors that do not fit the translated config: " + "; ".join(mismatches))
     for target in sorted(set(targets) - set(mapped)):
         if config.tie_word_embeddings and target in TIED_DECODER:
+            continue
+        if re.search(POOLER_WEIGHT, target):  # no pooler in the source: one drawn here, once, and saved
+            dtype = next(iter(mapped.values())).dtype if mapped else torch.float32
+            mapped[target] = initialised_pooler(config, dtype)["nezha.pooler.dense." + target.rsplit(".", 1)[1]]
+            report.notes.append(f"{target}: the source has no pooler; initialised once (seed 0) and saved, so that "
+                                "a classifier built on this model reads the same pooler at every load")
             continue
         if CORE_WEIGHTS.match(target):
             raise ConversionError(
@@ -457,6 +507,9 @@ def _convert_state(
     source_id = config_dict.get("_name_or_path", "")
     is_hub_id = "/" in source_id and card_setting_problem("base_model", source_id) is None
     config.nezha_card = {"base_model": source_id} if is_hub_id else {}
+    languages = vocabulary_languages(work)  # kept by the models trained from this one, whose folders may lack it
+    if languages:
+        config.nezha_card["language"] = languages
     mapped = map_state_dict(state, config, report.architecture, report, tuple(allow_missing), source_names)
     _write_and_verify(mapped, config, work, report)
     if remote_code:
@@ -477,6 +530,57 @@ def _read_config(path: Path) -> dict:
         raise ConversionError(f"Could not read the config {path}: {error}") from None
 
 
+# Tensors with a row per vocabulary entry: the word embeddings, an untied masked-LM decoder and the output bias.
+VOCABULARY_ROWS = re.compile(r"(^|\.)(embeddings\.word_embeddings\.weight|predictions\.decoder\.weight|"
+                             r"predictions\.decoder\.bias|predictions\.bias)$")
+
+
+def corpus_characters(files) -> set[str]:
+    """The characters of the text in `files` (`.txt` / JSONL files or folders, read as `pretrain` reads them)."""
+    from .documents import read_documents
+
+    return {character for document in read_documents(files) for character in document.text if not character.isspace()}
+
+
+def add_characters(work: Path, state: dict, config_dict: dict, characters: set[str], report: ConversionReport,
+                   corpus: str) -> tuple[dict, dict]:
+    """Extend the BERT vocabulary in `work` (copied there from the source) with the `characters` its tokenizer reads
+    as `[UNK]`, appended in code-point order: `vocab.txt` and the tokenizer files rewritten, and every tensor with a
+    row per vocabulary entry (`VOCABULARY_ROWS`) given a new row per character, the mean of its old rows (a neutral
+    start that continued pretraining moves). Returns the new state and config; the report says what was added."""
+    from transformers import BertTokenizerFast
+
+    vocabulary_file = work / "vocab.txt"
+    if not vocabulary_file.is_file():
+        raise ConversionError(f"--add-characters needs the source's vocab.txt (a WordPiece vocabulary); "
+                              f"{report.source} has none.")
+    entries = vocabulary_file.read_text(encoding="utf-8").splitlines()
+    rows = config_dict.get("vocab_size")
+    if rows != len(entries):
+        raise ConversionError(f"--add-characters: {report.source} has {len(entries):,} vocabulary entries but "
+                              f"{rows:,} embedding rows; new ids would not match new rows.")
+    tokenizer = BertTokenizerFast.from_pretrained(work)
+    unknown = [tokenizer.unk_token]
+    new = sorted(c for c in characters if tokenizer.tokenize(c) == unknown)
+    if not new:
+        report.notes.append(f"--add-characters {corpus}: every character of it is in the vocabulary already")
+        return state, config_dict
+    vocabulary_file.write_text("\n".join([*entries, *new]) + "\n", encoding="utf-8")
+    (work / "tokenizer.json").unlink(missing_ok=True)  # rebuilt from vocab.txt and tokenizer_config.json
+    BertTokenizerFast.from_pretrained(work).save_pretrained(work)
+    state = dict(state)
+    for name, tensor in state.items():
+        if VOCABULARY_ROWS.search(name) and tensor.shape[0] == rows:
+            state[name] = torch.cat([tensor, tensor.float().mean(0, keepdim=True).to(tensor.dtype).expand(
+                len(new), *tensor.shape[1:])])
+    shown = "".join(new[:20]) + (" ..." if len(new) > 20 else "")
+    report.notes.append(f"--add-characters {corpus}: {len(new):,} characters it reads as [UNK] added to the "
+                        f"vocabulary ({rows:,} -> {rows + len(new):,} tokens: {shown}); their embedding rows (and "
+                        "masked-LM output rows) start as the mean of the old ones: `nezha-hf pretrain` on text that "
+                        "uses them teaches them")
+    return state, {**config_dict, "vocab_size": rows + len(new)}
+
+
 def convert_bert(
     source: str | Path,
     output: str | Path,
@@ -485,6 +589,7 @@ def convert_bert(
     max_relative_position: int | None = None,
     remote_code: bool = False,
     overwrite: bool = False,
+    add_characters_from=(),
 ) -> ConversionReport:
     """Convert a Hugging Face BERT directory (any head, with or without the `bert.` prefix) to NEZHA.
 
@@ -500,18 +605,25 @@ def convert_bert(
         max_relative_position: `K` for the new model (default: `NezhaConfig`'s).
         remote_code: also make the output loadable with `trust_remote_code=True` without nezha_hf.
         overwrite: replace an existing non-empty `output`.
+        add_characters_from: `.txt` / JSONL files or folders (a corpus): the characters of their text that the
+            BERT's tokenizer reads as `[UNK]` are added to its vocabulary (`add_characters`), so that a BERT of
+            another language, or without a domain's characters, reads that text after `nezha-hf pretrain` on it.
 
     Returns:
         The `ConversionReport` (also printed by the CLI and saved as JSON).
     """
     source = Path(source)
-    output = check_destination(output, [source], overwrite)
+    output = check_destination(output, [source, *add_characters_from], overwrite)
     _check_options(max_relative_position)
+    characters = corpus_characters(add_characters_from) if add_characters_from else set()
     state = read_pytorch_checkpoint(source)
     config_dict = _read_config(source / "config.json")
     report = ConversionReport(str(source), str(output), "huggingface-pytorch", "")
     with staged_folder(output, overwrite) as work:
         _copy_tokenizer(source, work, report)
+        if add_characters_from:
+            state, config_dict = add_characters(work, state, config_dict, characters, report,
+                                                " ".join(map(str, add_characters_from)))
         _convert_state(state, config_dict, report, work, architecture, allow_missing, max_relative_position, remote_code)
     return report
 
@@ -678,15 +790,20 @@ def convert_tf(
 
 __all__ = [
     "ConversionError",
+    "add_characters",
+    "add_pooler",
     "ConversionReport",
     "convert_bert",
     "convert_bert_hierarchical",
     "convert_legacy_nezha",
     "convert_tf",
+    "corpus_characters",
     "hierarchical_positions",
+    "initialised_pooler",
     "map_state_dict",
     "nezha_config_from_bert",
     "nezha_name",
     "read_pytorch_checkpoint",
     "read_tf_checkpoint",
+    "saved_pooler",
 ]

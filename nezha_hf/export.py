@@ -10,8 +10,11 @@ exact, but its scores are `L x L` per head (docs/serving.md: what that costs at 
 Needs `pip install "nezha_hf[onnx]"` (onnx, onnxscript, onnxruntime).
 """
 
+import contextlib
 import copy
+import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +78,31 @@ class _Outputs(nn.Module):
         return tuple(out[name] for name in self.names)
 
 
+# Where the exporters' own notes come from: torch.onnx ("torchvision is not installed. Skipping torchvision::nms"),
+# onnxscript (type names it cannot resolve), torch.export; their warnings about PyTorch's internals (a deprecated
+# `LeafSpec` check, axis names merged) concern PyTorch's developers, not the user of an export.
+EXPORTER_LOGGERS = ("torch.onnx", "onnxscript", "torch.export", "torch._export")
+EXPORTER_WARNINGS = r"(torch|onnxscript|onnx_ir|copyreg)(\.|$)"
+
+
+@contextlib.contextmanager
+def exporter_notes_held_back():
+    """While exporting: the exporters' warnings and log lines below errors held back (`EXPORTER_LOGGERS`,
+    `EXPORTER_WARNINGS`); errors, and every line of nezha_hf, still show."""
+    loggers = [logging.getLogger(name) for name in EXPORTER_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            for category in (UserWarning, FutureWarning, DeprecationWarning):
+                warnings.filterwarnings("ignore", category=category, module=EXPORTER_WARNINGS)
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def _example(model, batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
     """A padded batch (the second row padded from the middle) of valid ids and token types."""
     generator = torch.Generator().manual_seed(seed)
@@ -136,9 +164,9 @@ def export_onnx(model_or_path, output: str | os.PathLike, atol: float = 1e-4, ov
     wrapped = _Outputs(model, names).eval()
     batch, length = torch.export.Dim("batch", min=1), torch.export.Dim("length", min=2)
     axes = {0: batch, 2: length} if isinstance(model, NezhaForMultipleChoice) else {0: batch, 1: length}
-    with staged_file(output, overwrite) as draft:
+    with staged_file(output, overwrite) as draft, exporter_notes_held_back():
         torch.onnx.export(wrapped, tuple(example[name] for name in INPUT_NAMES), str(draft), dynamo=True,
-                          input_names=list(INPUT_NAMES), output_names=list(names),
+                          input_names=list(INPUT_NAMES), output_names=list(names), verbose=False,
                           dynamic_shapes=tuple(axes for _ in INPUT_NAMES), external_data=False)
         session = onnxruntime.InferenceSession(str(draft), providers=["CPUExecutionProvider"])
         largest = 0.0
@@ -221,7 +249,7 @@ def export_summarizer(directory, output, atol: float = 1e-4, overwrite: bool = F
     # Two examples of different lengths, so that the batch and length axes stay dynamic (a size of 1 would be fixed).
     sample = ExtractionCollator(tokenizer)([encode_document(tokenizer, j.sentences) for j in judgments[:2]])
     prompt = encode_sources(tokenizer, ["".join(j.sentences[:3]) for j in judgments[:2]])
-    with staged_folder(output, overwrite) as staging:
+    with staged_folder(output, overwrite) as staging, exporter_notes_held_back():
         scorer_inputs = {key: sample[key] for key in ("input_ids", "attention_mask")}
         scorer = exporter.export(TokenScores(summarizer.extractor), scorer_inputs, config)
         scorer.config = summarizer.extractor.config  # saved beside it, as the generator's is: loading checks both

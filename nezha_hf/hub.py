@@ -121,8 +121,8 @@ def check_card_settings(settings: dict) -> None:
 def build_model_card(architecture: str, settings: dict | None = None) -> ModelCard:
     """A model card for a checkpoint of class `architecture`.
 
-    `settings` (all optional): `kind` (template), `model_name`, `repo_id`, `language` (default
-    "zh"), `license` (default "apache-2.0"), `base_model`, `datasets`, `tags` (added to "nezha"),
+    `settings` (all optional): `kind` (template), `model_name`, `repo_id`, `language` (default none;
+    `write_model_card` and `save_model` tell it from the vocabulary, `vocabulary_languages`), `license` (default "apache-2.0"), `base_model`, `datasets`, `tags` (added to "nezha"),
     `pipeline_tag`, `eval_results` (a list of `huggingface_hub.EvalResult` or of dicts with its
     fields), and the template texts `task_description`, `training_summary`,
     `evaluation_summary`, `extra`.
@@ -135,7 +135,7 @@ def build_model_card(architecture: str, settings: dict | None = None) -> ModelCa
     eval_results = [r if isinstance(r, EvalResult) else EvalResult(**r) for r in settings.pop("eval_results", [])]
     model_name = settings.pop("model_name", None) or settings.get("repo_id") or f"nezha-{architecture}"
     card_data = ModelCardData(
-        language=settings.pop("language", "zh"),
+        language=settings.pop("language", None),
         license=settings.pop("license", "apache-2.0"),
         library_name="transformers",
         tags=["nezha", *(t for t in settings.pop("tags", []) if t != "nezha")],
@@ -163,11 +163,33 @@ def build_model_card(architecture: str, settings: dict | None = None) -> ModelCa
     return card
 
 
-def write_model_card(directory: str | Path, architecture: str, settings: dict | None = None) -> Path | None:
-    """Write `README.md` into `directory`, unless a README not written by nezha_hf is already there."""
+# A vocabulary with this many CJK characters reads Chinese (bert-base-chinese has about 14,000, English BERTs about 500).
+CHINESE_CHARACTERS = 1000
+
+
+def vocabulary_languages(folder: str | Path) -> list[str] | None:
+    """The languages the `vocab.txt` in `folder` is made for, as a card's `language`: `zh` when it has over
+    `CHINESE_CHARACTERS` CJK characters, `en` when most of its entries are ASCII words; None without a vocabulary."""
+    path = Path(folder) / "vocab.txt"
+    if not path.is_file():
+        return None
+    entries = [entry.removeprefix("##") for entry in path.read_text(encoding="utf-8").splitlines() if entry]
+    chinese = sum(len(entry) == 1 and ("\u4e00" <= entry <= "\u9fff" or "\u3400" <= entry <= "\u4dbf")
+                  for entry in entries)
+    words = sum(entry.isascii() and entry.isalpha() for entry in entries)
+    languages = (["en"] if words > len(entries) / 2 else []) + (["zh"] if chinese > CHINESE_CHARACTERS else [])
+    return languages or None
+
+
+def write_model_card(directory: str | Path, architecture: str, settings: dict | None = None,
+                     vocabulary: str | Path | None = None) -> Path | None:
+    """Write `README.md` into `directory`, unless a README not written by nezha_hf is already there. Without a
+    `language` in `settings`, the card's is told by the vocabulary in `vocabulary` (default: `directory`)."""
     path = Path(directory) / "README.md"
     if path.exists() and CARD_MARKER not in path.read_text(encoding="utf-8"):
         return None
+    if not (settings or {}).get("language"):
+        settings = {**(settings or {}), "language": vocabulary_languages(vocabulary or directory)}
     write_text_atomically(path, str(build_model_card(architecture, settings)))
     return path
 
@@ -215,7 +237,8 @@ def save_model(model, save, directory: str | Path, model_card: dict | bool = Tru
                 shutil.copy(readme, staging / "README.md")
             settings = {**(getattr(model.config, "nezha_card", None) or {}),
                         **(model_card if isinstance(model_card, dict) else {})}
-            write_model_card(staging, model.head_info.model_class.__name__, settings)
+            vocabulary = staging if (staging / "vocab.txt").is_file() else directory  # the tokenizer saved beside
+            write_model_card(staging, model.head_info.model_class.__name__, settings, vocabulary)
         if remote_code:
             export_remote_code(staging)
 
@@ -258,5 +281,6 @@ __all__ = [
     "render_card_template",
     "save_model",
     "template_path",
+    "vocabulary_languages",
     "write_model_card",
 ]

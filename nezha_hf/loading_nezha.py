@@ -76,6 +76,11 @@ def _local_folder(path) -> str | None:
     return None
 
 
+def _not_corrupted(record) -> bool:
+    """A logging filter: False for transformers' "This checkpoint seem corrupted" (see `NezhaLoadingMixin.tie_weights`)."""
+    return not record.getMessage().startswith("This checkpoint seem corrupted")
+
+
 class NezhaLoadingMixin:
     """Loading, saving and sharding for `NezhaPreTrainedModel` (which puts it before `PreTrainedModel`)."""
 
@@ -94,12 +99,28 @@ class NezhaLoadingMixin:
         # in silence; NEZHA says it did, once (a note, never an error).
         before = set(loading_info.unexpected_keys)
         super()._adjust_missing_and_unexpected_keys(loading_info)
-        dropped = sorted(before - set(loading_info.unexpected_keys))
+        dropped = sorted(key for key in before - set(loading_info.unexpected_keys)
+                         if "pooler.dense." not in key and not key.startswith("cls."))  # a head's, not a buffer
         if dropped:
             logger.warning(
                 f"Dropped {len(dropped)} persisted buffer(s) of an older NEZHA release; they carry no information "
                 f"(the relative table is rebuilt): {', '.join(dropped[:4])}{' ...' if len(dropped) > 4 else ''}"
             )
+
+    def tie_weights(self, missing_keys=None, recompute_mapping: bool = True):
+        """Changes: transformers warns "This checkpoint seem corrupted" when both ends of a tied pair are absent; a
+        checkpoint without the whole masked-LM head (a converted `BertModel`) is not corrupt, and the load report lists
+        the head as missing, so that warning is left out then (the report stays)."""
+        whole_head_missing = missing_keys is not None and {
+            "cls.predictions.bias", "cls.predictions.transform.dense.weight"} <= set(missing_keys)
+        if not whole_head_missing:
+            return super().tie_weights(missing_keys=missing_keys, recompute_mapping=recompute_mapping)
+        transformers_logger = logging.get_logger("transformers.modeling_utils")
+        transformers_logger.addFilter(_not_corrupted)
+        try:
+            return super().tie_weights(missing_keys=missing_keys, recompute_mapping=recompute_mapping)
+        finally:
+            transformers_logger.removeFilter(_not_corrupted)
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):

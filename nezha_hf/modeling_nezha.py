@@ -265,6 +265,12 @@ class NezhaEncoder(nn.Module):
         )
 
 
+# The pooler's weights in a checkpoint. Every checkpoint nezha_hf writes keeps one, heads without a pooler (masked LM)
+# included, so that a classifier built on it reads the same pooler at every load (a pooler drawn at load is in no PEFT
+# adapter either).
+POOLER_WEIGHT = r"(^|\.)pooler\.dense\.(weight|bias)$"
+
+
 class NezhaPooler(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -427,6 +433,10 @@ class NezhaModel(NezhaPreTrainedModel):
         self.embeddings = NezhaEmbeddings(config)
         self.encoder = NezhaEncoder(config)
         self.pooler = NezhaPooler(config) if add_pooling_layer else None
+        # What a checkpoint may hold beyond this model, read without a report: pretraining heads (`cls.*`) where the
+        # model has none, and the pooler where it has none (every checkpoint nezha_hf writes keeps one).
+        self._keys_to_ignore_on_load_unexpected = [*self._keys_to_ignore_on_load_unexpected, r"^cls\.",
+                                                   *([] if add_pooling_layer else [POOLER_WEIGHT])]
         # One (2K+1) x head_size table for the whole model.
         self.register_buffer("relative_table", self.build_relative_table(), persistent=False)
         self.post_init()

@@ -22,17 +22,20 @@ or, in Python, `continue_pretraining("converted-bert/", ["corpus/"], "nezha-adap
 """
 
 import bisect
+import json
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import TrainerCallback, TrainingArguments
+from transformers import TrainerCallback, TrainerState, TrainingArguments
 from transformers.distributed import DistributedConfig
 from transformers.utils import logging
 
-from .checkpoints import TrainingRun, check_tokenizer, finished, load_tokenizer, prepare_checkpoints
+from .checkpoints import TrainingRun, check_tokenizer, finished, load_tokenizer, model_folder, prepare_checkpoints
 from .configuration_nezha import NezhaConfig
+from .conversion import add_pooler, initialised_pooler, saved_pooler
 from .distributed import cpu_only, on_main
+from .hub import write_model_card
 from .documents import jieba_words, read_documents, refused_files
 from .modeling_nezha import NezhaForMaskedLM
 from .padding import attention_mask_for, pad_rows
@@ -153,6 +156,51 @@ class MaskingEpochCallback(TrainerCallback):
         self.collator.epoch = int(state.epoch or 0)
 
 
+def training_summary(trained, arguments, processes: int, documents: int, sequences: int, max_length: int,
+                     mlm_probability: float) -> str:
+    """What `continue_pretraining` ran, in words, for the model card: data, steps, batch, learning rate, final loss."""
+    losses = [entry["loss"] for entry in trained.log_history if "loss" in entry]
+    batch = arguments.per_device_train_batch_size * arguments.gradient_accumulation_steps * processes
+    loss = f"; the last logged training loss was {losses[-1]:.3f}" if losses else ""
+    return (f"Continued masked-LM pretraining with `nezha-hf pretrain`: {documents:,} documents packed into "
+            f"{sequences:,} sequences of up to {max_length:,} tokens, whole-word masking of {mlm_probability:.0%} of "
+            f"the tokens; {trained.global_step:,} steps of {batch:,} sequences, peak learning rate "
+            f"{arguments.learning_rate:g}, {'bfloat16' if arguments.bf16 else 'float32'}{loss}.")
+
+
+def masked_lm_from(model_path, **loading) -> NezhaForMaskedLM:
+    """`NezhaForMaskedLM.from_pretrained(model_path)`, saying in one line when the checkpoint has no masked-LM head (a
+    converted `BertModel`), which then starts untrained, instead of transformers' "This checkpoint seem corrupted"
+    and its table of missing keys; anything else missing or left over is a warning naming it."""
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        model, info = NezhaForMaskedLM.from_pretrained(model_path, output_loading_info=True, **loading)
+    finally:
+        logging.set_verbosity(verbosity)
+    head = sorted(key for key in info["missing_keys"] if key.startswith("cls.predictions."))
+    missing = sorted(set(info["missing_keys"]) - set(head))
+    if missing or info["unexpected_keys"]:
+        logger.warning(f"Loading {model_path}: left over {sorted(info['unexpected_keys'])}, missing (random) {missing}.")
+    if head:
+        logger.warning(f"{model_path} has no masked-LM head (a converted BertModel): a new one is trained with the rest.")
+    return model
+
+
+def check_is_nezha(model_path) -> None:
+    """A `ValueError` unless `model_path` holds a NEZHA checkpoint: a BERT (or any other model type) loaded as NEZHA
+    would lose its absolute positions in silence, with nothing saying that `convert bert` is the step that does it
+    (and reports what it drops)."""
+    config = model_folder(model_path) / "config.json"
+    model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    if model_type == "bert":
+        raise ValueError(f"{model_path} is a BERT: run `nezha-hf convert bert {model_path} NEW_FOLDER` first, then "
+                         "pretrain NEW_FOLDER.")
+    if model_type not in (None, "nezha"):
+        raise ValueError(f"{model_path} is a {model_type!r} checkpoint, not a NEZHA: only NEZHA checkpoints (and BERTs "
+                         "after `nezha-hf convert bert`) continue pretraining.")
+
+
 def continue_pretraining(
     model_path: str | Path,
     files,
@@ -194,6 +242,7 @@ def continue_pretraining(
         Trainer's training metrics (`train_loss`, `train_runtime`, ...); empty when the run had already ended.
         A loss or weights that stop being finite end the run with `checkpoints.NotFiniteError`, writing nothing.
     """
+    check_is_nezha(model_path)
     run = TrainingRun("pretrain", model_path, files, output_dir, overwrite)
     state = run.state
     defaults = dict(
@@ -214,7 +263,7 @@ def continue_pretraining(
         sharding = {}
         if fsdp and state.num_processes > 1:
             sharding["distributed_config"] = DistributedConfig(fsdp_size=state.num_processes)
-        model = NezhaForMaskedLM.from_pretrained(model_path, **sharding)
+        model = masked_lm_from(model_path, **sharding)
         dataset = pack_documents(tokenizer, texts, max_length, show_progress)
         if state.is_main_process:
             for problem in problems:  # once, by the main process
@@ -232,12 +281,22 @@ def continue_pretraining(
                     logger.warning(f"{last} already ends this run: nothing more to train.")
                     NezhaForMaskedLM.from_pretrained(last).save_pretrained(staging)
                 metrics = {}
+                trained = TrainerState.load_from_json(str(last / "trainer_state.json"))
             else:
                 collator = WholeWordMaskCollator(tokenizer, mlm_probability, seed=arguments.seed)
                 trainer = run.trainer(model=model, args=arguments, train_dataset=dataset, data_collator=collator,
                                       callbacks=[MaskingEpochCallback(collator)])
                 metrics = run.train(trainer, last)
                 trainer.save_model(str(staging))
+                trained = trainer.state
             if state.is_main_process:
                 tokenizer.save_pretrained(str(staging))
+                # The masked LM has no pooler; the base's (or one drawn once) is saved with it, so that a classifier
+                # built on the output reads the same pooler at every load.
+                add_pooler(staging, saved_pooler(model_path) or initialised_pooler(
+                    model.config, model.dtype, arguments.seed))
+                summary = training_summary(trained, arguments, state.num_processes, len(texts), len(dataset), max_length,
+                                           mlm_probability)
+                write_model_card(staging, "NezhaForMaskedLM", {**(getattr(model.config, "nezha_card", None) or {}),
+                                                               "training_summary": summary})
     return metrics

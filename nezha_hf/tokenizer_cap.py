@@ -1,8 +1,9 @@
 """One warning for a NEZHA folder whose tokenizer would cut its inputs at 512 tokens.
 
 transformers 4.x-era NEZHA checkpoints carry BERT's `model_max_length: 512` in `tokenizer_config.json`. NEZHA reads
-any length, but pipelines (`pipeline("token-classification")`, ...), sentence-transformers and CrossEncoder truncate
-to the tokenizer's `model_max_length`, so such a folder loses everything past 512 tokens without a word.
+any length, but `pipeline("token-classification")`, sentence-transformers and CrossEncoder truncate to the
+tokenizer's `model_max_length` (other pipelines when asked to truncate), so such a folder loses
+everything past 512 tokens without a word.
 `NezhaPreTrainedModel.from_pretrained`, which all of them call, runs `warn_if_tokenizer_caps_length` once the model
 has loaded. The converters (`nezha-hf convert nezha` among them) write `model_max_length` 1,000,000.
 """
@@ -60,6 +61,8 @@ def warn_if_tokenizer_caps_length(path, folder: str | None, cache_dir=None, revi
     model_folder = os.path.realpath(os.path.dirname(config_path))
     logger.warning_once(
         f"The tokenizer in {model_folder} says model_max_length={cap} (BERT's limit, which NEZHA does not have): "
-        f"pipelines, sentence-transformers and CrossEncoder cut every input at {cap} tokens without a word. "
+        f"token-classification pipelines, sentence-transformers and CrossEncoder cut every input at {cap} tokens "
+        "without a word (other pipelines too when asked to truncate), and its notice that longer inputs "
+        "\"will result in indexing errors\" is BERT's, untrue for NEZHA. "
         f"`nezha-hf convert nezha {model_folder} NEW_FOLDER` writes a copy whose tokenizer reads any length."
     )

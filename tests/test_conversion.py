@@ -24,6 +24,7 @@ from transformers import (
     AutoModelForMaskedLM,
     AutoModelForPreTraining,
     AutoModelForSequenceClassification,
+    BertForMaskedLM,
     BertForPreTraining,
     BertForSequenceClassification,
     BertModel,
@@ -138,7 +139,30 @@ def test_missing_weights_are_an_error_unless_allowed(tmp_path):
         "cls.predictions.bias", "cls.predictions.transform.dense.weight", "cls.predictions.transform.dense.bias",
         "cls.predictions.transform.LayerNorm.weight", "cls.predictions.transform.LayerNorm.bias",
     }
-    assert any(item["name"].startswith("pooler.") and "no counterpart" in item["reason"] for item in report.dropped)
+    # The BERT's pooler is kept (a classifier built on the masked LM reads it), and loads with no report.
+    assert report.mapped["pooler.dense.weight"] == "nezha.pooler.dense.weight"
+
+
+@pytest.mark.parametrize("bert_class", [BertModel, BertForMaskedLM])
+def test_every_conversion_writes_a_pooler_so_a_classifier_built_on_it_is_the_same_at_every_load(tmp_path, bert_class):
+    """Issue 57: BERT's pooler carried over where it has one, else drawn once and saved (a pooler drawn at each load
+    made a classifier, and a PEFT adapter of it, differ from one load to the next)."""
+    save_layout(small_bert(bert_class), tmp_path / "bert", "safetensors")
+    architecture = "NezhaForMaskedLM" if bert_class is BertModel else None
+    report = convert_bert(tmp_path / "bert", tmp_path / "nezha", architecture=architecture,
+                          allow_missing=["cls.predictions.*"])
+    poolers = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        classifier = AutoModelForSequenceClassification.from_pretrained(tmp_path / "nezha", num_labels=2)
+        poolers.append(classifier.nezha.pooler.dense.weight.detach().clone())
+    torch.testing.assert_close(poolers[0], poolers[1], rtol=0, atol=0)
+    if bert_class is BertModel:
+        torch.testing.assert_close(poolers[0], small_bert(bert_class).pooler.dense.weight.detach(), rtol=0, atol=0)
+    else:
+        assert any("no pooler" in note for note in report.notes)
+    _, info = AutoModelForMaskedLM.from_pretrained(tmp_path / "nezha", output_loading_info=True)
+    assert not info["unexpected_keys"]
 
 
 def test_corrupt_inputs_name_the_file(tmp_path):

@@ -214,3 +214,45 @@ def test_reloading_the_modules_keeps_one_import_hook():
     done = subprocess.run([sys.executable, "-c", RELOADED], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "finders: 1" in done.stdout.splitlines() and "defaults: ['query', 'value']" in done.stdout.splitlines()
+# --- every checkpoint the project writes has a pooler (issue 57) -------------------------------------------------
+
+ADAPTER_ROUND_TRIP = """
+import sys, torch
+import nezha_hf
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForSequenceClassification
+base, adapter, step = sys.argv[1], sys.argv[2], sys.argv[3]
+inputs = dict(input_ids=torch.tensor([[2, 10, 11, 12, 13, 3], [2, 14, 15, 16, 3, 0]]),
+              attention_mask=torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]]))
+torch.manual_seed(int(step == "reload"))   # another seed in the fresh process: nothing may depend on it
+model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=2)
+if step == "train":
+    model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS"))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        model(**inputs, labels=torch.tensor([0, 1])).loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+    model.save_pretrained(adapter)
+else:
+    model = PeftModel.from_pretrained(model, adapter)
+with torch.no_grad():
+    torch.save(model.eval()(**inputs).logits, f"{adapter}/logits-{step}.pt")
+"""
+
+
+def test_a_lora_adapter_on_a_pretrain_output_reloads_onto_a_fresh_base_in_a_fresh_process_with_equal_logits(tmp_path):
+    """`pretrain` writes the pooler (a classifier reads it) with the model: without it the pooler was drawn anew at
+    every load, outside the adapter, and the reloaded classifier's logits were 0.07-0.09 off."""
+    from test_pretraining import pretraining_start, run
+
+    from helpers import make_tokenizer
+
+    start, corpus = pretraining_start(tmp_path, make_tokenizer(tmp_path / "tokenizer"))
+    run(start, corpus, tmp_path / "adapted")
+    adapter = tmp_path / "adapter"
+    for step in ("train", "reload"):
+        done = subprocess.run([sys.executable, "-c", ADAPTER_ROUND_TRIP, str(tmp_path / "adapted"), str(adapter), step],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    trained, reloaded = (torch.load(adapter / f"logits-{step}.pt") for step in ("train", "reload"))
+    torch.testing.assert_close(reloaded, trained, rtol=0, atol=1e-6)
