@@ -7,17 +7,10 @@ from pathlib import Path
 
 import torch
 from helpers import make_tokenizer, save_layout, small_bert
+from test_cli import one_line_failure
 from transformers import BertForMaskedLM, BertModel, BertTokenizerFast
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def one_line_failure(done, *needles):
-    assert done.returncode == 2, (done.returncode, done.stdout[-500:], done.stderr[-2000:])
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def test_pretrain_refuses_an_unconverted_bert_in_one_line(tmp_path, run_cli):
