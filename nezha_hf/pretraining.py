@@ -22,7 +22,6 @@ or, in Python, `continue_pretraining("converted-bert/", ["corpus/"], "nezha-adap
 """
 
 import bisect
-import json
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from transformers.distributed import DistributedConfig
 from transformers.utils import logging
 
 from .checkpoints import TrainingRun, check_tokenizer, finished, load_tokenizer, model_folder, prepare_checkpoints
+from .json_files import JSON_OBJECT, read_json
 from .configuration_nezha import NezhaConfig
 from .conversion import add_pooler, initialised_pooler, saved_pooler
 from .distributed import cpu_only, on_main
@@ -192,7 +192,7 @@ def check_is_nezha(model_path) -> None:
     would lose its absolute positions in silence, with nothing saying that `convert bert` is the step that does it
     (and reports what it drops)."""
     config = model_folder(model_path) / "config.json"
-    model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    model_type = read_json(config, JSON_OBJECT).get("model_type")  # the one reader: bounded, errors name the file
     if model_type == "bert":
         raise ValueError(f"{model_path} is a BERT: run `nezha-hf convert bert {model_path} NEW_FOLDER` first, then "
                          "pretrain NEW_FOLDER.")
