@@ -2,7 +2,7 @@
 
     python benchmarks/attention_parts.py --length 2048
 
-One attention layer's worth of heads (batch 1, 12 heads, head size 64, K = 64, float32, no mask).
+One attention layer's worth of heads (batch 1, 12 heads, head size 64, K = 64, `--dtype` (float32), no mask).
 Each line is the median of `--repeats` runs of: PyTorch's SDPA (what BERT uses), the compiled
 kernel (the default), and for the PyTorch-only three-region path its two tails' fused-kernel
 calls, the band (all its chunks) and the whole function, forward and backward separately. The backward lines reuse the
@@ -22,19 +22,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nezha_hf import fused_attention, three_regions  # noqa: E402
 from nezha_hf import relative_attention as ra  # noqa: E402
 from nezha_hf.attention_ops import AttentionProblem  # noqa: E402
+from benchmarks.machine import describe, summary  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     length, heads, size, K, scale = args.length, 12, 64, 64, 64**-0.5
     torch.manual_seed(0)
     # [batch, heads, L, d] views of [batch, L, heads, d], as the model passes them.
-    query, key, value = (torch.randn(1, length, heads, size).transpose(1, 2) for _ in range(3))
-    grad = torch.randn(1, heads, length, size)
-    table = ra.sinusoid_relative_table(K, size)
+    query, key, value = (torch.randn(1, length, heads, size, dtype=dtype).transpose(1, 2) for _ in range(3))
+    grad = torch.randn(1, heads, length, size, dtype=dtype)
+    table = ra.sinusoid_relative_table(K, size).to(dtype)  # in the inputs' type, as the model passes it
     problem = AttentionProblem(ra.RelativeAttentionMask(), scale)
     band, tails = three_regions._regions(query, table, problem)
     lse = torch.zeros(1, heads, length)
@@ -79,9 +82,9 @@ def main():
     # ([batch, heads, length, head size]) and from per-head views of [batch, length, heads, head size] (rows of a
     # head 3 KB apart).
     step = AttentionProblem(ra.RelativeAttentionMask(causal=True, query_offset=length), scale)
-    step_query = torch.randn(1, heads, 1, size)
-    layouts = {"[B,H,L,d]": [torch.randn(1, heads, length + 1, size) for _ in range(2)],
-               "[B,L,H,d]": [torch.randn(1, length + 1, heads, size).transpose(1, 2) for _ in range(2)]}
+    step_query = torch.randn(1, heads, 1, size, dtype=dtype)
+    layouts = {"[B,H,L,d]": [torch.randn(1, heads, length + 1, size, dtype=dtype) for _ in range(2)],
+               "[B,L,H,d]": [torch.randn(1, length + 1, heads, size, dtype=dtype).transpose(1, 2) for _ in range(2)]}
 
     def decoding_step(cache, engine):
         if engine == "SDPA":
@@ -114,7 +117,8 @@ def main():
     ms = {case: 1e3 * statistics.median(values) for case, values in samples.items()}
     ms[("backward", "SDPA (forward+backward - forward)")] = ms[("forward+backward", "SDPA")] - ms[("forward", "SDPA")]
 
-    print(f"L = {length}, {heads} heads, head size {size}, K = {K}; torch {torch.__version__}, "
+    print(summary(describe(dtype)))
+    print(f"L = {length}, {heads} heads, head size {size}, K = {K}, {args.dtype}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; median of {args.repeats} (ms)")
     for section in ("forward", "backward", "forward+backward", *(f"decode {layout}" for layout in layouts)):
         reference = next(value for (part, name), value in ms.items() if part == section and name.startswith("SDPA"))
