@@ -384,7 +384,6 @@ def main(argv=None) -> int:
         variants = [Variant.parse(text) for text in args.variant]
     except ValueError as error:
         parser.error(str(error))
-    chosen = set(args.only or STEP_NAMES)
     deadline = time.monotonic() + (args.budget or (1800 if args.rehearse else 510))
     results = (args.results or Path(os.environ.get("OUT") or ROOT / "gpu-check-results")).resolve()
     results.mkdir(parents=True, exist_ok=True)
@@ -406,7 +405,7 @@ def main(argv=None) -> int:
             environment["TRITON_INTERPRET"] = "1"
         for step in steps(args.rehearse, work, variants) if statuses["setup"] == "done" else []:
             variant = step.settings is not None
-            if ("variants" if variant else step.name) not in chosen:
+            if args.only and ("variants" if variant else step.name) not in args.only:
                 continue
             seconds = min(step.seconds, deadline - time.monotonic() - PACK_RESERVE)
             if seconds < 10:
