@@ -16,8 +16,8 @@ Each row records the block configuration Triton's autotuner chose for every NEZH
 (`benchmarks/triton_yardstick.py`, no relative terms) with NEZHA's chosen blocks on the same tensors, which tells
 "Triton against CUDA FlashAttention" (yardstick / SDPA) apart from "NEZHA against Triton FlashAttention" (NEZHA /
 yardstick). With `--compile`, the decoding step is also timed under `torch.compile` (NEZHA and SDPA each compiled);
-a step that fails to compile is recorded in one line (`nezha_error`, `sdpa_error`) and the run goes on. `--cases` keeps some
-cases only. The environment variable `NEZHA_CHECK_BLOCKS` (`forward=128x64x8x3,dK/dV=64x128x8x2,dQ=128x32x8x2`:
+a step that fails to compile is recorded in one line (`nezha_error`, `sdpa_error`) and the run goes on. `--cases`
+keeps some cases only. The environment variable `NEZHA_CHECK_BLOCKS` (`forward=128x64x8x3,dK/dV=64x128x8x2,dQ=128x32x8x2`:
 BLOCK_M x BLOCK_N x warps x stages) pins a kernel's autotuner to one configuration, so that the GPU check can time
 block sizes as variants, each in a fresh process (`gpu_check.py --variant`).
 
@@ -94,7 +94,8 @@ def pin_blocks(text: str | None) -> dict[str, str]:
 
 def config_name(config) -> str:
     """A Triton configuration as `benchmarks/gpu_gates.py` names it (`128x64, 8 warps, 3 stages`)."""
-    return f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']}, {config.num_warps} warps, {config.num_stages} stages"
+    blocks = f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']}"
+    return f"{blocks}, {config.num_warps} warps, {config.num_stages} stages"
 
 
 def chosen_configs(train: bool) -> dict:
@@ -329,7 +330,8 @@ def main(argv=None) -> int:
                      for case, dropout, train in (("forward", 0.0, False), ("forward+backward", 0.0, True),
                                                   ("forward+backward, dropout", args.dropout, True))]
             cases += [("decoding step", 1, sizes["cache"], 0.0, False)] if sizes["cache"] else []
-            cases += [("decoding step, compiled", 1, sizes["cache"], 0.0, False)] if sizes["cache"] and args.compile else []
+            if sizes["cache"] and args.compile:
+                cases.append(("decoding step, compiled", 1, sizes["cache"], 0.0, False))
             for case, queries, keys, dropout, train in cases:
                 if case not in args.cases:
                     continue

@@ -341,10 +341,12 @@ def summary_table(work: Path, statuses: dict, gates_file: Path = GATES) -> str:
         lines += [f"- {row['dtype']} {row['quantity']}: error {row['nezha']:.1e}, SDPA's {row['sdpa']:.1e} "
                   f"(ratio {row['ratio']:.2f}{goal})" for row in correctness["against_sdpa"]]
     timed, triton_version = [], None
-    for path in sorted(work.glob("gpu-attention*.json"), key=lambda path: (path.name != "gpu-attention.json", path.name)):
+    # the attention op's rows first, then each variant's
+    for path in sorted(work.glob("gpu-attention*.json"), key=lambda path: (path.stem != "gpu-attention", path.name)):
         attention = json.loads(path.read_text())
         variant = path.stem.removeprefix("gpu-attention").removeprefix("-")
-        lines += ["", f"Variant {variant}:" if variant else "The attention op:", "", *attention_lines(attention["rows"])]
+        lines += ["", f"Variant {variant}:" if variant else "The attention op:", "",
+                  *attention_lines(attention["rows"])]
         timed += attention["rows"]
         triton_version = attention["machine"].get("software", {}).get("triton", triton_version)
     model = read("attention-cuda-bfloat16.json")
@@ -423,8 +425,10 @@ def main(argv=None) -> int:
                 statuses[step.name] = f"INCOMPLETE: stopped at its budget ({took})"
             else:
                 statuses[step.name] = f"FAILED (exit {code}, {took}): see the log above"
-                if not variant:  # a variant fails alone (a switch it sets may be refused); the others still run
-                    break  # a missing piece, a wrong result or an engine that did not run: nothing after it is trustworthy
+                # A missing piece, a wrong result or an engine that did not run: nothing after it is trustworthy. A
+                # variant fails alone (a switch it sets may be refused); the others still run.
+                if not variant:
+                    break
     finally:
         pack(results, work, cache, log)
         table = summary_table(work, statuses, args.gates)

@@ -154,7 +154,8 @@ def test_the_summary_prints_the_gate_counts_of_each_configuration_timed(tmp_path
                        "dQ": "32x32, 8 warps, 9 stages"}}
     _attention_results(tmp_path, [row], "3.6.0")
     summary = gpu_check.summary_table(tmp_path, {"attention op": "passed (9 s)"}, GATES_36)
-    assert "| forward+backward | bfloat16 | 2,048 | 2.000 | 0.700 | 2.86 | <= 1.3 NOT met | 0.800 | 2.50 | 1.14 |" in summary
+    assert ("| forward+backward | bfloat16 | 2,048 | 2.000 | 0.700 | 2.86 | <= 1.3 NOT met | 0.800 | 2.50 | 1.14 |"
+            in summary)
     # the expected figures, from the counts file itself: the costliest tail loop, the yardstick's, the band's
     counts = {(r["kernel"], r["case"], r["config_name"]): r for r in json.loads(GATES_36.read_text())["rows"]}
 
@@ -211,6 +212,6 @@ def test_the_model_profile_ends_in_one_line_when_nezha_did_not_run_triton(triton
     from benchmarks import gpu_profile
 
     assert gpu_profile.main(["--rehearse", "--batches", "1", "--tokens", "8", "--results", str(tmp_path)]) == 1
-    assert capsys.readouterr().err.splitlines() == [
-        "gpu_profile.py: NEZHA did not run the Triton engine on cpu: the chunked engine ran (simulated: kernels failed)"]
+    assert capsys.readouterr().err.splitlines() == ["gpu_profile.py: NEZHA did not run the Triton engine on cpu: the "
+                                                    "chunked engine ran (simulated: kernels failed)"]
     assert not list(tmp_path.iterdir())
