@@ -126,12 +126,14 @@ gpu-prepare:
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --dest $(GPU_WHEELS) \
 	  "transformers==$$(sed -n 's/^transformers==//p' .ci/constraints.txt)"
 
-# The GPU check rehearsed on this machine: Triton's interpreter, tiny sizes, the wheel installed as on the GPU machine.
+# The GPU check rehearsed on this machine: Triton's interpreter, tiny sizes, the wheel installed as on the GPU machine;
+# with one variant (the forward pinned to 2 warps), so that the variants' path runs too.
 gpu-rehearse: $(VENV)/.test gpu-prepare
-	$(PY) benchmarks/gpu_check.py --rehearse
+	$(PY) benchmarks/gpu_check.py --rehearse --variant 'narrow NEZHA_CHECK_BLOCKS=forward=16x16x2x1'
 
 # The GPU gates (benchmarks/gpu_gates.py, docs/performance.md): NEZHA's Triton kernels compiled for an H100 on this
-# CPU and counted, failing where a gate is missed. Compiled by the GPU machine's Triton (3.6, in a venv of its own:
+# CPU and counted, failing where a gate is missed; the counts go to gpu-gates/gates.json, which the GPU check prints
+# beside its timings (run it before a GPU slot, after the kernels changed). Compiled by the GPU machine's Triton (3.6, in a venv of its own:
 # Triton needs no PyTorch to compile); `make gpu-gates GATES_PYTHON=$(PY)` compiles with the installed one instead.
 GPU_TRITON := 3.6.0
 GATES_PYTHON ?= .venv-triton-$(GPU_TRITON)/bin/python
@@ -140,7 +142,7 @@ GATES_PYTHON ?= .venv-triton-$(GPU_TRITON)/bin/python
 	.venv-triton-$(GPU_TRITON)/bin/python -m pip install --quiet triton==$(GPU_TRITON)
 
 gpu-gates: $(VENV)/.test $(filter .venv-triton-%,$(GATES_PYTHON))
-	$(PY) benchmarks/gpu_gates.py --triton-python $(GATES_PYTHON)
+	$(PY) benchmarks/gpu_gates.py --triton-python $(GATES_PYTHON) --output benchmarks/results/gpu-gates/gates.json
 
 # After `make test` passes on newer releases: record them as the versions to install (torch stays pinned above).
 constraints: $(VENV)/.test

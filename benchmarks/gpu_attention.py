@@ -10,6 +10,17 @@ decoding step, 1 query against `--cache` keys (8,192). NEZHA is the op `nezha_hf
 SDPA is `scaled_dot_product_attention` under `sdpa_kernel(SDPBackend.FLASH_ATTENTION)`, except the decoding step,
 which takes the first backend SDPA runs it with (the table names it).
 
+Each row records the block configuration Triton's autotuner chose for every NEZHA kernel it ran (`configs`, named as
+`benchmarks/gpu_gates.py` names them), so that the GPU check can print the CPU gate counts of what it timed. With
+`--yardstick`, the forward and forward+backward rows also time the plain FlashAttention-2 Triton kernel
+(`benchmarks/triton_yardstick.py`, no relative terms) with NEZHA's chosen blocks on the same tensors, which tells
+"Triton against CUDA FlashAttention" (yardstick / SDPA) apart from "NEZHA against Triton FlashAttention" (NEZHA /
+yardstick). With `--compile`, the decoding step is also timed under `torch.compile` (NEZHA and SDPA each compiled);
+a step that fails to compile is recorded in one line (`nezha_error`, `sdpa_error`) and the run goes on. `--cases`
+keeps some cases only. The environment variable `NEZHA_CHECK_BLOCKS` (`forward=128x64x8x3,dK/dV=64x128x8x2,dQ=128x32x8x2`:
+BLOCK_M x BLOCK_N x warps x stages) pins a kernel's autotuner to one configuration, so that the GPU check can time
+block sizes as variants, each in a fresh process (`gpu_check.py --variant`).
+
 Before a case is timed, the same problem is asked of `nezha_triton` through `relative_attention`, as a model asks,
 and the engine's own record (`recorded_attention_calls`) must say the Triton engine ran it: otherwise the script ends
 with that one line and exit status 1, before the case prints anything. Times are medians of
@@ -23,6 +34,7 @@ versions.
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,8 +53,59 @@ GPU = dict(batch=4, heads=12, head_size=64, K=64, lengths=[2048, 8192], cache=81
 REHEARSAL = dict(batch=1, heads=2, head_size=16, K=4, lengths=[40], cache=40)
 # The issue's targets, NEZHA / SDPA (bfloat16 on an H100 or H200): forward and forward+backward at most 1.3x at 2,048
 # tokens and 1.15x at 8,192, with dropout at most 1.3x, a decoding step at most 1.5x.
+# A compiled decoding step at most 1.1x SDPA compiled.
 TARGETS = {("forward", 2048): 1.3, ("forward", 8192): 1.15, ("forward+backward", 2048): 1.3,
-           ("forward+backward", 8192): 1.15, ("forward+backward, dropout", None): 1.3, ("decoding step", None): 1.5}
+           ("forward+backward", 8192): 1.15, ("forward+backward, dropout", None): 1.3, ("decoding step", None): 1.5,
+           ("decoding step, compiled", None): 1.1}
+CASES = ["forward", "forward+backward", "forward+backward, dropout", "decoding step", "decoding step, compiled"]
+# NEZHA's autotuned kernels, by the short names the gates give them (benchmarks/gpu_gates.py).
+KERNELS = {"forward": "nezha_forward_kernel", "dK/dV": "nezha_key_value_grad_kernel", "dQ": "nezha_query_grad_kernel"}
+PINNING = "NEZHA_CHECK_BLOCKS"  # the environment switch of `pin_blocks`
+
+
+def pin_blocks(text: str | None) -> dict[str, str]:
+    """Pin NEZHA's autotuned kernels to the configurations `text` names (`NEZHA_CHECK_BLOCKS`, e.g.
+    `forward=128x64x8x3,dQ=128x32x8x2`: BLOCK_M x BLOCK_N x warps x stages), for this process; returns them by
+    kernel. A malformed entry, or a forward key block that does not divide the decoding split's granule, raises
+    `CheckFailed` in one line."""
+    import triton
+
+    from nezha_hf import triton_kernels
+
+    pinned = {}
+    for entry in filter(None, (text or "").replace(" ", "").split(",")):
+        name, _, numbers = entry.partition("=")
+        try:
+            block_m, block_n, warps, stages = (int(number) for number in numbers.split("x"))
+        except ValueError:
+            raise CheckFailed(f"{PINNING}: {entry!r} is not KERNEL=MxNxWARPSxSTAGES") from None
+        if name not in KERNELS:
+            raise CheckFailed(f"{PINNING}: {name!r} is none of {', '.join(KERNELS)}")
+        if name == "forward" and triton_kernels.SPLIT_GRANULE % block_n:
+            raise CheckFailed(f"{PINNING}: the forward's key block {block_n} does not divide the decoding split's "
+                              f"{triton_kernels.SPLIT_GRANULE} keys")
+        kernel = getattr(triton_kernels, KERNELS[name])
+        # One configuration: the autotuner launches it without pruning or benchmarking.
+        kernel.configs = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps,
+                                        num_stages=stages)]
+        pinned[name] = config_name(kernel.configs[0])
+    return pinned
+
+
+def config_name(config) -> str:
+    """A Triton configuration as `benchmarks/gpu_gates.py` names it (`128x64, 8 warps, 3 stages`)."""
+    blocks = f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']}"
+    return f"{blocks}, {config.num_warps} warps, {config.num_stages} stages"
+
+
+def chosen_configs(train: bool) -> dict:
+    """The configuration (`triton.Config`) the autotuner last launched of each NEZHA kernel a case runs (the
+    forward; with `train`, dK/dV and dQ too)."""
+    from nezha_hf import triton_kernels
+
+    names = ["forward", "dK/dV", "dQ"] if train else ["forward"]
+    chosen = {name: getattr(getattr(triton_kernels, KERNELS[name]), "best_config", None) for name in names}
+    return {name: config for name, config in chosen.items() if config is not None}
 
 
 def target(case: str, dtype: str, length: int, device: str) -> float | None:
@@ -52,9 +115,11 @@ def target(case: str, dtype: str, length: int, device: str) -> float | None:
     return TARGETS.get((case, length), TARGETS.get((case, None)))
 
 
-def prepared(case, dtype_name, queries, keys, sizes, device, dropout=0.0, train=False) -> tuple[list, dict, str]:
+def prepared(case, dtype_name, queries, keys, sizes, device, dropout=0.0, train=False,
+             compile_backend: str | None = None) -> tuple[list, dict, str]:
     """One case's inputs and its NEZHA and SDPA steps (`{"nezha": step, "sdpa": step}`, forward or forward and
-    backward) on the same tensors, with the Triton engine checked to run NEZHA's; and the case in words."""
+    backward; each attention under `torch.compile(backend=compile_backend)` if given) on the same tensors, with the
+    Triton engine checked to run NEZHA's (eagerly); and the case in words."""
     dtype = DTYPES[dtype_name]
     batch, heads, head_size = sizes["batch"], sizes["heads"], sizes["head_size"]
     inputs = [tensor.requires_grad_(train) for tensor in
@@ -67,6 +132,7 @@ def prepared(case, dtype_name, queries, keys, sizes, device, dropout=0.0, train=
     gpu_ops.require_triton(*inputs, table, problem, what)
     steps = {}
     for name, attend in (("nezha", gpu_ops.nezha(table, problem)), ("sdpa", gpu_ops.sdpa(dropout))):
+        attend = attend if compile_backend is None else torch.compile(attend, backend=compile_backend)
         if train:
             shape = (batch, queries, heads, head_size) if name == "nezha" else (batch, heads, queries, head_size)
             grad_output = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(device, dtype)
@@ -76,8 +142,34 @@ def prepared(case, dtype_name, queries, keys, sizes, device, dropout=0.0, train=
     return inputs, steps, what
 
 
-def measure(case, dtype_name, queries, keys, sizes, device, backends, dropout=0.0, train=False) -> dict:
-    """One row: the Triton engine checked to run the problem, then NEZHA and SDPA timed on the same tensors."""
+def yardstick_step(inputs, configs: dict, train: bool):
+    """The plain FlashAttention-2 Triton kernel's forward (and backward) on `inputs`, with the blocks NEZHA's
+    autotuner chose (`configs`, from `chosen_configs`); None where the length is not a whole number of those blocks
+    (it takes no mask)."""
+    from benchmarks.triton_yardstick import yardstick_backward, yardstick_forward
+
+    blocks = {name: (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+              for name, config in configs.items()}
+    query, key, value = (tensor.detach() for tensor in inputs)
+    length, scale = query.shape[2], query.shape[-1] ** -0.5
+    if any(length % size for block in blocks.values() for size in block[:2]) or len(blocks) < (3 if train else 1):
+        return None
+    grad_output = torch.randn(query.shape, generator=torch.Generator().manual_seed(2)).to(query.device, query.dtype)
+
+    def step():
+        output, lse = yardstick_forward(query, key, value, scale, *blocks["forward"])
+        if train:
+            yardstick_backward(grad_output, query, key, value, output, lse, scale, key_blocks=blocks["dK/dV"],
+                               query_blocks=blocks["dQ"])
+        return output
+
+    return step
+
+
+def measure(case, dtype_name, queries, keys, sizes, device, backends, dropout=0.0, train=False,
+            yardstick=False) -> dict:
+    """One row: the Triton engine checked to run the problem, then NEZHA and SDPA timed on the same tensors (and
+    with `yardstick`, the plain FlashAttention-2 kernel, for the cases without dropout)."""
     batch, heads, head_size = sizes["batch"], sizes["heads"], sizes["head_size"]
     inputs, steps, what = prepared(case, dtype_name, queries, keys, sizes, device, dropout, train)
     row = {"case": case, "dtype": dtype_name, "queries": queries, "keys": keys, "dropout": dropout,
@@ -93,23 +185,63 @@ def measure(case, dtype_name, queries, keys, sizes, device, backends, dropout=0.
             row[f"{name}_peak_mb"] = gpu_ops.peak_memory_mb(step, device)
         else:
             row[f"{name}_gb_per_s"] = moved / (row[f"{name}_ms"] * 1e-3) / 1e9
+        if name == "nezha":
+            configs = chosen_configs(train)
+            row["configs"] = {kernel: config_name(config) for kernel, config in configs.items()}
     row["ratio"] = row["nezha_ms"] / row["sdpa_ms"]
     row["met"] = None if row["target"] is None else row["ratio"] <= row["target"]
+    plain = yardstick_step(inputs, configs, train) if yardstick and not dropout and queries == keys else None
+    if plain is not None:
+        row["yardstick_ms"] = gpu_ops.median_ms(plain, device)
+        row["nezha_over_yardstick"] = row["nezha_ms"] / row["yardstick_ms"]
+        row["yardstick_over_sdpa"] = row["yardstick_ms"] / row["sdpa_ms"]
+    return row
+
+
+def measure_compiled(dtype_name, keys, sizes, device, backend: str) -> dict:
+    """The decoding step (1 query, `keys` cached) with NEZHA's op and SDPA each under `torch.compile(backend=...)`:
+    a row like `measure`'s; where a compiled step fails, `nezha_error` or `sdpa_error` holds the error in one line,
+    and there is no ratio."""
+    case = "decoding step, compiled"
+    _, steps, what = prepared(case, dtype_name, 1, keys, sizes, device, compile_backend=backend)
+    row = {"case": case, "dtype": dtype_name, "queries": 1, "keys": keys, "dropout": 0.0,
+           "target": target(case, dtype_name, keys, device), "compile_backend": backend, "sdpa_backend": "-"}
+    for name in ("sdpa", "nezha"):
+        try:
+            if name == "sdpa":
+                row["sdpa_backend"], steps["sdpa"] = gpu_ops.under_backend(steps["sdpa"], gpu_ops.ANY_BACKEND, what)
+            row[f"{name}_ms"] = gpu_ops.median_ms(steps[name], device)
+        except Exception as error:  # noqa: BLE001 - a failure to compile is the finding, recorded in one line
+            first = (str(error).strip().splitlines() or [""])[0]
+            row.update({f"{name}_ms": None, f"{name}_error": f"{type(error).__name__}: {first}"[:300]})
+    timed = row["nezha_ms"] is not None and row["sdpa_ms"] is not None
+    row["ratio"] = row["nezha_ms"] / row["sdpa_ms"] if timed else None
+    row["met"] = None if row["target"] is None else timed and row["ratio"] <= row["target"]
     return row
 
 
 def table(rows: list[dict]) -> list[str]:
-    """The results as a Markdown table."""
-    lines = ["| case | dtype | queries x keys | NEZHA (ms) | SDPA (ms) | ratio | target | NEZHA / SDPA TFLOP/s | "
-             "GB/s NEZHA / SDPA | SDPA backend | peak MB NEZHA / SDPA |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """The results as a Markdown table (a row whose NEZHA step failed shows its error instead of a time)."""
+    lines = ["| case | dtype | queries x keys | NEZHA (ms) | SDPA (ms) | ratio | target | yardstick (ms) | NEZHA / "
+             "yardstick | yardstick / SDPA | NEZHA / SDPA TFLOP/s | GB/s NEZHA / SDPA | SDPA backend | peak MB NEZHA / "
+             "SDPA | NEZHA's blocks |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def number(value, digits):
+        return "-" if value is None else f"{value:.{digits}f}"
+
     for row in rows:
         goal = "-" if row["target"] is None else f"<= {row['target']} ({'met' if row['met'] else 'NOT met'})"
         memory = (f"{row['nezha_peak_mb']:.0f} / {row['sdpa_peak_mb']:.0f}" if row.get("nezha_peak_mb") is not None
                   else "-")
         bandwidth = f"{row['nezha_gb_per_s']:.0f} / {row['sdpa_gb_per_s']:.0f}" if "nezha_gb_per_s" in row else "-"
-        lines.append(f"| {row['case']} | {row['dtype']} | {row['queries']:,} x {row['keys']:,} | {row['nezha_ms']:.3f} | "
-                     f"{row['sdpa_ms']:.3f} | {row['ratio']:.2f} | {goal} | {row['nezha_tflops']:.1f} / "
-                     f"{row['sdpa_tflops']:.1f} | {bandwidth} | {row['sdpa_backend']} | {memory} |")
+        speed = f"{number(row.get('nezha_tflops'), 1)} / {number(row.get('sdpa_tflops'), 1)}"
+        nezha = row.get("nezha_error") or number(row["nezha_ms"], 3)
+        sdpa = row.get("sdpa_error") or number(row["sdpa_ms"], 3)
+        blocks = "; ".join(f"{name} {config}" for name, config in row.get("configs", {}).items()) or "-"
+        lines.append(f"| {row['case']} | {row['dtype']} | {row['queries']:,} x {row['keys']:,} | {nezha} | "
+                     f"{sdpa} | {number(row['ratio'], 2)} | {goal} | {number(row.get('yardstick_ms'), 3)} | "
+                     f"{number(row.get('nezha_over_yardstick'), 2)} | {number(row.get('yardstick_over_sdpa'), 2)} | "
+                     f"{speed} | {bandwidth} | {row['sdpa_backend']} | {memory} | {blocks} |")
     return lines
 
 
@@ -169,6 +301,11 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="then each kernel's share of the first dtype's training cases at the longest length "
                              "and of the decoding step (torch.profiler)")
+    parser.add_argument("--yardstick", action="store_true",
+                        help="also time the plain FlashAttention-2 Triton kernel (forward and forward+backward rows)")
+    parser.add_argument("--compile", action="store_true", help="also time the decoding step under torch.compile")
+    parser.add_argument("--compile-backend", help="torch.compile's backend (default inductor; rehearsing, aot_eager)")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=CASES, help="the cases to time (default all)")
     parser.add_argument("--results", type=Path, help="folder to write to (default: the machine's results folder)")
     parser.add_argument("--output", default="gpu-attention", help="file name stem")
     args = parser.parse_args(argv)
@@ -179,8 +316,12 @@ def main(argv=None) -> int:
     pinned = gpu_ops.ANY_BACKEND if args.rehearse else gpu_ops.FLASH
     try:
         device = gpu_ops.device_for(args.rehearse)
+        pinned_blocks = pin_blocks(os.environ.get(PINNING))
         machine = describe(torch.bfloat16, device)
         print(summary(machine), flush=True)
+        if pinned_blocks:
+            print(f"{PINNING}: " + "; ".join(f"{name} pinned to {config}" for name, config in pinned_blocks.items()),
+                  flush=True)
         output = (args.results or results_directory(machine)) / args.output
         output.parent.mkdir(parents=True, exist_ok=True)
         rows, profiles = [], []
@@ -189,12 +330,25 @@ def main(argv=None) -> int:
                      for case, dropout, train in (("forward", 0.0, False), ("forward+backward", 0.0, True),
                                                   ("forward+backward, dropout", args.dropout, True))]
             cases += [("decoding step", 1, sizes["cache"], 0.0, False)] if sizes["cache"] else []
+            if sizes["cache"] and args.compile:
+                cases.append(("decoding step, compiled", 1, sizes["cache"], 0.0, False))
             for case, queries, keys, dropout, train in cases:
-                backends = gpu_ops.ANY_BACKEND if case == "decoding step" else pinned
-                rows.append(measure(case, dtype, queries, keys, sizes, device, backends, dropout, train))
+                if case not in args.cases:
+                    continue
+                if case == "decoding step, compiled":
+                    compiler = args.compile_backend or ("aot_eager" if args.rehearse else "inductor")
+                    rows.append(measure_compiled(dtype, keys, sizes, device, compiler))
+                else:
+                    backends = gpu_ops.ANY_BACKEND if case == "decoding step" else pinned
+                    rows.append(measure(case, dtype, queries, keys, sizes, device, backends, dropout, train,
+                                        args.yardstick))
                 row = rows[-1]
-                print(f"{dtype:9s} {case:26s} {keys:6d} keys: NEZHA {row['nezha_ms']:.3f} ms, SDPA "
-                      f"({row['sdpa_backend']}) {row['sdpa_ms']:.3f} ms, ratio {row['ratio']:.2f}", flush=True)
+                nezha = row.get("nezha_error") or f"{row['nezha_ms']:.3f} ms"
+                sdpa = row.get("sdpa_error") or f"{row['sdpa_ms']:.3f} ms"
+                plain = f", yardstick {row['yardstick_ms']:.3f} ms" if "yardstick_ms" in row else ""
+                ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
+                print(f"{dtype:9s} {case:26s} {keys:6d} keys: NEZHA {nezha}, SDPA ({row['sdpa_backend']}) {sdpa}"
+                      f"{plain}, ratio {ratio}", flush=True)
                 report(rows, profiles, sizes, machine, device, argv, output)
         if args.profile:
             longest = max(sizes["lengths"])

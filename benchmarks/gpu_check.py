@@ -1,4 +1,4 @@
-"""The whole GPU check of NEZHA's Triton engine in one run of at most 8 minutes, a short table printed last.
+"""The whole GPU check of NEZHA's Triton engine in one run of at most 9 minutes, a short table printed last.
 
     python3 benchmarks/gpu_check.py               # on the GPU machine (docs/performance.md has the device `run` call)
     python3 benchmarks/gpu_check.py --rehearse    # here: everything but the GPU (Triton's interpreter, tiny sizes)
@@ -12,14 +12,26 @@ It sets itself up on the machine's own packages and runs each step in a fresh pr
 2. environment: the versions, and whether PyTorch, Triton and transformers have what nezha_hf uses
    (gpu_environment.py); a missing piece ends the run, said in words;
 3. correctness against the float64 formula (gpu_correctness.py): a failed case ends the run before any timing;
-4. the attention op against SDPA's FlashAttention (gpu_attention.py);
+4. the attention op against SDPA's FlashAttention (gpu_attention.py), with the plain FlashAttention-2 Triton kernel
+   (the yardstick) on the same tensors and blocks, and the decoding step eager and under torch.compile;
 5. a 12-layer base-width model at 2,048 tokens, bfloat16, forward and forward+backward, against BERT-SDPA
-   (attention.py --device cuda), with both models' error against float64.
+   (attention.py --device cuda), with both models' error against float64;
+6. the model profiled: host time against kernel time per layer, batch 1 and 8 at 2,048 tokens, NEZHA against
+   BERT-SDPA (gpu_profile.py);
+7. each `--variant` (environment settings, e.g. `NEZHA_CHECK_BLOCKS=forward=64x64x4x3`, gpu_attention.py's switch
+   that pins a kernel's blocks): the attention op's bfloat16 forward and training rows again in a fresh process
+   with those settings, written to `gpu-attention-<name>.json` row by row.
+
+The steps run in that order, which is their order of importance: a step is given at most its own budget and what
+is left of the run's, and one that would get less than 10 seconds is not run (the summary says so). `--only` runs
+some of them. The summary prints, beside the timed rows, the CPU gate counts (registers, spills, blocks per SM,
+wgmma / mma.sync, instructions per pair; `make gpu-gates`, which writes `--gates`) of each kernel configuration the
+autotuner chose, so that a slot's timings sit beside the counts that should explain them.
 
 Every step runs with `NEZHA_HF_KERNEL=0` (the CPU kernel is not built) and Triton's cache in the scratch folder; the
 speed steps also keep Triton's autotuning choices there (`TRITON_CACHE_AUTOTUNING=1`), so that a second run neither
 recompiles nor retunes. A step that runs past its budget is stopped and the next one runs (a correctness step cut
-short is reported as incomplete); the run fits `--budget` seconds (default 465) whatever the steps take.
+short is reported as incomplete); the run fits `--budget` seconds (default 510) whatever the steps take.
 
 The results folder (`--results`; default $OUT, where the device tool looks, else gpu-check-results/) gets at most
 5 files (the device tool brings back 8, of at most 16 MiB each): `gpu-check.log` (everything printed, written as it
@@ -51,22 +63,47 @@ CARRIED = ROOT / ".gpu"  # what travels with the checkout to the GPU machine (ig
 PART_SIZE = 15 * 2**20  # the device tool brings back files of at most 16 MiB
 MAX_CACHE_PARTS = 2  # 30 MiB: with the checkout (4 MB) and the wheel (14 MB) it travels back within 64 MiB
 PACK_RESERVE = 20  # seconds kept for packing the results
+GATES = ROOT / "benchmarks" / "results" / "gpu-gates" / "gates.json"  # what `make gpu-gates` writes
 
 
 @dataclass(frozen=True)
 class Step:
-    """One step: its name, its command (after the Python that runs it), its budget in seconds, and whether it is a
-    speed step (Triton's autotuning choices cached)."""
+    """One step: its name, its command (after the Python that runs it), its budget in seconds, whether it is a
+    speed step (Triton's autotuning choices cached), and the environment settings it adds (a variant's)."""
 
     name: str
     command: list[str]
     seconds: int
     timed: bool = False
+    settings: dict | None = None  # environment settings of a variant
 
 
-def steps(rehearse: bool, work: Path) -> list[Step]:
-    """The steps after setup, with their budgets: on a GPU they fit 8 minutes together; rehearsing under the
-    interpreter on 2 shared cores, each is slower."""
+@dataclass(frozen=True)
+class Variant:
+    """A variant of the attention op's timing: its name (letters, digits, '-', '_', '.') and the environment
+    settings it runs with."""
+
+    name: str
+    settings: dict
+
+    @classmethod
+    def parse(cls, text: str) -> "Variant":
+        """`NAME VAR=VALUE [VAR=VALUE ...]` (as `--variant` takes it); a malformed one raises ValueError in words."""
+        name, *pairs = text.split()
+        if not name.replace("-", "").replace("_", "").replace(".", "").isalnum() or "=" in name:
+            raise ValueError(f"variant {text!r}: its first word is its name (letters, digits, '-', '_', '.')")
+        if not pairs or not all("=" in pair and pair.split("=", 1)[0].isidentifier() for pair in pairs):
+            raise ValueError(f"variant {text!r}: after its name come VAR=VALUE settings")
+        return cls(name, dict(pair.split("=", 1) for pair in pairs))
+
+
+STEP_NAMES = ["environment", "correctness", "attention op", "model", "model profile", "variants"]
+
+
+def steps(rehearse: bool, work: Path, variants: list[Variant] = ()) -> list[Step]:
+    """The steps after setup in their order of importance, with their budgets in seconds (the run's `--budget` cuts
+    the later ones: a first run, which compiles every kernel, rarely reaches the profile or the variants; one with the
+    carried cache does); rehearsing under the interpreter on 2 shared cores, each is slower."""
     mode = ["--rehearse"] if rehearse else []
     results = ["--results", str(work)]
     model = (["--device", "cpu", "--attention", "nezha_triton", "--layers", "1", "--lengths", "32", "--repeats", "1",
@@ -74,14 +111,21 @@ def steps(rehearse: bool, work: Path) -> list[Step]:
              ["--device", "cuda", "--layers", "12", "--lengths", "2048", "--repeats", "5", "--accuracy-length", "512",
               "--memory-lengths", "2048", "--memory-runs", "1"])
     scale = 4 if rehearse else 1
+    # Rehearsing, lengths of whole 16-token blocks, so that the yardstick (which takes no mask) runs too.
+    lengths = ["--lengths", "32", "--cache", "32"] if rehearse else []
     return [
         Step("environment", ["benchmarks/gpu_environment.py", *mode, *results], 60 * scale),
         Step("correctness", ["benchmarks/gpu_correctness.py", *mode, *results], 170 * scale),
         # bfloat16 only (the targets' dtype; with float16 too the first run's compilation ran past the budget)
-        Step("attention op", ["benchmarks/gpu_attention.py", *mode, *results, "--dtypes", "bfloat16", "--profile"],
-             150 * scale, timed=True),
+        Step("attention op", ["benchmarks/gpu_attention.py", *mode, *results, *lengths, "--dtypes", "bfloat16",
+                              "--yardstick", "--compile", "--profile"], 180 * scale, timed=True),
         Step("model", ["benchmarks/attention.py", *model, "--dtype", "bfloat16", "--eager-up-to", "0", *results,
                        "--output", "attention-cuda-bfloat16"], 150 * scale, timed=True),
+        Step("model profile", ["benchmarks/gpu_profile.py", *mode, *results], 90 * scale, timed=True),
+        *(Step(f"variant {variant.name}", ["benchmarks/gpu_attention.py", *mode, *results, *lengths, "--dtypes",
+                                           "bfloat16", "--yardstick", "--cases", "forward", "forward+backward",
+                                           "--output", f"gpu-attention-{variant.name}"],
+               90 * scale, timed=True, settings=variant.settings) for variant in variants),
     ]
 
 
@@ -215,8 +259,70 @@ def pack(results: Path, work: Path, cache: Path, log: Log) -> None:
     log(f"Triton's cache: {len(data) / 2**20:.1f} MiB packed into {', '.join(names)}")
 
 
-def summary_table(work: Path, statuses: dict) -> str:
-    """The short table: each step's outcome, the correctness cases passed, and the speed ratios with the targets."""
+def attention_lines(rows: list[dict]) -> list[str]:
+    """The attention op's rows as a short table: NEZHA, SDPA and the yardstick, the ratios, the target, NEZHA's
+    blocks."""
+    lines = ["| op | dtype | keys | NEZHA ms | SDPA ms | ratio | target | yardstick ms | NEZHA / yardstick | "
+             "yardstick / SDPA | NEZHA's blocks |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def number(value, digits):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    for row in rows:
+        goal = "-" if row["target"] is None else f"<= {row['target']} {'met' if row['met'] else 'NOT met'}"
+        nezha = row.get("nezha_error") or number(row["nezha_ms"], 3)
+        sdpa = row.get("sdpa_error") or number(row["sdpa_ms"], 3)
+        blocks = "; ".join(f"{kernel} {config}" for kernel, config in row.get("configs", {}).items()) or "-"
+        lines.append(f"| {row['case']} | {row['dtype']} | {row['keys']:,} | {nezha} | {sdpa} | "
+                     f"{number(row['ratio'], 2)} | {goal} | {number(row.get('yardstick_ms'), 3)} | "
+                     f"{number(row.get('nezha_over_yardstick'), 2)} | {number(row.get('yardstick_over_sdpa'), 2)} | "
+                     f"{blocks} |")
+    return lines
+
+
+def gate_lines(timed: list[dict], gates_file: Path, triton_version: str | None) -> list[str]:
+    """The CPU gate counts (`gates_file`, written by `make gpu-gates`) of each kernel configuration the timed rows
+    ran (`configs` of each row of gpu-attention*.json), with the yardstick's at the same configuration."""
+    chosen = {}  # (gates kernel, case, configuration) in order of first use
+    for row in timed:
+        case = "bfloat16, dropout" if row.get("dropout") else "bfloat16"
+        for kernel, config in row.get("configs", {}).items():
+            chosen.setdefault((kernel, case, config), None)
+    if not chosen:
+        return []
+    if not gates_file.is_file():
+        return ["", f"Gate counts: none ({gates_file.name} not found: `make gpu-gates` writes it before a slot)."]
+    from benchmarks import gpu_gates
+
+    gates = json.loads(gates_file.read_text())
+    counted = {(gpu_gates.SHORT[row["kernel"]], row["case"], row["config_name"]): row for row in gates["rows"]}
+    made = f"Triton {gates.get('triton')}" + ("" if triton_version in (None, gates.get("triton")) else
+                                               f", NOT this run's Triton {triton_version}")
+    lines = ["", f"CPU gate counts of the configurations timed ({gates_file.name}, {made}; sm_90; instructions per "
+             "(query, key) pair of the costliest tail loop; `-`: not in the counts, e.g. a configuration they do not "
+             "compile):", "",
+             "| kernel | case | block, warps, stages | registers | stack bytes | blocks/SM | wgmma / mma.sync | "
+             "tail per pair (x yardstick) | band tile (tail tiles) |", "|---|---|---|---|---|---|---|---|---|"]
+    for kernel, case, config in chosen:
+        row = counted.get((kernel, case, config))
+        if row is None:
+            lines.append(f"| {kernel} | {case} | {config} | - | - | - | - | - | - |")
+            continue
+        tail, band = gpu_gates._tail(row), gpu_gates._band(row)
+        plain = counted.get((f"yardstick {kernel}", "bfloat16", config))
+        plain_tail = gpu_gates._tail(plain) if plain else None
+        tail_text = "-" if not tail else f"{tail['per_pair']:.2f}" + (
+            f" ({tail['per_pair'] / plain_tail['per_pair']:.2f}x)" if plain_tail else "") + (
+            f", {tail['spills']} LDL/STL" if tail["spills"] else "")
+        band_text = f"{band['instructions'] / tail['instructions']:.2f}" if band and tail else "-"
+        lines.append(f"| {kernel} | {case} | {config} | {row['registers']} | {row['stack']} | {row['blocks_per_sm']} | "
+                     f"{row['wgmma']} / {row['mma_sync']} | {tail_text} | {band_text} |")
+    return lines
+
+
+def summary_table(work: Path, statuses: dict, gates_file: Path = GATES) -> str:
+    """The short table: each step's outcome, the correctness cases passed, the speed ratios with the targets (the
+    yardstick's beside them), the variants' rows, the model's profile, and the gate counts of what was timed."""
     lines = ["| step | outcome |", "|---|---|"]
     lines += [f"| {name} | {status} |" for name, status in statuses.items()]
 
@@ -234,13 +340,15 @@ def summary_table(work: Path, statuses: dict) -> str:
         goal = ", target <= 1" if correctness["machine"]["gpu"] else ""
         lines += [f"- {row['dtype']} {row['quantity']}: error {row['nezha']:.1e}, SDPA's {row['sdpa']:.1e} "
                   f"(ratio {row['ratio']:.2f}{goal})" for row in correctness["against_sdpa"]]
-    attention = read("gpu-attention.json")
-    if attention:
-        lines += ["", "| op | dtype | keys | NEZHA ms | SDPA ms | ratio | target |", "|---|---|---|---|---|---|---|"]
-        for row in attention["rows"]:
-            goal = "-" if row["target"] is None else f"<= {row['target']} {'met' if row['met'] else 'NOT met'}"
-            lines.append(f"| {row['case']} | {row['dtype']} | {row['keys']:,} | {row['nezha_ms']:.3f} | "
-                         f"{row['sdpa_ms']:.3f} | {row['ratio']:.2f} | {goal} |")
+    timed, triton_version = [], None
+    # the attention op's rows first, then each variant's
+    for path in sorted(work.glob("gpu-attention*.json"), key=lambda path: (path.stem != "gpu-attention", path.name)):
+        attention = json.loads(path.read_text())
+        variant = path.stem.removeprefix("gpu-attention").removeprefix("-")
+        lines += ["", f"Variant {variant}:" if variant else "The attention op:", "",
+                  *attention_lines(attention["rows"])]
+        timed += attention["rows"]
+        triton_version = attention["machine"].get("software", {}).get("triton", triton_version)
     model = read("attention-cuda-bfloat16.json")
     if model:
         goal = " (target <= 1.15)" if model["machine"]["gpu"] else ""
@@ -252,6 +360,12 @@ def summary_table(work: Path, statuses: dict) -> str:
                          f"{entry.get('ratio_train', float('nan')):.2f}x BERT-SDPA's")
         for kind, error in model["accuracy"].items():
             lines.append(f"Model error against float64 ({kind}): {error['relative']:.2e}")
+    profile = read("gpu-profile.json")
+    if profile:
+        lines += ["", "Model profile, per layer (forward): host ms / kernel ms", ""]
+        lines += [f"- {row['model']}, batch {row['batch']} x {row['tokens']:,}: host {row['host_ms']:.3f}, kernels "
+                  f"{row['kernel_ms']:.3f}" for row in profile["rows"]]
+    lines += gate_lines(timed, gates_file, triton_version)
     return "\n".join(lines) + "\n"
 
 
@@ -259,10 +373,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rehearse", action="store_true", help="on the CPU under Triton's interpreter, tiny sizes")
     parser.add_argument("--results", type=Path, help="folder for what comes back (default: $OUT, else gpu-check-results/)")
-    parser.add_argument("--budget", type=float, help="seconds the whole run may take (default 465; rehearsing, 1800)")
+    parser.add_argument("--budget", type=float, help="seconds the whole run may take (default 510; rehearsing, 1800)")
     parser.add_argument("--cache", type=Path, default=CARRIED, help="folder holding a carried triton-cache.tar.gz")
+    parser.add_argument("--only", nargs="+", choices=STEP_NAMES, help="run these steps only (default: all)")
+    parser.add_argument("--variant", action="append", default=[], metavar="'NAME VAR=VALUE ...'",
+                        help="time the attention op again with these environment settings, in a fresh process "
+                             "(repeatable), e.g. 'fwd64 NEZHA_CHECK_BLOCKS=forward=64x64x4x3'")
+    parser.add_argument("--gates", type=Path, default=GATES,
+                        help="the gate counts `make gpu-gates` wrote (default benchmarks/results/gpu-gates/gates.json)")
     args = parser.parse_args(argv)
-    deadline = time.monotonic() + (args.budget or (1800 if args.rehearse else 465))
+    try:
+        variants = [Variant.parse(text) for text in args.variant]
+    except ValueError as error:
+        parser.error(str(error))
+    deadline = time.monotonic() + (args.budget or (1800 if args.rehearse else 510))
     results = (args.results or Path(os.environ.get("OUT") or ROOT / "gpu-check-results")).resolve()
     results.mkdir(parents=True, exist_ok=True)
     log = Log(results / "gpu-check.log")
@@ -281,15 +405,19 @@ def main(argv=None) -> int:
                                                                    os.environ.get("PYTHONPATH")]))}
         if args.rehearse:
             environment["TRITON_INTERPRET"] = "1"
-        for step in steps(args.rehearse, work) if statuses["setup"] == "done" else []:
+        for step in steps(args.rehearse, work, variants) if statuses["setup"] == "done" else []:
+            variant = step.settings is not None
+            if args.only and ("variants" if variant else step.name) not in args.only:
+                continue
             seconds = min(step.seconds, deadline - time.monotonic() - PACK_RESERVE)
             if seconds < 10:
                 statuses[step.name] = "not run: out of time"
                 continue
-            log(f"\n=== {step.name} (budget {seconds:.0f} s) ===")
+            settings = " ".join(f"{name}={value}" for name, value in (step.settings or {}).items())
+            log(f"\n=== {step.name}{f' ({settings})' if settings else ''} (budget {seconds:.0f} s) ===")
             started = time.monotonic()
             code = run_step([sys.executable, *step.command], {**environment, **(
-                {"TRITON_CACHE_AUTOTUNING": "1"} if step.timed else {})}, seconds, log)
+                {"TRITON_CACHE_AUTOTUNING": "1"} if step.timed else {}), **(step.settings or {})}, seconds, log)
             took = f"{time.monotonic() - started:.0f} s"
             if code == 0:
                 statuses[step.name] = f"passed ({took})"
@@ -297,10 +425,13 @@ def main(argv=None) -> int:
                 statuses[step.name] = f"INCOMPLETE: stopped at its budget ({took})"
             else:
                 statuses[step.name] = f"FAILED (exit {code}, {took}): see the log above"
-                break  # a missing piece, a wrong result or an engine that did not run: nothing after it is trustworthy
+                # A missing piece, a wrong result or an engine that did not run: nothing after it is trustworthy. A
+                # variant fails alone (a switch it sets may be refused); the others still run.
+                if not variant:
+                    break
     finally:
         pack(results, work, cache, log)
-        table = summary_table(work, statuses)
+        table = summary_table(work, statuses, args.gates)
         write_staged(results / "summary.md", table)
         shutil.rmtree(scratch, ignore_errors=True)
         log("\n=== summary ===")

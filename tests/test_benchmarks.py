@@ -381,7 +381,7 @@ def test_a_failed_gpu_check_step_ends_the_run_and_the_summary_says_so(monkeypatc
     from benchmarks import gpu_check
 
     ran = tmp_path / "second-ran"
-    monkeypatch.setattr(gpu_check, "steps", lambda rehearse, work: [
+    monkeypatch.setattr(gpu_check, "steps", lambda rehearse, work, variants: [
         gpu_check.Step("first", ["-c", "import sys; print('wrong result'); sys.exit(1)"], 30),
         gpu_check.Step("second", ["-c", f"open({str(ran)!r}, 'w')"], 30)])
     monkeypatch.setattr(gpu_check, "CARRIED", tmp_path / "nothing-carried")

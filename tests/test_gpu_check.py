@@ -1,0 +1,217 @@
+"""The GPU check's A/B parts (benchmarks/gpu_check.py and its steps), rehearsed on the CPU under Triton's interpreter:
+the yardstick timed beside NEZHA, the compiled decoding step, block sizes pinned by an environment switch and run as
+variants in fresh processes, the model's per-layer profile, and the CPU gate counts printed beside the timings."""
+
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the benchmarks are scripts of the repository, not part of the package
+
+from test_benchmarks import triton_unusable, unmeasured_machine  # noqa: E402, F401 - fixtures
+
+GATES_36 = ROOT / "benchmarks" / "results" / "gpu-gates" / "after-triton-3.6.json"
+INTERPRETER_BLOCKS = "16x16, 4 warps, 1 stages"  # the kernels' one configuration under the interpreter
+
+
+@pytest.fixture
+def pinnable(monkeypatch):
+    """NEZHA's autotuned kernels with their configurations restored after the test (pinning replaces them)."""
+    from nezha_hf import triton_kernels
+
+    for name in ("nezha_forward_kernel", "nezha_key_value_grad_kernel", "nezha_query_grad_kernel"):
+        kernel = getattr(triton_kernels, name)
+        monkeypatch.setattr(kernel, "configs", list(kernel.configs))
+
+
+@pytest.mark.slow
+def test_the_op_benchmark_times_the_yardstick_on_nezhas_blocks_and_a_compiled_decoding_step(unmeasured_machine,
+                                                                                             tmp_path):
+    from benchmarks import gpu_attention
+
+    assert gpu_attention.main(["--rehearse", "--dtypes", "bfloat16", "--lengths", "32", "--cache", "32", "--yardstick",
+                               "--compile", "--cases", "forward", "forward+backward", "decoding step, compiled",
+                               "--results", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "gpu-attention.json").read_text())["rows"]
+    assert [row["case"] for row in rows] == ["forward", "forward+backward", "decoding step, compiled"]
+    forward, training, compiled = rows
+    assert forward["configs"] == {"forward": INTERPRETER_BLOCKS}
+    assert training["configs"] == {"forward": INTERPRETER_BLOCKS, "dK/dV": INTERPRETER_BLOCKS, "dQ": INTERPRETER_BLOCKS}
+    for row in (forward, training):
+        assert row["yardstick_ms"] > 0
+        assert row["nezha_over_yardstick"] == pytest.approx(row["nezha_ms"] / row["yardstick_ms"])
+        assert row["yardstick_over_sdpa"] == pytest.approx(row["yardstick_ms"] / row["sdpa_ms"])
+    # compiled (rehearsing with aot_eager): timed, or its failure in one line and no ratio; SDPA compiled is timed
+    assert compiled["compile_backend"] == "aot_eager" and compiled["sdpa_ms"] > 0
+    if compiled.get("nezha_error"):
+        assert "\n" not in compiled["nezha_error"] and compiled["nezha_ms"] is None and compiled["ratio"] is None
+    else:
+        assert compiled["ratio"] == pytest.approx(compiled["nezha_ms"] / compiled["sdpa_ms"])
+    text = (tmp_path / "gpu-attention.md").read_text()
+    assert "| yardstick (ms) | NEZHA / yardstick | yardstick / SDPA |" in text and "decoding step, compiled" in text
+
+
+def test_the_yardstick_is_not_timed_where_the_length_is_not_whole_blocks(pinnable):
+    import torch
+
+    from benchmarks import gpu_attention
+
+    configs = {"forward": __import__("triton").Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)}
+    inputs = [torch.randn(1, 2, 40, 16, dtype=torch.bfloat16) for _ in range(3)]
+    assert gpu_attention.yardstick_step(inputs, configs, train=False) is None  # 40 tokens: 2.5 blocks
+    assert gpu_attention.yardstick_step(inputs, configs, train=True) is None
+    whole = [tensor[:, :, :32].contiguous() for tensor in inputs]
+    assert gpu_attention.yardstick_step(whole, configs, train=True) is None  # the backward's blocks unknown
+    output = gpu_attention.yardstick_step(whole, configs, train=False)()
+    assert output.shape == (1, 2, 32, 16)
+
+
+def test_blocks_pinned_by_the_environment_switch_reach_the_autotuner_and_bad_ones_are_one_line(pinnable):
+    from benchmarks import gpu_attention
+    from benchmarks.gpu_ops import CheckFailed
+    from nezha_hf import triton_kernels
+
+    assert gpu_attention.pin_blocks("forward=16x16x2x1, dQ=16x16x8x2") == {
+        "forward": "16x16, 2 warps, 1 stages", "dQ": "16x16, 8 warps, 2 stages"}
+    assert [(c.kwargs, c.num_warps, c.num_stages) for c in triton_kernels.nezha_forward_kernel.configs] == [
+        ({"BLOCK_M": 16, "BLOCK_N": 16}, 2, 1)]
+    assert len(triton_kernels.nezha_key_value_grad_kernel.configs) >= 1  # not named: left as tuned
+    assert gpu_attention.pin_blocks("") == {} and gpu_attention.pin_blocks(None) == {}
+    for text, why in (("forward=16x16", "'forward=16x16' is not KERNEL=MxNxWARPSxSTAGES"),
+                      ("backward=16x16x4x1", "'backward' is none of forward, dK/dV, dQ"),
+                      ("forward=16x32x4x1", "the forward's key block 32 does not divide the decoding split's "
+                                            f"{triton_kernels.SPLIT_GRANULE} keys")):
+        with pytest.raises(CheckFailed) as refused:
+            gpu_attention.pin_blocks(text)
+        assert str(refused.value) == f"NEZHA_CHECK_BLOCKS: {why}"
+
+
+@pytest.mark.slow
+def test_a_pinned_block_is_what_the_timed_row_ran(unmeasured_machine, pinnable, monkeypatch, tmp_path):
+    from benchmarks import gpu_attention
+
+    monkeypatch.setenv("NEZHA_CHECK_BLOCKS", "forward=16x16x2x1")
+    assert gpu_attention.main(["--rehearse", "--dtypes", "bfloat16", "--lengths", "32", "--cache", "0", "--cases",
+                               "forward", "--yardstick", "--results", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "gpu-attention.json").read_text())["rows"]
+    assert row["configs"] == {"forward": "16x16, 2 warps, 1 stages"} and row["yardstick_ms"] > 0
+
+
+def test_a_variant_is_a_name_and_environment_settings():
+    from benchmarks.gpu_check import Variant
+
+    assert Variant.parse("fwd64 NEZHA_CHECK_BLOCKS=forward=64x64x4x3 OTHER=1") == Variant(
+        "fwd64", {"NEZHA_CHECK_BLOCKS": "forward=64x64x4x3", "OTHER": "1"})
+    for text in ("fwd64", "A=1 B=2", "bad/name X=1", "name notasetting", "name 1X=2"):
+        with pytest.raises(ValueError):
+            Variant.parse(text)
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_each_variant_in_a_fresh_process_and_one_that_fails_alone(unmeasured_machine, monkeypatch,
+                                                                                       tmp_path):
+    """Rehearsed: `--only variants` runs each variant's attention rows with its settings; a refused setting fails
+    that variant alone, and the summary shows every variant's outcome and rows."""
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(gpu_check, "CARRIED", tmp_path / "nothing-carried")
+    results = tmp_path / "out"
+    assert gpu_check.main(["--rehearse", "--only", "variants", "--variant", "bad NEZHA_CHECK_BLOCKS=forward=1x1",
+                           "--variant", "narrow NEZHA_CHECK_BLOCKS=forward=16x16x2x1", "--results", str(results),
+                           "--gates", str(tmp_path / "no-gates.json")]) == 1
+    summary = (results / "summary.md").read_text()
+    assert "| variant bad | FAILED (exit 1, " in summary and "| variant narrow | passed (" in summary
+    assert "| environment |" not in summary and "| correctness |" not in summary and "| attention op |" not in summary
+    assert "Gate counts: none (no-gates.json not found" in summary
+    log = (results / "gpu-check.log").read_text()
+    assert "=== variant narrow (NEZHA_CHECK_BLOCKS=forward=16x16x2x1)" in log
+    assert "NEZHA_CHECK_BLOCKS: 'forward=1x1' is not KERNEL=MxNxWARPSxSTAGES" in log
+    with tarfile.open(results / "results.tar.gz") as archive:
+        assert "gpu-attention-narrow.json" in archive.getnames()
+        rows = json.load(archive.extractfile("gpu-attention-narrow.json"))["rows"]
+    assert [row["case"] for row in rows] == ["forward", "forward+backward"]
+    assert rows[0]["configs"] == {"forward": "16x16, 2 warps, 1 stages"} and rows[0]["yardstick_ms"] > 0
+    assert "Variant narrow:" in summary
+
+
+def _attention_results(work: Path, rows: list[dict], triton: str) -> None:
+    (work / "gpu-attention.json").write_text(json.dumps({"machine": {"software": {"triton": triton}}, "rows": rows}))
+
+
+def test_the_summary_prints_the_gate_counts_of_each_configuration_timed(tmp_path):
+    """The counts of the configurations the rows ran, as `make gpu-gates` wrote them, beside the yardstick's at the
+    same configuration; a configuration the counts lack shows dashes; another Triton's counts are flagged."""
+    from benchmarks import gpu_check
+
+    row = {"case": "forward+backward", "dtype": "bfloat16", "queries": 2048, "keys": 2048, "dropout": 0.0,
+           "target": 1.3, "met": False, "nezha_ms": 2.0, "sdpa_ms": 0.7, "ratio": 2.0 / 0.7, "sdpa_backend": "flash",
+           "yardstick_ms": 0.8, "nezha_over_yardstick": 2.5, "yardstick_over_sdpa": 0.8 / 0.7,
+           "configs": {"forward": "128x64, 8 warps, 3 stages", "dK/dV": "64x128, 8 warps, 2 stages",
+                       "dQ": "32x32, 8 warps, 9 stages"}}
+    _attention_results(tmp_path, [row], "3.6.0")
+    summary = gpu_check.summary_table(tmp_path, {"attention op": "passed (9 s)"}, GATES_36)
+    assert ("| forward+backward | bfloat16 | 2,048 | 2.000 | 0.700 | 2.86 | <= 1.3 NOT met | 0.800 | 2.50 | 1.14 |"
+            in summary)
+    # the expected figures, from the counts file itself: the costliest tail loop, the yardstick's, the band's
+    counts = {(r["kernel"], r["case"], r["config_name"]): r for r in json.loads(GATES_36.read_text())["rows"]}
+
+    def loop(kind, name, config):
+        return max((x for x in counts[(name, "bfloat16", config)]["loops"] if x["class"] == kind),
+                   key=lambda x: x["instructions"])
+
+    forward = counts[("nezha_forward_kernel", "bfloat16", "128x64, 8 warps, 3 stages")]
+    tail, band = loop("tail", "nezha_forward_kernel", "128x64, 8 warps, 3 stages"), loop(
+        "band", "nezha_forward_kernel", "128x64, 8 warps, 3 stages")
+    plain = loop("tail", "yardstick_forward_kernel", "128x64, 8 warps, 3 stages")
+    assert (f"| forward | bfloat16 | 128x64, 8 warps, 3 stages | {forward['registers']} | {forward['stack']} | "
+            f"{forward['blocks_per_sm']} | {forward['wgmma']} / {forward['mma_sync']} | "
+            f"{tail['per_pair']:.2f} ({tail['per_pair'] / plain['per_pair']:.2f}x) | "
+            f"{band['instructions'] / tail['instructions']:.2f} |") in summary
+    key_value_tail = loop("tail", "nezha_key_value_grad_kernel", "64x128, 8 warps, 2 stages")
+    assert key_value_tail["spills"] and f", {key_value_tail['spills']} LDL/STL |" in summary
+    assert "| dQ | bfloat16 | 32x32, 8 warps, 9 stages | - | - | - | - | - | - |" in summary
+    assert "after-triton-3.6.json, Triton 3.6.0;" in summary
+    _attention_results(tmp_path, [row], "3.9.0")
+    assert "Triton 3.6.0, NOT this run's Triton 3.9.0" in gpu_check.summary_table(tmp_path, {}, GATES_36)
+    assert "Gate counts: none (gates.json not found" in gpu_check.summary_table(tmp_path, {}, tmp_path / "gates.json")
+
+
+def test_a_compiled_decoding_step_that_failed_reads_as_its_error_in_the_summary(tmp_path):
+    from benchmarks import gpu_check
+
+    row = {"case": "decoding step, compiled", "dtype": "bfloat16", "queries": 1, "keys": 8192, "dropout": 0.0,
+           "target": 1.1, "met": False, "nezha_ms": None, "sdpa_ms": 0.05, "ratio": None, "sdpa_backend": "flash",
+           "nezha_error": "Unsupported: call_function ..."}
+    _attention_results(tmp_path, [row], "3.6.0")
+    summary = gpu_check.summary_table(tmp_path, {}, GATES_36)
+    assert ("| decoding step, compiled | bfloat16 | 8,192 | Unsupported: call_function ... | 0.050 | - | "
+            "<= 1.1 NOT met | - | - | - | - |") in summary
+
+
+@pytest.mark.slow
+def test_the_model_profile_rehearsed_gives_host_and_kernel_time_per_layer(unmeasured_machine, tmp_path):
+    from benchmarks import gpu_profile
+
+    assert gpu_profile.main(["--rehearse", "--results", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gpu-profile.json").read_text())
+    assert [(row["model"], row["batch"]) for row in result["rows"]] == [
+        ("NEZHA (nezha_triton)", 1), ("BERT-SDPA", 1), ("NEZHA (nezha_triton)", 2), ("BERT-SDPA", 2)]
+    for row in result["rows"]:
+        assert row["ranges"] == result["sizes"]["layers"] * result["sizes"]["passes"]  # every layer, every pass
+        assert row["host_ms"] > 0 and row["pass_ms"] > 0
+        assert row["kernel_ms"] == 0 and row["host_over_kernel"] is None  # the CPU launches no kernels
+    assert "Batch 2: NEZHA's host time per layer" in (tmp_path / "gpu-profile.md").read_text()
+
+
+def test_the_model_profile_ends_in_one_line_when_nezha_did_not_run_triton(triton_unusable, unmeasured_machine,
+                                                                          tmp_path, capsys):
+    from benchmarks import gpu_profile
+
+    assert gpu_profile.main(["--rehearse", "--batches", "1", "--tokens", "8", "--results", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.splitlines() == ["gpu_profile.py: NEZHA did not run the Triton engine on cpu: the "
+                                                    "chunked engine ran (simulated: kernels failed)"]
+    assert not list(tmp_path.iterdir())
