@@ -435,19 +435,23 @@ def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, 
     distance = offs_n[None, :] - (offset + offs_m)[:, None]
     left, right = distance <= -K, distance >= K
     term = _product(rotated, tl.trans(sinusoid), WIDEN, IEEE)
-    term = tl.where(left, left_raw[:, None], tl.where(right, right_raw[:, None], term))
+    term = tl.where(right, right_raw[:, None], tl.where(left, left_raw[:, None], term))
     scores = _product_into(term, q, tl.trans(k), WIDEN, IEEE)
-    visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
-                       HAS_SOURCE, True)
-    scores = tl.where(visible, scores, float("-inf"))
+    if HAS_VALID or CAUSAL:
+        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+                           HAS_SOURCE, True)
+        scores = tl.where(visible, scores, float("-inf"))
+    else:  # keys past the last one: a bias per column, not a mask per pair
+        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
     p, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum, 0.0, scale_log2)
     if DROPOUT:
         p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p * keep_scale, 0.0)
     acc = _product_into(acc * rescale[:, None], p.to(OPERAND), v, WIDEN, IEEE)
-    inside = tl.where(left | right, 0.0, p)
-    spread = _product_into(spread * rescale[:, None], inside.to(OPERAND), sinusoid, WIDEN, IEEE)
-    left_mass = left_mass * rescale + tl.sum(tl.where(left, p, 0.0), 1)
-    right_mass = right_mass * rescale + tl.sum(tl.where(right, p, 0.0), 1)
+    left_p = tl.where(left, p, 0.0)
+    right_p = tl.where(right, p, 0.0)
+    spread = _product_into(spread * rescale[:, None], (p - left_p - right_p).to(OPERAND), sinusoid, WIDEN, IEEE)
+    left_mass = left_mass * rescale + tl.sum(left_p, 1)
+    right_mass = right_mass * rescale + tl.sum(right_p, 1)
     return acc, spread, left_mass, right_mass, row_max, row_sum
 
 
