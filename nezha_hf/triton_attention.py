@@ -23,7 +23,9 @@ a decoding step's partial outputs; nothing per (query, table row).
   `torch.set_float32_matmul_precision` say: no PyTorch matrix product is on the path (PyTorch computes only the
   elementwise `D_i = dO_i . O_i`, the key bounds and flags).
 - No host synchronisation: nothing on the path reads a GPU tensor on the host. A static cache's offset (a tensor on
-  the GPU) is read by the kernels; the dropout seed is a CPU tensor (`relative_attention` draws it there).
+  the GPU) is read by the kernels; the dropout seed is a CPU tensor (`relative_attention` draws it there). The one
+  exception: whether a bfloat16 / float16 call's table is the exact sinusoid (the forward's band by rotation) is
+  compared once per table tensor and version (`relative_attention` passes the model's own table, not a copy per call).
 """
 
 import contextlib
