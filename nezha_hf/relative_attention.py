@@ -298,12 +298,14 @@ def relative_attention(
     engine, why = choose_engine(requested, situation)
     if situation.wants_probabilities and requested is not Engine.GATHER:
         logger.warning_once(f"NEZHA attention {requested.value!r}: {why}; these calls run the gather engine.")
-    table = relative_table.to(query.dtype)
+    # The Triton engine takes the model's table itself (it converts it, and checks once per table that it is the
+    # exact sinusoid: a copy made per call would be checked at every call).
+    table = relative_table if engine is Engine.TRITON else relative_table.to(query.dtype)
     try:
         result = ENGINES[engine].run(query, key, value, table, problem)
     except EngineUnavailable:  # it found it cannot run here, and its `unusable` now says so: choose again
         engine, why = choose_engine(requested, situation)
-        result = ENGINES[engine].run(query, key, value, table, problem)
+        result = ENGINES[engine].run(query, key, value, relative_table.to(query.dtype), problem)
     if not situation.tracing:
         _record(AttentionCall(requested, engine, why, situation.device, situation.dtype, situation.dropout,
                               situation.cached))

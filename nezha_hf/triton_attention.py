@@ -23,7 +23,9 @@ a decoding step's partial outputs; nothing per (query, table row).
   `torch.set_float32_matmul_precision` say: no PyTorch matrix product is on the path (PyTorch computes only the
   elementwise `D_i = dO_i . O_i`, the key bounds and flags).
 - No host synchronisation: nothing on the path reads a GPU tensor on the host. A static cache's offset (a tensor on
-  the GPU) is read by the kernels; the dropout seed is a CPU tensor (`relative_attention` draws it there).
+  the GPU) is read by the kernels; the dropout seed is a CPU tensor (`relative_attention` draws it there). The one
+  exception: whether a bfloat16 / float16 call's table is the exact sinusoid (the forward's band by rotation) is
+  compared once per table tensor and version (`relative_attention` passes the model's own table, not a copy per call).
 """
 
 import contextlib
@@ -31,6 +33,7 @@ import importlib.util
 import math
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +46,7 @@ from .attention_ops import (
     RelativeAttentionMask,
     engine_op,
     fallback_words,
+    sinusoid_relative_table,
     tracing,
 )
 
@@ -247,6 +251,41 @@ def _arguments(query, key, value, table, problem: AttentionProblem, switches: Sw
     )
 
 
+# Tables compared with the sinusoid: (id, dtype) -> (a weak reference to the table, its version, whether it is).
+_exact_tables: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, bool]] = {}
+_sinusoids: dict[tuple, torch.Tensor] = {}  # (K, head size, dtype, device) -> the forward's `Sinusoid`
+
+
+def _is_exact_sinusoid(table: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `table` in `dtype` is, entry for entry, the sinusoid `sinusoid_relative_table` makes (NEZHA's table):
+    then the forward's band tiles go by rotation (`triton_kernels._rotated_band`), which holds for that table only;
+    any other table takes the table's window. Compared once per table tensor and version (the comparison waits for
+    the GPU), the answer kept while the table lives."""
+    key = (id(table), dtype)
+    version = None if table.is_inference() else table._version  # an inference tensor counts no versions: no reuse
+    known = _exact_tables.get(key)
+    if known is not None and known[0]() is table and version is not None and known[1] == version:
+        return known[2]
+    rows, size = table.shape
+    exact = rows % 2 == 1 and size % 2 == 0 and torch.equal(
+        table.to(dtype), sinusoid_relative_table((rows - 1) // 2, size).to(table.device, dtype))
+    _exact_tables[key] = (weakref.ref(table, lambda _: _exact_tables.pop(key, None)), version, exact)
+    return exact
+
+
+def _rotation(table: torch.Tensor, dtype: torch.dtype, kernels) -> dict:
+    """The forward's `ROTATE` and `Sinusoid` (the sinusoid continued to `2K + ROTATION_ROWS` rows, in `dtype`, made
+    once per size): by rotation for bfloat16 and float16 with the exact sinusoid; float32, whose products must stay
+    as exact as the table's own rows, and any other table, by the table's window."""
+    if dtype == torch.float32 or not _is_exact_sinusoid(table, dtype):
+        return dict(ROTATE=False, Sinusoid=None)
+    K, size = (table.shape[0] - 1) // 2, table.shape[1]
+    key = (K, size, dtype, table.device)
+    if key not in _sinusoids:
+        _sinusoids[key] = sinusoid_relative_table(K + -(-kernels.ROTATION_ROWS // 2), size).to(table.device, dtype)
+    return dict(ROTATE=True, Sinusoid=_sinusoids[key])
+
+
 def _blocks(length: int, block: int) -> int:
     """Blocks of `block` rows that cover `length`."""
     return -(-length // block)
@@ -269,6 +308,7 @@ def triton_forward(query, key, value, table, problem: AttentionProblem) -> list[
     _refuse_set_aside(part, switches)
     arguments = _arguments(query, key, value, table, problem, switches, kernels)
     outputs = dict(Out=output, Lse=lse, **_strides(output, "o", "m", heads_first=False))
+    arguments.update(_rotation(table, query.dtype, kernels))
     grid = lambda meta: (_blocks(queries, meta["BLOCK_M"]) * splits * batch * heads,)  # noqa: E731
     with _launching(part, switches, query.device):
         if splits == 1:

@@ -13,6 +13,12 @@ and a probability adds `p_ij T[r]` to the output. A (query block, key block) til
   BLOCK_N]`, a product like `q k^T`) and gathers each pair's entry along its diagonal (`tl.gather`); the value term
   goes the other way: the probabilities are gathered into place by diagonal and multiplied by the part. With two or
   three parts, a band tile costs about three to four tail tiles; nothing per (query, table row) leaves the chip.
+  With NEZHA's own table (the exact sinusoid, `T[p] = (sin p w, cos p w)` per frequency pair; checked once per table
+  by `triton_attention`), bfloat16 and float16 forwards take the band without gathers (`ROTATE`): `T[t - s]` is
+  `E[t]` turned by the angle `s w`, so with `s = i - m0` and `t = j - offset - m0 + K` a pair's key term is
+  `q~_i . E[t_j]`, `q~` the block's queries turned once, pairwise, by `s w`, and the value term is `sum_j p_ij
+  E[t_j]` turned back once after the band: one more product each way per tile, clipped pairs (`|j - i| >= K`) taking
+  the tails' rows (`_rotated_band`; three_regions.py uses the same identity on the CPU).
 
 The key loop of a query block runs over the left tail tiles, the band tiles and the right tail tiles in three loops
 (FlashAttention-2's stages, a constexpr class each), from the first key block any query of the block sees to the
@@ -84,6 +90,9 @@ else:
                               *FLOAT32_CONFIGS[:2]]
     QUERY_GRAD_CONFIGS = [_config(64, 64, 2, 4), _config(128, 32, 2, 8), _config(128, 64, 2, 8),
                           FLOAT32_CONFIGS[0], FLOAT32_CONFIGS[2]]
+
+# The forward's band by rotation reads the sinusoid's rows `0 .. 2K + BLOCK_M - 1` (`_rotated_band`).
+ROTATION_ROWS = max(config.kwargs["BLOCK_M"] for config in FORWARD_CONFIGS)
 
 # A split of a decoding step's keys is a whole number of this many keys, so that every tuned key block divides it.
 SPLIT_GRANULE = max(config.kwargs["BLOCK_N"] for config in FORWARD_CONFIGS)
@@ -323,37 +332,40 @@ def _program(blocks, heads, Offset, offset, OFFSET_IN_MEMORY: tl.constexpr):
 
 
 @triton.jit
-def _forward_loop(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, hi, m0,
-                   offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                   scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
-                   CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
-                   IEEE: tl.constexpr, EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The online softmax over the key blocks `lo .. hi` of one class (`_forward_tiles`). `key_term` is a tail's key
-    term per row in base 2 (`q_i . T[row] * scale * log2(e)`; 0 for the band), folded into the maximum: a pair's
-    exponent is then one multiply-add, `scores * scale_log2 - (max - key_term)`, as in plain FlashAttention-2
-    (`scale_log2` > 0). `EDGE`: the blocks may end past the last key (only the last one can)."""
+def _softmax_step(scores, row_max, row_sum, key_term, scale_log2):
+    """One tile of the online softmax: `(p, rescale, new_max, row_sum)` from the tile's scores before the scale.
+    `key_term` is a tail's key term per row in base 2 (`q_i . T[row] * scale * log2(e)`; 0 for the band), folded into
+    the maximum: a pair's exponent is then one multiply-add, `scores * scale_log2 - (max - key_term)`, as in plain
+    FlashAttention-2 (`scale_log2` > 0). A row that has seen nothing yet stays at 0."""
+    new_max = tl.maximum(row_max, tl.max(scores, 1) * scale_log2 + key_term)
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp2(row_max - shift)
+    p = tl.exp2(scores * scale_log2 - (shift - key_term)[:, None])
+    return p, rescale, new_max, row_sum * rescale + tl.sum(p, 1)
+
+
+@triton.jit
+def _forward_tile(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0,
+                  offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                  scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+                  CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
+                  IEEE: tl.constexpr, EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile at key block `n0` of one class (`_forward_tiles`): `(acc, row_max, row_sum, mass)` updated, a tail's
+    value term gathered in `mass`, a band's (by the table's window) added to `acc`. `EDGE`: the block may end past the
+    last key."""
     OPERAND = Vh.dtype.element_ty
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, EDGE,
-                                  BLOCK_N)
-        first = _window_start(n0, m0, offset, K, BLOCK_M)
-        scores = _scores(q, k, Table, first, K, D, offs_d, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row,
-                         KIND, HAS_VALID, CAUSAL, HAS_SOURCE, EDGE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-        new_max = tl.maximum(row_max, tl.max(scores, 1) * scale_log2 + key_term)
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that has seen nothing yet stays at 0
-        rescale = tl.exp2(row_max - shift)
-        p = tl.exp2(scores * scale_log2 - (shift - key_term)[:, None])
-        tile_sum = tl.sum(p, 1)
-        row_sum = row_sum * rescale + tile_sum
-        if DROPOUT:
-            p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p * keep_scale, 0.0)
-            tile_sum = tl.sum(p, 1)  # what the tail's mass takes: the dropped-out probabilities
-        acc = _product_into(acc * rescale[:, None], p.to(OPERAND), v, WIDEN, IEEE)
-        if KIND == BAND:
-            acc = _add_times_window(acc, p.to(OPERAND), Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-        else:
-            mass = mass * rescale + tile_sum
-        row_max = new_max
+    offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, EDGE, BLOCK_N)
+    first = _window_start(n0, m0, offset, K, BLOCK_M)
+    scores = _scores(q, k, Table, first, K, D, offs_d, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row,
+                     KIND, HAS_VALID, CAUSAL, HAS_SOURCE, EDGE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    p, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum, key_term, scale_log2)
+    if DROPOUT:
+        p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p * keep_scale, 0.0)
+    acc = _product_into(acc * rescale[:, None], p.to(OPERAND), v, WIDEN, IEEE)
+    if KIND == BAND:
+        acc = _add_times_window(acc, p.to(OPERAND), Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    else:
+        mass = mass * rescale + tl.sum(p, 1)  # the dropped-out probabilities, with dropout
     return acc, row_max, row_sum, mass
 
 
@@ -363,20 +375,109 @@ def _forward_tiles(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyV
                    scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
                    CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The online softmax over the key blocks `lo .. hi` of one class: `(acc, row_max, row_sum, mass)`, the tails'
-    value term gathered in `mass`, the band's added to `acc` tile by tile. A tail's whole blocks run without a key
-    mask, the one that may end past the last key after them."""
-    edge = lo
+    """The online softmax over the key blocks `lo .. hi` of one class: `(acc, row_max, row_sum, mass)`. A tail's whole
+    blocks run in a loop without a key mask; the one block that may end past the last key is one masked tile after
+    it (not a loop: the loop's tile stays the plain FlashAttention-2 tile)."""
+    edge = hi
     if KIND != BAND:
         edge = tl.maximum(tl.minimum(hi, Lk // BLOCK_N * BLOCK_N), lo)
-        acc, row_max, row_sum, mass = _forward_loop(
-            acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, edge, m0,
-            offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-            threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
-    return _forward_loop(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, edge,
-                         hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                         scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
-                         WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
+    for n0 in range(lo, edge, BLOCK_N):
+        acc, row_max, row_sum, mass = _forward_tile(
+            acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0, offs_m,
+            offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
+            keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, KIND == BAND, BLOCK_M, BLOCK_N)
+    if KIND != BAND:
+        if edge < hi:  # the last block, ending past the last key (`hi - edge < BLOCK_N`)
+            acc, row_max, row_sum, mass = _forward_tile(
+                acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, edge, m0,
+                offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+                threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
+                BLOCK_N)
+    return acc, row_max, row_sum, mass
+
+
+@triton.jit
+def _rotate_pairs(x, angles, BACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Each row of `x` (`[BLOCK_M, BLOCK_D]` float32) rotated pairwise by its row's angles `b` (`angles`: the sinusoid
+    rows `0 .. BLOCK_M - 1`, `sin b` in even columns, `cos b` in odd ones): `(x0 cos b + x1 sin b, x1 cos b - x0 sin
+    b)`, or the inverse rotation (`BACK`). `q_i . T[t - s]` equals `rotate(q_i, s) . E[t]` for the sinusoid `E`, and
+    `sum_j p_j T[t_j - s]` equals `rotate_back(sum_j p_j E[t_j], s)` (the angle-difference formulas)."""
+    even, odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_D // 2, 2]))
+    sine, cosine = tl.split(tl.reshape(angles, [BLOCK_M, BLOCK_D // 2, 2]))
+    if BACK:
+        sine = -sine
+    return tl.reshape(tl.join(even * cosine + odd * sine, odd * cosine - even * sine), [BLOCK_M, BLOCK_D])
+
+
+@triton.jit
+def _sinusoid_rows(Sinusoid, rows, D, offs_d):
+    """Rows `rows` of the `[rows, D]` sinusoid (`triton_attention` makes it: `T` continued past `2K`), in its type."""
+    return tl.load(Sinusoid + rows[:, None] * D + offs_d[None, :], mask=_columns(offs_d, D)[None, :], other=0.0)
+
+
+@triton.jit
+def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, rotated, left_raw, right_raw, Kh, Vh,
+                       Sinusoid, KeyValid, KeyIsSource, key_row, n0, m0, offs_m, offset, Lk, K, D: tl.constexpr,
+                       offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
+                       keep_scale, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
+                       DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """A band tile without gathers (the table the exact sinusoid, `ROTATE`): with `s = i - m0` and `t = j - offset -
+    m0 + K`, a pair inside the band (`|j - i| < K`) has `T[t - s]`, so its key term is `rotated_i . E[t_j]` (one
+    product with the sinusoid's rows of the tile's keys, `rotated` the block's queries turned by `s`) and its value
+    term gathers in `spread = sum_j p_ij E[t_j]`, turned back once after the band. A clipped pair takes its row's
+    constant (`left_raw`, `right_raw`: `q_i . T[0]`, `q_i . T[2K]`) and its probability the row's `left_mass` or
+    `right_mass`, as a tail's does."""
+    OPERAND = Vh.dtype.element_ty
+    offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, True, BLOCK_N)
+    sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - m0 + K, 0), 2 * K + BLOCK_M - 1), D,
+                              offs_d)
+    distance = offs_n[None, :] - (offset + offs_m)[:, None]
+    left, right = distance <= -K, distance >= K
+    term = _product(rotated, tl.trans(sinusoid), WIDEN, IEEE)
+    term = tl.where(right, right_raw[:, None], tl.where(left, left_raw[:, None], term))
+    scores = _product_into(term, q, tl.trans(k), WIDEN, IEEE)
+    if HAS_VALID or CAUSAL:
+        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+                           HAS_SOURCE, True)
+        scores = tl.where(visible, scores, float("-inf"))
+    else:  # keys past the last one: a bias per column, not a mask per pair
+        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
+    p, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum, 0.0, scale_log2)
+    if DROPOUT:
+        p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p * keep_scale, 0.0)
+    acc = _product_into(acc * rescale[:, None], p.to(OPERAND), v, WIDEN, IEEE)
+    left_p = tl.where(left, p, 0.0)
+    right_p = tl.where(right, p, 0.0)
+    spread = _product_into(spread * rescale[:, None], (p - left_p - right_p).to(OPERAND), sinusoid, WIDEN, IEEE)
+    left_mass = left_mass * rescale + tl.sum(left_p, 1)
+    right_mass = right_mass * rescale + tl.sum(right_p, 1)
+    return acc, spread, left_mass, right_mass, row_max, row_sum
+
+
+@triton.jit
+def _rotated_band(acc, row_max, row_sum, q, first_row, last_row, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, lo,
+                  hi, m0, offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                  scale_log2, seed, head, threshold, keep_scale, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
+                  HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The band's key blocks `lo .. hi` by rotation (`_rotated_band_tile`): `(acc, row_max, row_sum)`, the band's
+    value term added to `acc` after the loop."""
+    angles = _sinusoid_rows(Sinusoid, tl.arange(0, BLOCK_M), D, offs_d).to(tl.float32)
+    rotated = _rotate_pairs(q.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(q.dtype)
+    left_raw, right_raw = _row_term(q, first_row), _row_term(q, last_row)
+    spread = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    left_mass = tl.zeros([BLOCK_M], tl.float32)
+    right_mass = tl.zeros([BLOCK_M], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        acc, spread, left_mass, right_mass, row_max, row_sum = _rotated_band_tile(
+            acc, spread, left_mass, right_mass, row_max, row_sum, q, rotated, left_raw, right_raw, Kh, Vh, Sinusoid,
+            KeyValid, KeyIsSource, key_row, n0, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn,
+            stride_vd, scale_log2, seed, head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN,
+            IEEE, BLOCK_M, BLOCK_N)
+    acc += _rotate_pairs(spread, angles, True, BLOCK_M, BLOCK_D)
+    acc += left_mass[:, None] * first_row[None, :] + right_mass[:, None] * last_row[None, :]
+    return acc, row_max, row_sum
 
 
 @triton.jit
@@ -393,22 +494,24 @@ def _store_output(Out, Lse, acc, row_max, row_sum, b, h, head, offs_m, offs_d, L
     tl.store(Lse + head.to(tl.int64) * Lq + offs_m, lse, mask=rows_in)
 
 
-@triton.autotune(configs=FORWARD_CONFIGS, key=[*TUNING_KEY, "SPLIT"], prune_configs_by=PRUNING)
+@triton.autotune(configs=FORWARD_CONFIGS, key=[*TUNING_KEY, "SPLIT", "ROTATE"], prune_configs_by=PRUNING)
 @triton.jit(do_not_specialize=[*STEP_VALUES, "key_chunk", "splits"])
 def nezha_forward_kernel(
-    Q, Kx, V, Table, Out, Lse, Partial, PartialStats, KeyValid, KeyIsSource, KeyBounds, Offset,
+    Q, Kx, V, Table, Sinusoid, Out, Lse, Partial, PartialStats, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
     heads, Lq, Lk, D: tl.constexpr, K, offset, scale_log2, seed, threshold, keep_scale, splits, key_chunk, LQ_CLASS,
     LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
-    OFFSET_IN_MEMORY: tl.constexpr, SPLIT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr, SPLIT: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One block of queries of one head against its keys, or (`SPLIT`) against the `key_chunk` keys of one split:
     the output and log-sum-exp, or the split's unnormalised output, maximum and sum (`Partial`, `PartialStats`).
-    Programs are numbered (head, split, query block) (`_program`). `LQ_CLASS` and `LK_CLASS` (`length_class`) are
-    what the tuning is keyed on; the kernel does not read them."""
+    Programs are numbered (head, split, query block) (`_program`). `ROTATE`: `Table` is the exact sinusoid and
+    `Sinusoid` its continuation to `2K + ROTATION_ROWS` rows, so band tiles go by rotation (`_rotated_band`), not by
+    the table's window. `LQ_CLASS` and `LK_CLASS` (`length_class`) are what the tuning is keyed on; the kernel does
+    not read them."""
     query_blocks = tl.cdiv(Lq, BLOCK_M)
     block, head, b, h, offset = _program(query_blocks * splits, heads, Offset, offset, OFFSET_IN_MEMORY)
     block, split = block % query_blocks, block // query_blocks
@@ -434,10 +537,17 @@ def nezha_forward_kernel(
         band_lo, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
         head, threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     acc += mass[:, None] * first_row[None, :]
-    acc, row_max, row_sum, _ = _forward_tiles(
-        acc, row_max, row_sum, zeros, q, zeros, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_lo, band_hi, m0,
-        offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
-        keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    if ROTATE:
+        acc, row_max, row_sum = _rotated_band(
+            acc, row_max, row_sum, q, first_row, last_row, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, band_lo,
+            band_hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2,
+            seed, head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N,
+            BLOCK_D)
+    else:
+        acc, row_max, row_sum, _ = _forward_tiles(
+            acc, row_max, row_sum, zeros, q, zeros, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_lo, band_hi,
+            m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+            threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     acc, row_max, row_sum, mass = _forward_tiles(
         acc, row_max, row_sum, zeros, q, right_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_hi, hi, m0,
         offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,

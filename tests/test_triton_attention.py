@@ -658,3 +658,84 @@ def test_a_planted_64_row_block_on_8_warps_fails_the_gpu_gates():
     assert done.returncode == 1, done.stdout + done.stderr[-5000:]
     twice = [line for line in done.stdout.splitlines() if "computed twice" in line]
     assert twice and all("forward (bfloat16), 64x64, 8 warps, 3 stages:" in line for line in twice), done.stdout
+
+
+# --- the forward's band by rotation (issue 55) ----------------------------------------------------------------------
+
+
+def forward_launches(monkeypatch):
+    """The forward's launches, recorded and run."""
+    from nezha_hf import triton_kernels as tk
+
+    launches = Launches(real=tk.nezha_forward_kernel)
+    monkeypatch.setattr(tk, "nezha_forward_kernel", launches)
+    return launches
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 4e-2), (torch.float16, 5e-3)], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("queries, keys, K", [(70, 70, 3), (70, 70, 20), (21, 70, 5), (1, 150, 20)],
+                         ids=["K=3", "K=20", "continuing-a-cache", "decoding-split"])
+def test_band_by_rotation_matches_the_formula(queries, keys, K, dtype, atol, monkeypatch):
+    """bfloat16 / float16 with NEZHA's own table (the exact sinusoid): the forward's band tiles go by rotation
+    (queries turned pairwise, the value term turned back; `ROTATE`), pairs clipped inside a band tile (K below the
+    block) take the tails' rows; against the plain formula with the float64 sinusoid, under padding and a causal
+    mask, queries continuing a cache and a decoding step split over programs."""
+    launches = forward_launches(monkeypatch)
+    q, k, v = (t.to(dtype).double() for t in inputs(2, 2, queries, keys, 16, seed=K))
+    valid = torch.ones(2, keys, dtype=torch.bool)
+    valid[0, :3] = False  # left padding
+    valid[1, keys - 5:] = False  # right padding
+    valid[1, 40] = False  # a padded key inside a band
+    offset = keys - queries
+    mask = RelativeAttentionMask(key_is_valid=valid, causal=True)
+    allowed = reference.allowed_mask(queries, valid, causal=True, query_offset=offset, key_length=keys)
+    compare(q, k, v, K, mask, allowed, offset=offset, dtype=dtype, atol=atol)
+    rotate = [switches["ROTATE"] for _, switches in launches.launches if switches["Lk"] == keys]  # not the check's
+    assert rotate and all(rotate)
+
+
+def test_band_by_rotation_with_dropout_keeps_the_windows_mask(monkeypatch):
+    """With dropout, the rotated band drops the same pairs the table's window does: the two paths agree (the table's
+    window forced for the second call)."""
+    launches = forward_launches(monkeypatch)
+    q, k, v = (t.to(torch.float16) for t in inputs(1, 2, 40, 40, 16, seed=5))
+    table = ra.sinusoid_relative_table(6, 16).to(torch.float16)
+    problem = AttentionProblem(RelativeAttentionMask(), 16**-0.5, 0.3, torch.tensor(11))
+    rotated, _ = ta.triton_forward(q, k, v, table, problem)
+    monkeypatch.setattr(ta, "_rotation", lambda *args: dict(ROTATE=False, Sinusoid=None))
+    windowed, _ = ta.triton_forward(q, k, v, table, problem)
+    assert [switches["ROTATE"] for _, switches in launches.launches] == [True, False]
+    torch.testing.assert_close(rotated.double(), windowed.double(), atol=5e-3, rtol=0)
+
+
+def test_a_table_that_is_not_the_exact_sinusoid_takes_the_window(monkeypatch):
+    """The rotation holds for the sinusoid only: a bfloat16 call with any other table (here NEZHA's with one band row
+    changed) takes the table's window, and matches the formula with that table."""
+    launches = forward_launches(monkeypatch)
+    K, d = 5, 16
+    table = reference.relative_table(K, d)
+    table[K + 2] += 0.5
+    q, k, v = (t.to(torch.bfloat16).double() for t in inputs(1, 2, 40, 40, d, seed=6))
+    compare(q, k, v, K, RelativeAttentionMask(), None, dtype=torch.bfloat16, atol=4e-2, table=table)
+    rotate = [switches["ROTATE"] for _, switches in launches.launches if switches["Lk"] == 40]  # not the check's
+    assert rotate and not any(rotate)
+
+
+def test_the_sinusoid_check_is_made_once_per_table_and_version(monkeypatch):
+    """Whether a table is the exact sinusoid is compared once per table tensor (the comparison waits for a GPU) and
+    again when the table changes in place; float32 never goes by rotation (its band stays as exact as its rows)."""
+    from nezha_hf import triton_kernels as tk
+
+    table = ra.sinusoid_relative_table(4, 8)
+    assert ta._rotation(table, torch.bfloat16, tk)["ROTATE"] and ta._rotation(table, torch.float16, tk)["ROTATE"]
+    assert not ta._rotation(table, torch.float32, tk)["ROTATE"]
+    sinusoid = ta._rotation(table, torch.bfloat16, tk)["Sinusoid"]
+    assert sinusoid.shape == (2 * 4 + 1 + tk.ROTATION_ROWS, 8) and sinusoid.dtype == torch.bfloat16
+    torch.testing.assert_close(sinusoid[:9], table.to(torch.bfloat16), atol=0, rtol=0)
+    compared = []
+    with monkeypatch.context() as patches:
+        patches.setattr(ta.torch, "equal", lambda *args: compared.append(1) or True)
+        ta._is_exact_sinusoid(table, torch.bfloat16)
+    assert not compared, "compared again though the table did not change"
+    table[3, 0] += 0.25
+    assert not ta._rotation(table, torch.bfloat16, tk)["ROTATE"]
