@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT))  # the benchmarks are scripts of the repository, n
 
 from test_benchmarks import triton_unusable, unmeasured_machine  # noqa: E402, F401 - fixtures
 
-GATES_36 = ROOT / "benchmarks" / "results" / "gpu-gates" / "after-triton-3.6.json"
+GATES_36 = ROOT / "benchmarks" / "results" / "gpu-gates" / "gates.json"
 INTERPRETER_BLOCKS = "16x16, 4 warps, 1 stages"  # the kernels' one configuration under the interpreter
 
 
@@ -174,7 +174,7 @@ def test_the_summary_prints_the_gate_counts_of_each_configuration_timed(tmp_path
     key_value_tail = loop("tail", "nezha_key_value_grad_kernel", "64x128, 8 warps, 2 stages")
     assert key_value_tail["spills"] and f", {key_value_tail['spills']} LDL/STL |" in summary
     assert "| dQ | bfloat16 | 32x32, 8 warps, 9 stages | - | - | - | - | - | - |" in summary
-    assert "after-triton-3.6.json, Triton 3.6.0;" in summary
+    assert "gates.json, Triton 3.6.0;" in summary
     _attention_results(tmp_path, [row], "3.9.0")
     assert "Triton 3.6.0, NOT this run's Triton 3.9.0" in gpu_check.summary_table(tmp_path, {}, GATES_36)
     assert "Gate counts: none (gates.json not found" in gpu_check.summary_table(tmp_path, {}, tmp_path / "gates.json")
