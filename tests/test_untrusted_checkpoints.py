@@ -635,7 +635,7 @@ def test_deeply_nested_json_in_any_file_read_is_one_error_naming_the_file(tmp_pa
             NezhaForMaskedLM.from_pretrained(model)
     with pytest.raises(ValueError, match="config.json: nests"):  # as pretrain and train-summarizer read it
         NezhaConfig.from_pretrained(tmp_path / "config.json")
-    for name in ("config.json", "tokenizer_config.json", "special_tokens_map.json"):  # what a converter reads and copies
+    for name in ("config.json", "tokenizer_config.json", "special_tokens_map.json"):  # what a converter reads, copies
         source = tmp_path / f"bert-{name}"
         save_layout(small_bert(transformers.BertForMaskedLM), source, "safetensors")
         make_tokenizer(source)
@@ -880,7 +880,8 @@ def test_the_pooler_of_a_base_is_read_through_its_index_held_to_its_folder(tmp_p
         add_pooler(folder, pooler)  # as pretrain adds it: a shard of its own, named in the index
         assert saved_pooler(folder).keys() == pooler.keys()
         text = index.read_text()
-        index.write_text(DEEP if damage == "@deep" else text.replace('"weight_map":', '"weight_map": {}, "weight_map":', 1))
+        repeated = text.replace('"weight_map":', '"weight_map": {}, "weight_map":', 1)
+        index.write_text(DEEP if damage == "@deep" else repeated)
         message = (r"model\.safetensors\.index\.json: nests 10,000 levels" if damage == "@deep"
                    else r"model\.safetensors\.index\.json: .*'weight_map' twice")
     with pytest.raises(ValueError, match=message):
@@ -897,7 +898,8 @@ def test_export_remote_code_reads_the_config_through_the_one_reader(tmp_path, da
     folder = tmp_path / "m"
     NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)).save_pretrained(folder, model_card=False)
     config = folder / "config.json"
-    before = DEEP if damage == "@deep" else config.read_text().replace('"hidden_size":', '"hidden_size": 8, "hidden_size":', 1)
+    repeated = config.read_text().replace('"hidden_size":', '"hidden_size": 8, "hidden_size":', 1)
+    before = DEEP if damage == "@deep" else repeated
     config.write_text(before)
     message = r"config\.json: nests 10,000 levels" if damage == "@deep" else r"config\.json: .*'hidden_size' twice"
     with pytest.raises(ValueError, match=message):
