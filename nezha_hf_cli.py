@@ -456,6 +456,7 @@ def _new_line_if_a_progress_bar_is_drawing() -> str:
 def main(argv=None, progs: dict[str, str] | None = None) -> int:
     """Entry point of the `nezha-hf` console script; returns the exit status: 0; 2 on any failure; 130 after
     Ctrl-C and 143 after SIGTERM, with what the command was writing removed. `progs`: see `build_parser`."""
+    process = argv is None  # run as the `nezha-hf` process, not called from Python: it ends with this call
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(progs)
     if not argv:  # what there is to do, rather than "the following arguments are required"
@@ -488,6 +489,12 @@ def main(argv=None, progs: dict[str, str] | None = None) -> int:
             return code
         # Every failure: one line naming the problem, unless --debug asks for more.
         message = " ".join(str(error).split()) or type(error).__name__
+        if process:
+            # What failed may fail again in a finalizer as it is freed, up to the interpreter's exit: torch's
+            # distributed-checkpoint writer, cut short by a full disk, flushes a file its failed save closed
+            # ("Exception ignored in ... ValueError: flush of closed file"; Python 3.13 prints what an `io` finalizer
+            # raises, 3.11 did not). It is the same failure, said in the one line below.
+            sys.unraisablehook = lambda unraisable: None
         print(f"{_new_line_if_a_progress_bar_is_drawing()}nezha-hf {args.command}: error: {message}", file=sys.stderr)
         return 2
     finally:

@@ -110,20 +110,48 @@ def check_links(folder: Path) -> None:
                                      "into the folder if it belongs to the model.")
 
 
+# What transformers' tokenizer loaders parse as JSON in a local folder (`config.json` names the class when the
+# tokenizer's config does not), beside the `fast_tokenizer_files` a `tokenizer_config.json` names. A `tokenizer.json`
+# holds the whole vocabulary: tens of MB for a large multilingual one, hence its own bound.
+TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.json",
+                        "config.json")
+TOKENIZER_FILE_MAX_BYTES = 256 << 20
+TOKENIZER_CONFIG_SCHEMA = Object({"fast_tokenizer_files": ListOf(String())}, others=Anything())
+
+
+def check_tokenizer_files(folder) -> None:
+    """Read what a tokenizer loader reads of the local folder `folder` the way `json_files.read_json` reads any file,
+    before transformers reads it raw: every file at its top and among its chat templates is a regular file inside it
+    (`named_files.file_in_folder`: a FIFO would hang the loader), and each JSON file the loader parses
+    (`TOKENIZER_JSON_FILES` and the `fast_tokenizer_files` that `tokenizer_config.json` names, held to the folder) is
+    bounded in size and depth and gives no key twice. A `ValueError` in one line naming the file otherwise. A path
+    that is no local folder (a Hub id) is left to transformers."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    templates = folder / "additional_chat_templates"  # transformers' CHAT_TEMPLATE_DIR: its `*.jinja` are read
+    entries = [*folder.iterdir(), *(templates.iterdir() if templates.is_dir() and not templates.is_symlink() else [])]
+    for path in sorted(entries):
+        if not path.is_dir():
+            file_in_folder(folder, path.relative_to(folder).as_posix(), folder)
+    config_file = folder / "tokenizer_config.json"
+    named = []  # transformers reads the newest of the `fast_tokenizer_files` it names, joined to the folder
+    if config_file.exists():
+        named = read_json(config_file, TOKENIZER_CONFIG_SCHEMA).get("fast_tokenizer_files") or []
+    files = [(name, folder) for name in TOKENIZER_JSON_FILES if name != config_file.name]
+    for name, named_by in [*files, *((name, config_file) for name in named)]:
+        path = file_in_folder(folder, name, named_by, must_exist=False)
+        if path is not None:
+            read_json(path, max_bytes=TOKENIZER_FILE_MAX_BYTES)
+
+
 def load_tokenizer(folder):
-    """`AutoTokenizer.from_pretrained(folder)` for a model folder, without what its `tokenizer_config.json` names for a
-    loader to fetch and run (`auto_map`): dropped with a warning, so that a tokenizer that passes through nezha_hf is
-    saved without it."""
+    """`AutoTokenizer.from_pretrained(folder)` for a model folder, its files checked first (`check_tokenizer_files`),
+    without what its `tokenizer_config.json` names for a loader to fetch and run (`auto_map`): dropped with a warning,
+    so that a tokenizer that passes through nezha_hf is saved without it."""
     from transformers import AutoTokenizer
 
-    config_file = Path(folder) / "tokenizer_config.json"
-    if config_file.is_file():  # transformers reads one of the `fast_tokenizer_files` it names, joined to the folder
-        try:
-            named = json.loads(config_file.read_text(encoding="utf-8")).get("fast_tokenizer_files") or []
-        except (ValueError, AttributeError, RecursionError):
-            named = []  # not an object: transformers' own error names the file
-        for name in named if isinstance(named, list) else [named]:
-            file_in_folder(folder, name, config_file, must_exist=False)
+    check_tokenizer_files(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     code = tokenizer.init_kwargs.pop("auto_map", None)
     if code is not None:
@@ -465,6 +493,6 @@ class TrainingRun:
         return shared_staged_folder(self.state, self.output_dir, self.overwrite)
 
 
-__all__ = ["NotFiniteError", "RunRecord", "StopWhenNotFinite", "TrainingRun", "check_links", "check_tokenizer", "checkpoint_problem",
-           "finished", "fingerprint", "last_complete_checkpoint", "load_tokenizer", "model_folder", "prepare_checkpoints",
-           "resumed_settings"]
+__all__ = ["NotFiniteError", "RunRecord", "StopWhenNotFinite", "TrainingRun", "check_links", "check_tokenizer",
+           "check_tokenizer_files", "checkpoint_problem", "finished", "fingerprint", "last_complete_checkpoint",
+           "load_tokenizer", "model_folder", "prepare_checkpoints", "resumed_settings"]

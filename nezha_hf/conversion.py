@@ -29,13 +29,13 @@ import transformers
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .checkpoints import model_folder
+from .checkpoints import check_tokenizer_files, model_folder
 from .configuration_nezha import NezhaConfig, card_setting_problem
 from .extras import require_extra
 from .json_files import JSON_OBJECT, JSONFileError, read_json
 from .hub import export_remote_code, vocabulary_languages, write_model_card
 from .modeling_nezha import NEZHA_HEADS, POOLER_WEIGHT, NezhaForMaskedLM, nezha_head
-from .named_files import weight_files
+from .named_files import INDEX_SCHEMA, weight_files
 from .safe_output import check_destination, staged_folder
 
 REPORT_NAME = "conversion_report.json"
@@ -316,14 +316,15 @@ def initialised_pooler(config: NezhaConfig, dtype=torch.float32, seed: int = 0) 
 
 
 def saved_pooler(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The pooler's weights in the checkpoint `folder` (named `nezha.pooler.dense.*`), empty if it has none."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())) if index.is_file() else (
-        ["model.safetensors"] if (folder / "model.safetensors").is_file() else [])
+    """The pooler's weights in the checkpoint `folder` (named `nezha.pooler.dense.*`), empty if it has none; its
+    weight files as `named_files.weight_files` finds them (whatever an index names is held to the folder)."""
     found = {}
-    for name in files:
-        with safe_open(str(folder / name), framework="pt") as weights:
+    for path in weight_files(folder):
+        if path.suffix != ".safetensors":
+            found.update({nezha_name(key): tensor for key, tensor in _read_weight_file(path).items()
+                          if re.search(POOLER_WEIGHT, key)})
+            continue
+        with safe_open(str(path), framework="pt") as weights:
             found.update({nezha_name(key): weights.get_tensor(key) for key in weights.keys()
                           if re.search(POOLER_WEIGHT, key)})
     return found
@@ -335,7 +336,8 @@ def add_pooler(folder: str | Path, pooler: dict[str, torch.Tensor]) -> None:
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        contents = json.loads(index.read_text(encoding="utf-8"))
+        weight_files(folder)  # every shard the index names inside the folder
+        contents = read_json(index, INDEX_SCHEMA)
         save_file(pooler, str(folder / "model-pooler.safetensors"), metadata={"format": "pt"})
         contents["weight_map"].update(dict.fromkeys(pooler, "model-pooler.safetensors"))
         index.write_text(json.dumps(contents, indent=2) + "\n", encoding="utf-8")
@@ -437,6 +439,7 @@ def _copy_tokenizer(source_directory: Path | None, output: Path, report: Convers
         shutil.copy(vocab_file, output / "vocab.txt")
         BertTokenizerFast.from_pretrained(output, do_lower_case=do_lower_case).save_pretrained(output)
     elif source_directory is not None:
+        check_tokenizer_files(source_directory)  # what is copied is read first, as a tokenizer loader will read it
         copied = [name for name in TOKENIZER_FILES if (source_directory / name).exists()]
         for name in copied:
             shutil.copy(source_directory / name, output / name)

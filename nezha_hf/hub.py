@@ -30,6 +30,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from .configuration_nezha import CARD_KINDS, card_setting_problem
+from .json_files import JSON_OBJECT, read_json
 from .modeling_nezha import NEZHA_HEADS, nezha_head
 from .safe_output import staged_file, staged_files_into, write_text_atomically
 
@@ -218,7 +219,7 @@ def export_remote_code(directory: str | Path) -> dict[str, str]:
         {head.auto_class: f"modeling_nezha.{head.model_class.__name__}" for head in NEZHA_HEADS if head.auto_class}
     )
     config_path = directory / "config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config = read_json(config_path, JSON_OBJECT)  # the one reader: bounded, a key given twice refused
     config["auto_map"] = auto_map
     write_text_atomically(config_path, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     return auto_map

@@ -30,7 +30,8 @@ from transformers import TrainerCallback, TrainerState, TrainingArguments
 from transformers.distributed import DistributedConfig
 from transformers.utils import logging
 
-from .checkpoints import TrainingRun, check_tokenizer, finished, load_tokenizer, model_folder, prepare_checkpoints
+from .checkpoints import (TrainingRun, check_tokenizer, finished, load_tokenizer, model_folder, prepare_checkpoints,
+                          read_trainer_state)
 from .json_files import JSON_OBJECT, read_json
 from .configuration_nezha import NezhaConfig
 from .conversion import add_pooler, initialised_pooler, saved_pooler
@@ -281,7 +282,7 @@ def continue_pretraining(
                     logger.warning(f"{last} already ends this run: nothing more to train.")
                     NezhaForMaskedLM.from_pretrained(last).save_pretrained(staging)
                 metrics = {}
-                trained = TrainerState.load_from_json(str(last / "trainer_state.json"))
+                trained = TrainerState(**read_trainer_state(last))  # checked: `checkpoint_problem`
             else:
                 collator = WholeWordMaskCollator(tokenizer, mlm_probability, seed=arguments.seed)
                 trainer = run.trainer(model=model, args=arguments, train_dataset=dataset, data_collator=collator,

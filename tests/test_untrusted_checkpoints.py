@@ -635,7 +635,7 @@ def test_deeply_nested_json_in_any_file_read_is_one_error_naming_the_file(tmp_pa
             NezhaForMaskedLM.from_pretrained(model)
     with pytest.raises(ValueError, match="config.json: nests"):  # as pretrain and train-summarizer read it
         NezhaConfig.from_pretrained(tmp_path / "config.json")
-    for name in ("config.json", "tokenizer_config.json"):  # what a converter reads of its source
+    for name in ("config.json", "tokenizer_config.json", "special_tokens_map.json"):  # what a converter reads, copies
         source = tmp_path / f"bert-{name}"
         save_layout(small_bert(transformers.BertForMaskedLM), source, "safetensors")
         make_tokenizer(source)
@@ -809,6 +809,102 @@ def test_a_tokenizer_config_names_no_tokenizer_file_outside_its_folder(tmp_path,
     with pytest.raises(ValueError, match=r"tokenizer_config\.json names .*it may only name regular files"):
         load_tokenizer(folder)
 
+
+
+# What a tokenizer loader reads of a folder, each damaged as it failed on 23f309b: a FIFO hung the loader, 10 KB of
+# brackets raised `RecursionError` naming no file, a key given twice took its last value without a word.
+TOKENIZER_DAMAGE = {
+    "tokenizer_config.json": (DEEP, r"tokenizer_config\.json: nests 10,000 levels"),
+    "special_tokens_map.json": ('{"cls_token": "[CLS]", "cls_token": "[MASK]"}',
+                                r"special_tokens_map\.json: .*'cls_token' twice"),
+    "added_tokens.json": (DEEP, r"added_tokens\.json: nests 10,000 levels"),
+    "tokenizer.json": ("@fifo", r"'tokenizer\.json', which is a FIFO"),
+    "tokenizer.json vocab": ("@repeated", r"tokenizer\.json: .*'\[UNK\]' twice"),
+    "chat_template.jinja": ("@fifo", r"'chat_template\.jinja', which is a FIFO"),
+    "tokenizer.1.0.0.json": (DEEP, r"tokenizer\.1\.0\.0\.json: nests 10,000 levels"),
+}
+
+
+@pytest.mark.parametrize("damaged", TOKENIZER_DAMAGE)
+def test_every_file_a_tokenizer_loader_reads_is_read_by_the_one_reader_first(tmp_path, damaged):
+    """Issue 54's leftovers: `load_tokenizer` read `tokenizer_config.json` with `json.loads` itself and left the other
+    files to transformers' raw reads. Each is now checked first: one `ValueError` naming the file."""
+    import os
+
+    from nezha_hf.checkpoints import load_tokenizer
+
+    folder = tmp_path / "t"
+    make_tokenizer(folder)
+    name, (content, message) = damaged.split()[0], TOKENIZER_DAMAGE[damaged]
+    if name == "tokenizer.1.0.0.json":
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "fast_tokenizer_files": [name]}))
+    if content == "@repeated":  # the vocabulary gives [UNK] twice, first with another token's id
+        text = (folder / name).read_text()
+        assert '"[UNK]":' in text
+        content = text.replace('"[UNK]":', '"[UNK]": 5, "[UNK]":', 1)
+    (folder / name).unlink(missing_ok=True)
+    if content == "@fifo":
+        os.mkfifo(folder / name)
+    else:
+        (folder / name).write_text(content)
+    with pytest.raises(ValueError, match=message):
+        _within(10, lambda: load_tokenizer(folder), folder)
+
+
+def test_pretrain_names_a_damaged_tokenizer_file_in_one_line(tmp_path, tokenizer, run_cli):
+    from test_nothing_lost import base_model, corpus, one_line_failure
+
+    base, data = base_model(tmp_path / "base", tokenizer), corpus(tmp_path / "corpus")
+    (base / "special_tokens_map.json").write_text(DEEP)
+    done = run_cli("pretrain", base, data, "--output", tmp_path / "out", "--max-steps", "1")
+    one_line_failure(done, "special_tokens_map.json", "nests 10,000 levels")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["../private/model.safetensors", "@repeated", "@deep"])
+def test_the_pooler_of_a_base_is_read_through_its_index_held_to_its_folder(tmp_path, damage):
+    """Issue 54's leftovers: `saved_pooler` (what pretrain keeps of its base) and `add_pooler` read a weight index
+    with `json.loads` and opened what it named: a file outside the folder, the last of two `weight_map`s, or
+    `RecursionError` on 10 KB of brackets. Both now go through `named_files.weight_files` / `json_files.read_json`."""
+    from nezha_hf.conversion import add_pooler, initialised_pooler, saved_pooler
+
+    if damage.startswith(".."):
+        folder = _folder_naming(tmp_path, damage)
+        message = r"names '\.\./private/model\.safetensors', a path outside its folder"
+    else:
+        folder = tmp_path / "sharded"
+        NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)).save_pretrained(folder, model_card=False, max_shard_size="20KB")
+        index = folder / "model.safetensors.index.json"
+        pooler = initialised_pooler(tiny_config(vocab_size=VOCAB))
+        add_pooler(folder, pooler)  # as pretrain adds it: a shard of its own, named in the index
+        assert saved_pooler(folder).keys() == pooler.keys()
+        text = index.read_text()
+        repeated = text.replace('"weight_map":', '"weight_map": {}, "weight_map":', 1)
+        index.write_text(DEEP if damage == "@deep" else repeated)
+        message = (r"model\.safetensors\.index\.json: nests 10,000 levels" if damage == "@deep"
+                   else r"model\.safetensors\.index\.json: .*'weight_map' twice")
+    with pytest.raises(ValueError, match=message):
+        saved_pooler(folder)
+    if not damage.startswith(".."):
+        with pytest.raises(ValueError, match=message):
+            add_pooler(folder, pooler)
+
+
+@pytest.mark.parametrize("damage", ["@repeated", "@deep"])
+def test_export_remote_code_reads_the_config_through_the_one_reader(tmp_path, damage):
+    """Issue 54's leftovers: `hub.export_remote_code` read `config.json` with `json.loads`: a key given twice was
+    rewritten with its last value, without a word; 10 KB of brackets raised `RecursionError`, naming no file."""
+    folder = tmp_path / "m"
+    NezhaForMaskedLM(tiny_config(vocab_size=VOCAB)).save_pretrained(folder, model_card=False)
+    config = folder / "config.json"
+    repeated = config.read_text().replace('"hidden_size":', '"hidden_size": 8, "hidden_size":', 1)
+    before = DEEP if damage == "@deep" else repeated
+    config.write_text(before)
+    message = r"config\.json: nests 10,000 levels" if damage == "@deep" else r"config\.json: .*'hidden_size' twice"
+    with pytest.raises(ValueError, match=message):
+        hub.export_remote_code(folder)
+    assert config.read_text() == before
 
 def _exported_generator(decode_kwargs, components=("prefill", "decode")):
     """What `ExportedModel.from_pretrained` gives for an exported generator whose export.json describes its decoding
