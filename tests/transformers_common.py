@@ -4,8 +4,10 @@
 source distribution of the installed version. Three modules they import are not in that
 distribution; these are the smallest stand-ins that let them run:
 
-- `generation.test_utils.GenerationTesterMixin`: an empty class. The real mixin runs `generate()` in
-  every decoding mode; `tests/test_modeling_nezha_unilm.py` runs each mode against plain greedy.
+- `generation.test_utils.GenerationTesterMixin`: an empty class, there because `test_modeling_common` imports it
+  and asks the tester of a model that generates to inherit it. The real mixin runs `generate()` in every decoding
+  mode; neither the wheel nor the source distribution has it (the 5.24.0 sdist's tests/ has no generation/ or
+  exporters/ folder), so `tests/test_generation_nezha.py` checks each mode itself, against plain greedy.
 - `exporters.test_export.ExportTesterMixin`: `test_torch_export`, which exports every head with
   `torch.export` and compares the exported program with eager mode.
 - `utils.test_configuration_utils.config_common_kwargs`: non-default values of every field of
