@@ -261,12 +261,20 @@ def assert_exported_equals_eager(backend, model, inputs, dynamic, label):
     from transformers.exporters.utils import get_leaf_tensors
 
     backend_exporter, config = exporter(backend)
+    # Read before the forward: a static cache gets its key and value tensors during the first one.
+    input_leaves = set(get_leaf_tensors(copy.deepcopy(inputs)))
     with torch.no_grad():
         expected = get_leaf_tensors(model(**copy.deepcopy(inputs)))
     exported = backend_exporter.export(model, copy.deepcopy(inputs), config(dynamic=dynamic))
     got = get_leaf_tensors(exported(**copy.deepcopy(inputs)))
     assert set(got) == set(expected), (label, sorted(set(got) ^ set(expected)))
     assert any(name.startswith("cache.") for name in expected), (label, sorted(expected))
+    if backend == "onnx":
+        # The names onnxruntime shows: eager's, in its order; transformers prefixes `output.` to a cache tensor the
+        # step also takes as an input (it writes the updated one), as it does for BERT.
+        graph_outputs = [value.name for value in exported.program.graph.outputs]
+        assert graph_outputs == [f"output.{name}" if name in input_leaves else name for name in expected], (
+            label, graph_outputs)
     for name, value in expected.items():
         torch.testing.assert_close(torch.as_tensor(got[name]), value, atol=1e-5, rtol=0, msg=f"{label}: {name}")
 
@@ -308,11 +316,13 @@ def test_exported_static_cache_decoding_step_equals_eager(engine, dynamic):
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static-shapes", "dynamic-shapes"])
 def test_onnx_export_of_the_decoder_returns_eager_outputs_caches_included(dynamic):
     """`OnnxExporter` on NezhaForUniLM (a batch with padding and both token types, as transformers' exporter checks
-    give it), and on the prefill and decoding step of static-cache generation: the eager model's named outputs,
-    `cache.layers.N.keys` / `.values` included, with its values."""
+    give it), and on the prefill and decoding step of static-cache and growing-cache generation: the eager model's
+    named outputs, `cache.layers.N.keys` / `.values` included, with its values, and the ONNX graph's own output
+    names as transformers gives them for BERT's decoder."""
     torch.manual_seed(0)
     model = NezhaForUniLM(tiny_config()).eval()
     inputs = padded_batch(7, rows=3)
     assert_exported_equals_eager("onnx", model, inputs, dynamic, f"decoder, dynamic={dynamic}")
-    for part, (model, inputs) in generation_parts("static").items():
-        assert_exported_equals_eager("onnx", model, inputs, dynamic, f"static-cache {part}, dynamic={dynamic}")
+    for cache in ("static", "dynamic"):
+        for part, (model, inputs) in generation_parts(cache).items():
+            assert_exported_equals_eager("onnx", model, inputs, dynamic, f"{cache}-cache {part}, dynamic={dynamic}")

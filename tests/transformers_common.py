@@ -4,10 +4,13 @@
 source distribution of the installed version. Three modules they import are not in that
 distribution; these are the smallest stand-ins that let them run:
 
-- `generation.test_utils.GenerationTesterMixin`: an empty class. The real mixin runs `generate()` in
-  every decoding mode; `tests/test_modeling_nezha_unilm.py` runs each mode against plain greedy.
+- `generation.test_utils.GenerationTesterMixin`: an empty class, there because `test_modeling_common` imports it
+  and asks the tester of a model that generates to inherit it. The real mixin runs `generate()` in every decoding
+  mode; neither the wheel nor the source distribution has it (the 5.24.0 sdist's tests/ has no generation/ or
+  exporters/ folder), so `tests/test_generation_nezha.py` checks each mode itself, against plain greedy.
 - `exporters.test_export.ExportTesterMixin`: `test_torch_export`, which exports every head with
-  `torch.export` and compares the exported program with eager mode.
+  `torch.export` and compares the exported program with eager mode, and `test_onnx_export` (slow), every head
+  through transformers' `OnnxExporter`, its named outputs and values against eager mode's.
 - `utils.test_configuration_utils.config_common_kwargs`: non-default values of every field of
   transformers' own `PreTrainedConfig`.
 
@@ -15,10 +18,12 @@ distribution; these are the smallest stand-ins that let them run:
 (`MODEL_FOR_*_MAPPING_NAMES`), which the mixins consult; the tests remove them again afterwards.
 """
 
+import copy
 import importlib
 import sys
 import types
 
+import pytest
 import torch
 import transformers.models.auto.modeling_auto as modeling_auto
 import transformers.testing_utils as testing_utils
@@ -46,7 +51,7 @@ class GenerationTesterMixin:
 
 
 class ExportTesterMixin:
-    """Stand-in (see the module docstring): every head through `torch.export`, against eager mode."""
+    """Stand-in (see the module docstring): every head through `torch.export` and ONNX, against eager mode."""
 
     def test_torch_export(self):
         if not self.test_torch_exportable:
@@ -67,6 +72,32 @@ class ExportTesterMixin:
             for name, value in expected.items():
                 if isinstance(value, torch.Tensor):
                     torch.testing.assert_close(got[name], value, atol=1e-5, rtol=0, msg=f"{model_class.__name__}.{name}")
+
+    @pytest.mark.slow
+    def test_onnx_export(self):
+        """Every head through transformers' `OnnxExporter`, static and dynamic shapes: eager's named outputs, a
+        cache's `cache.layers.N.keys` / `.values` included (named as transformers' exporter names them), and eager's
+        values."""
+        if not self.test_torch_exportable:
+            self.skipTest("test_torch_exportable is False for this tester")
+        pytest.importorskip("onnxruntime", reason="the [onnx] extra is not installed")
+        from transformers.exporters import OnnxConfig, OnnxExporter
+        from transformers.exporters.utils import get_leaf_tensors
+
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        for model_class in self.all_model_classes:
+            model = model_class(config).eval()
+            kwargs = self._prepare_for_class(inputs, model_class)
+            with torch.no_grad():
+                expected = get_leaf_tensors(model(**copy.deepcopy(kwargs)))
+            for dynamic in (False, True):
+                label = f"{model_class.__name__}, dynamic={dynamic}"
+                exported = OnnxExporter().export(model, copy.deepcopy(kwargs), OnnxConfig(dynamic=dynamic))
+                got = get_leaf_tensors(exported(**copy.deepcopy(kwargs)))
+                self.assertEqual(set(got), set(expected), label)
+                for name, value in expected.items():
+                    torch.testing.assert_close(torch.as_tensor(got[name]), value, atol=1e-5, rtol=0,
+                                               msg=f"{label}: {name}")
 
 
 config_common_kwargs = {
