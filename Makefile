@@ -46,11 +46,7 @@ demo: $(VENV)/.demo
 
 test: test-main test-pythons
 
-# Tests run without the CI variable: under CI=true, PyTorch's Inductor turns its own developer check "an op with a
-# decomposition got a fallback" into an AssertionError (torch/_inductor/lowering.py, make_fallback), which NEZHA's ops
-# (a kernel, with a decomposition for exporters) meet in compiled graphs whenever torch._inductor was imported before
-# the engine registered its op. Known and open (the stop note of 2026-11-27): a user compiling under CI=true meets it.
-PYTEST = env -u CI $(1) -m pytest -q -p no:cacheprovider
+PYTEST = $(1) -m pytest -q -p no:cacheprovider
 
 test-main: $(VENV)/.test
 	$(call PYTEST,$(PY))

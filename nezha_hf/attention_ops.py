@@ -21,6 +21,7 @@ For a head of size `d`, query position `i`, key position `j` and `K = max_relati
 import dataclasses
 import enum
 import math
+import sys
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -281,6 +282,28 @@ def _plain_forward(query, key, value, table, problem: AttentionProblem) -> tuple
 _library = torch.library.Library("nezha_hf", "DEF")
 
 
+def _inductor_falls_back_to(*ops) -> None:
+    """Register `ops` (an engine's forward and backward) as Inductor fallbacks, once Inductor is loaded: compiled code
+    calls the ops themselves. Called while tracing an engine's op, which precedes any Inductor lowering of it.
+
+    Inductor would make the same fallback on its own (it has no lowering for the ops, and its decomposition table,
+    unlike torch's global one where exporters find the forward's `L x L` decomposition, never holds them), but under
+    the environment variable CI its developer check in `make_fallback` (torch/_inductor/lowering.py) raises on an
+    op it falls back to while a decomposition of it is registered; a fallback registered as PyTorch registers its own
+    (`warn=False`) is exempt. PyTorch has no public API for this: the one private call is here. The layout constraint
+    is the one Inductor's own fallback would take (`GraphLowering.call_function`). Importing Inductor up front
+    instead would add seconds to `import nezha_hf`.
+    """
+    lowering = sys.modules.get("torch._inductor.lowering")
+    if lowering is None or ops[0] in lowering.lowerings:
+        return
+    from torch._library.utils import get_layout_constraint_tag
+
+    for op in ops:
+        constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        lowering.make_fallback(op, layout_constraint=constraint, warn=False)
+
+
 def engine_op(engine: Engine, forward: Callable, forward_fake: Callable, backward: Callable, backward_fake: Callable,
               device_types: str | None = None) -> Callable:
     """Register `engine` as the ops `nezha_hf::{engine.op_name}_forward` / `_backward`, with autograd, a fake and a
@@ -314,14 +337,18 @@ def engine_op(engine: Engine, forward: Callable, forward_fake: Callable, backwar
 
     _library.impl(f"{name}_forward", run_forward, dispatch)
     _library.impl(f"{name}_backward", run_backward, dispatch)
-    torch.library.register_fake(f"nezha_hf::{name}_forward",
-                                lambda *args: list(forward_fake(*args[:tensors], unflatten(args[tensors:]))))
+    forward_op = getattr(torch.ops.nezha_hf, f"{name}_forward").default
+    backward_op = getattr(torch.ops.nezha_hf, f"{name}_backward").default
+
+    def traced_forward(*args):  # the fake: what tracing (torch.compile, torch.export) runs for the forward
+        _inductor_falls_back_to(forward_op, backward_op)
+        return list(forward_fake(*args[:tensors], unflatten(args[tensors:])))
+
+    torch.library.register_fake(f"nezha_hf::{name}_forward", traced_forward)
     torch.library.register_fake(
         f"nezha_hf::{name}_backward",
         lambda grad_output, *args: list(backward_fake(grad_output, *args[:tensors], unflatten(args[tensors:-1]),
                                                       *args[-1])))
-    forward_op = getattr(torch.ops.nezha_hf, f"{name}_forward").default
-    backward_op = getattr(torch.ops.nezha_hf, f"{name}_backward").default
 
     def setup_context(ctx, inputs, output):  # torch names the op's arguments `inputs`
         fields = inputs[tensors:]
@@ -350,6 +377,9 @@ def engine_op(engine: Engine, forward: Callable, forward_fake: Callable, backwar
 
     @torch._decomp.register_decomposition(forward_op)
     def decomposed(query, key, value, table, *fields):  # what an exported graph computes: the output (no backward)
+        # Tracing with symbolic sizes runs this, not the fake, for the output's shape (FakeTensorMode prefers a
+        # decomposition of the global table there): Inductor may be about to lower the op.
+        _inductor_falls_back_to(forward_op, backward_op)
         problem = unflatten(fields)
         output, _ = _plain_forward(query, key, value, table, problem)
         # Zeros made functionally: exporters refuse a graph that writes into a tensor it made (`zero_`).
