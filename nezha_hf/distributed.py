@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -124,7 +125,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def run_batches(state, count: int, batch_size: int, work, journal=None, record=None, keys: list[str] | None = None,
                 resume: bool = True, show_progress: bool = False, unit: str = "items",
-                result_schema=None) -> list | None:
+                result_schema=None, item_progress: bool = False) -> list | None:
     """`work(start, stop)` (a list of JSON-able results, one per item) for each batch `[start, stop)` of `count` items,
     the batches shared out among the processes; returns every result in item order on the main process, None on the
     others. Batches are the same whatever the number of processes, so results are too.
@@ -136,6 +137,10 @@ def run_batches(state, count: int, batch_size: int, work, journal=None, record=N
     `result_schema(index)`, a `json_files` schema, the result itself). A journal holding results of
     another record is refused (a `ValueError` naming what differs), never deleted, unless `resume=False`, which
     starts over. The caller removes the journal when done.
+
+    `show_progress`: a bar counting items (`unit`), resumed ones included, on the main process only. It moves a batch
+    at a time, unless `item_progress`: then `work(start, stop, progress)` is given an `ItemProgress` to count each
+    item as it is done and to say what it is doing meanwhile.
     """
     batches = [(start, min(start + batch_size, count)) for start in range(0, count, batch_size)]
     done = {}
@@ -149,22 +154,24 @@ def run_batches(state, count: int, batch_size: int, work, journal=None, record=N
     mine = [b for b in batches if any(i not in done for i in range(*b))][state.process_index :: state.num_processes]
     computed = []
     log = open(journal / f"done-{state.process_index}.jsonl", "a", encoding="utf-8") if journal is not None else None
-    # Counted in items (judgments), not batches; it moves a batch (`batch_size` items) at a time.
-    progress = tqdm(total=count, initial=len(done), desc=unit, unit=unit.rstrip("s"),
-                    disable=not (show_progress and state.is_main_process))
+    bar = tqdm(total=count, initial=len(done), desc=unit, unit=unit.rstrip("s"),
+               disable=not (show_progress and state.is_main_process))
+    progress = ItemProgress(bar, state.num_processes)
     try:
         for start, stop in mine:
+            progress.counted = 0
+            batch = work(start, stop, progress) if item_progress else work(start, stop)
+            progress.done(stop - start - progress.counted)  # what the work did not count itself
             results = [{"index": index, "key": keys[index] if keys else None, "result": result}
-                       for index, result in enumerate(work(start, stop), start=start)]
+                       for index, result in enumerate(batch, start=start)]
             if log is not None:
                 with naming(journal):
                     log.write("".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in results))
                     log.flush()
                     os.fsync(log.fileno())
             computed += results
-            progress.update((stop - start) * state.num_processes)
     finally:
-        progress.close()
+        bar.close()
         if log is not None:
             log.close()
     if state.num_processes > 1:
@@ -176,6 +183,32 @@ def run_batches(state, count: int, batch_size: int, work, journal=None, record=N
     if missing:
         raise RuntimeError(f"no result for items {missing[:5]}: a process ended without its share")
     return [done[i] for i in range(count)]
+
+
+class ItemProgress:
+    """What `run_batches`' work tells its progress bar (shown on the main process only): `done()` when an item is
+    finished, `stage(text)` what it is doing meanwhile (shown beside the count, at most every `tqdm.mininterval`
+    seconds, so that a long stage shows it is alive without flooding a log). With several processes, the main
+    process counts each of its items as one per process (the others go at about its pace), never past the total."""
+
+    def __init__(self, bar, processes: int = 1):
+        self.bar, self.processes = bar, processes
+        self.counted = 0  # items of the current batch counted (`run_batches` counts the rest at the batch's end)
+        self.shown = 0.0
+
+    def done(self, count: int = 1) -> None:
+        self.counted += count
+        step = min(count * self.processes, (self.bar.total or 0) - self.bar.n)
+        if step > 0:
+            self.bar.update(step)
+
+    def stage(self, text: str) -> None:
+        if self.bar.disable:
+            return
+        self.bar.set_postfix_str(text, refresh=False)
+        if time.monotonic() - self.shown >= self.bar.mininterval:
+            self.bar.refresh()
+            self.shown = time.monotonic()
 
 
 JOURNAL_FILES = re.compile(r"record\.json(\.partial)?|done-\d+\.jsonl")
@@ -356,6 +389,7 @@ def read_weights(folder) -> dict[str, torch.Tensor]:
 
 __all__ = [
     "DistributedCheckpointTrainer",
+    "ItemProgress",
     "all_true",
     "claimed_by_main",
     "cpu_only",

@@ -12,6 +12,7 @@ Needs `pip install "nezha_hf[onnx]"` (onnx, onnxscript, onnxruntime).
 
 import contextlib
 import copy
+import io
 import logging
 import os
 import warnings
@@ -80,21 +81,27 @@ class _Outputs(nn.Module):
 
 # Where the exporters' own notes come from: torch.onnx ("torchvision is not installed. Skipping torchvision::nms"),
 # onnxscript (type names it cannot resolve), torch.export; their warnings about PyTorch's internals (a deprecated
-# `LeafSpec` check, axis names merged) concern PyTorch's developers, not the user of an export.
-EXPORTER_LOGGERS = ("torch.onnx", "onnxscript", "torch.export", "torch._export")
+# `LeafSpec` check, axis names merged) concern PyTorch's developers, not the user of an export. transformers'
+# exporters (the summariser's) add that they are experimental, the versions they were tested with, and how to
+# export faster: every export here is checked against PyTorch before it is written, which is what the user needs.
+EXPORTER_LOGGERS = ("torch.onnx", "onnxscript", "torch.export", "torch._export", "transformers.exporters")
 EXPORTER_WARNINGS = r"(torch|onnxscript|onnx_ir|copyreg)(\.|$)"
 
 
 @contextlib.contextmanager
 def exporter_notes_held_back():
     """While exporting: the exporters' warnings and log lines below errors held back (`EXPORTER_LOGGERS`,
-    `EXPORTER_WARNINGS`); errors, and every line of nezha_hf, still show."""
-    loggers = [logging.getLogger(name) for name in EXPORTER_LOGGERS]
+    `EXPORTER_WARNINGS`), and what they print on standard output (torch.onnx's `[torch.onnx] Run decompositions...`
+    steps, which transformers' exporter does not turn off); errors, and every line of nezha_hf, still show."""
+    # Two of transformers' exporter modules name their loggers after their files, not under `transformers.exporters`.
+    files = [name for name in list(logging.Logger.manager.loggerDict)
+             if "/transformers/exporters/" in name.replace(os.sep, "/")]
+    loggers = [logging.getLogger(name) for name in (*EXPORTER_LOGGERS, *files)]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             for category in (UserWarning, FutureWarning, DeprecationWarning):
                 warnings.filterwarnings("ignore", category=category, module=EXPORTER_WARNINGS)
             yield
@@ -245,11 +252,12 @@ def export_summarizer(directory, output, atol: float = 1e-4, overwrite: bool = F
     summarizer = Summarizer.from_pretrained(directory)
     summarizer.generator.config.use_cache = True  # decoding steps take a cache, whatever the saved config says
     judgments = read_judgments([EXAMPLES])
-    tokenizer, exporter, config = summarizer.tokenizer, OnnxExporter(), OnnxConfig(dynamic=True)
+    tokenizer, config = summarizer.tokenizer, OnnxConfig(dynamic=True)
     # Two examples of different lengths, so that the batch and length axes stay dynamic (a size of 1 would be fixed).
     sample = ExtractionCollator(tokenizer)([encode_document(tokenizer, j.sentences) for j in judgments[:2]])
     prompt = encode_sources(tokenizer, ["".join(j.sentences[:3]) for j in judgments[:2]])
     with staged_folder(output, overwrite) as staging, exporter_notes_held_back():
+        exporter = OnnxExporter()  # made here: it warns about the versions it was tested with
         scorer_inputs = {key: sample[key] for key in ("input_ids", "attention_mask")}
         scorer = exporter.export(TokenScores(summarizer.extractor), scorer_inputs, config)
         scorer.config = summarizer.extractor.config  # saved beside it, as the generator's is: loading checks both

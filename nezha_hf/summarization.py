@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import TrainingArguments
+from transformers.generation import LogitsProcessor, LogitsProcessorList
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.utils import logging
 
@@ -49,7 +50,7 @@ from .json_files import JSON_OBJECT, Anything, Integer, JSONFileError, ListOf, O
 from .modeling_nezha import NezhaForSentenceExtraction, NezhaForUniLM, NezhaSentenceExtractionOutput, sentence_means
 from .named_files import file_in_folder
 from .padding import attention_mask_for, pad_rows
-from .safe_output import check_destination, write_text_atomically
+from .safe_output import check_destination, staged_file
 from .unilm import UniLMDataCollator, generate_text
 
 logger = logging.get_logger(__name__)
@@ -221,23 +222,55 @@ class Summarizer:
                 for p, j in zip(probabilities, judgments, strict=True)]
 
     def summarize(self, judgments: list[Judgment], extract_only: bool = False, batch_size: int = 4,
-                  show_progress: bool = False, **generate_kwargs) -> list[dict]:
+                  show_progress: bool = False, progress=None, **generate_kwargs) -> list[dict]:
         """One result per judgment: `id`, `extracted` (sentence indices) and `summary`.
 
         `extract_only=True` returns the extracted sentences as the summary. `generate_kwargs` go to
         `generate` (default: `self.num_beams` beams, up to 512 new tokens, no repeated trigrams).
+        `progress` (a `distributed.ItemProgress`, as `run_batches` gives it) is told each judgment's stage, each
+        decoding step, and each judgment done.
         """
-        selections = self.extract(judgments, show_progress)
+        selections = []
+        # One at a time (the extractor reads each whole), so that each is seen to start.
+        for number, judgment in enumerate(tqdm(judgments, desc="extracting", disable=not show_progress), start=1):
+            if progress is not None:
+                progress.stage(f"extracting {number} of {len(judgments)}")
+            selections += self.extract([judgment])
+            if extract_only and progress is not None:
+                progress.done()
         sources = ["".join(j.sentences[i] for i in chosen) for j, chosen in zip(judgments, selections, strict=True)]
         if extract_only:
             summaries = sources
         else:
             settings = {"num_beams": self.num_beams, "max_new_tokens": 512, "no_repeat_ngram_size": 3, **generate_kwargs}
+            if progress is not None:  # a long stage: each decoding step is shown
+                steps = DecodingSteps(progress, len(sources), settings["max_new_tokens"])
+                settings["logits_processor"] = LogitsProcessorList([*settings.get("logits_processor", []), steps])
             # One summary per source, in the sources' order (generate_text checks it): never zipped short.
             summaries = generate_text(self.generator, self.tokenizer, sources, max_source_length=self.token_budget,
                                       batch_size=batch_size, show_progress=show_progress, **settings)
+            if progress is not None:  # generated together: all are done now
+                for _ in judgments:
+                    progress.done()
         return [{"id": j.id, "extracted": chosen, "summary": summary}
                 for j, chosen, summary in zip(judgments, selections, summaries, strict=True)]
+
+
+class DecodingSteps(LogitsProcessor):
+    """A logits processor that changes nothing: it tells `progress` (an `ItemProgress`) each decoding step of the
+    `count` summaries being generated (up to `limit` tokens), so that a long generation shows it is alive."""
+
+    def __init__(self, progress, count: int, limit: int):
+        self.progress, self.count, self.limit = progress, count, limit
+        self.start = None  # the prompt's length: a shorter or equal input is the next generate call's prompt
+
+    def __call__(self, input_ids, scores):
+        if self.start is None or input_ids.shape[1] <= self.start:
+            self.start = input_ids.shape[1]
+        summaries = f"{self.count} summar{'y' if self.count == 1 else 'ies'}"
+        self.progress.stage(f"generating {summaries}: token {input_ids.shape[1] - self.start + 1} of at most "
+                            f"{self.limit}")
+        return scores
 
 
 def is_exported(directory: Path) -> bool:
@@ -355,7 +388,6 @@ def generate_exported(generator, input_ids: torch.Tensor, attention_mask: torch.
     A static cache's size is the one it was exported with; the prompt and the new tokens must fit in it.
     """
     from transformers import DynamicCache, StaticCache
-    from transformers.generation import LogitsProcessorList
 
     processors = LogitsProcessorList(logits_processor or [])
     size = exported_cache_size(generator, "The exported generator's export.json")
@@ -422,7 +454,7 @@ class ExportedGenerator:
 
     def generate(self, input_ids, attention_mask=None, token_type_ids=None, max_new_tokens: int = 20, num_beams: int = 1,
                  no_repeat_ngram_size: int = 0, eos_token_id=None, pad_token_id=None, copy_constraint: bool | None = None,
-                 do_sample: bool = False, num_return_sequences: int = 1):
+                 do_sample: bool = False, num_return_sequences: int = 1, logits_processor=None):
         """Greedy decoding (`num_beams=1`, `do_sample=False`) of the prompt `input_ids` (all source): one sequence
         per prompt row, in the rows' order."""
         from transformers.generation import NoRepeatNGramLogitsProcessor
@@ -433,6 +465,7 @@ class ExportedGenerator:
         eos = self.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         pad = self.generation_config.pad_token_id if pad_token_id is None else pad_token_id
         processors = [NoRepeatNGramLogitsProcessor(no_repeat_ngram_size)] if no_repeat_ngram_size else []
+        processors += list(logits_processor or [])  # as `generate` takes them (e.g. `DecodingSteps`)
         if copy_constraint if copy_constraint is not None else self.config.unilm_copy_tags:
             special = {t for t in (pad, eos, self.generation_config.bos_token_id) if t is not None}
             processors.append(CopySpanLogitsProcessor.for_prompt(input_ids, attention_mask, special))
@@ -533,16 +566,45 @@ def result_schema(judgment: Judgment) -> Object:
                    "summary": String(max_length=1 << 24)}, required=["id", "extracted", "summary"])
 
 
-# Where `str.splitlines` breaks a line: an id holding one would shift every following line of a text output.
-LINE_BREAKS = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+# Where `str.splitlines` breaks a line (`\r\n` once): an id or a summary holding one would shift every following line
+# of a text output.
+LINE_BREAKS = re.compile("\r\n|[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+# The line breaks `json.dumps(..., ensure_ascii=False)` leaves as they are (it escapes the others), as JSON escapes.
+JSON_RAW_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def summaries_text(results: list[dict], text: bool = False) -> str:
-    """Results of `Summarizer.summarize` as JSONL (one `{id, extracted, summary}` a line) or, with `text`, as text
-    (each id on a line, its summary below it, a blank line between)."""
-    if text:
-        return "\n\n".join(f"{r['id']}\n{r['summary']}" for r in results) + "\n"
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
+    """Results of `Summarizer.summarize` as JSONL (one `{id, extracted, summary}` a line, every line break inside
+    escaped, so that any reader finds one line per result) or, with `text`, as text (each id on a line, its summary
+    on the next, a blank line between). A text summary's line breaks (`LINE_BREAKS`) are each replaced by a space,
+    said once in a warning with the count; ids with one are refused before (`summarize_files`)."""
+    if not text:
+        return "".join(json.dumps(r, ensure_ascii=False).translate(JSON_RAW_BREAKS) + "\n" for r in results)
+    blocks, breaks = [], []
+    for r in results:
+        summary, count = LINE_BREAKS.subn(" ", r["summary"])
+        blocks.append(f"{r['id']}\n{summary}")
+        breaks.append(count)
+    if sum(breaks):
+        logger.warning(f"{sum(map(bool, breaks))} of {len(results)} summaries held line breaks ({sum(breaks)} in all): "
+                       "in the text output each is written as a space, one summary per line (JSONL, .jsonl, keeps "
+                       "them).")
+    return "\n\n".join(blocks) + "\n"
+
+
+def write_summaries(output: Path, results: list[dict], overwrite: bool) -> None:
+    """`summaries_text` of `results` into `output` (text for `.txt`, else JSONL), written beside it and renamed into
+    place only once read back with as many lines as it should have (`str.splitlines`'s count: an id line, a summary
+    line and a blank line per result in text, one line per result in JSONL), each in its place."""
+    text = output.suffix.lower() == ".txt"
+    with staged_file(output, overwrite) as staging:
+        staging.write_text(summaries_text(results, text), encoding="utf-8")
+        lines = staging.read_bytes().decode("utf-8").splitlines()
+        expected = 3 * len(results) - 1 if text else len(results)
+        ids = lines[::3] if text else [json.loads(line).get("id") for line in lines]
+        if len(lines) != expected or ids != [r["id"] for r in results]:
+            raise RuntimeError(f"{output} would have {len(lines)} lines for {len(results)} summaries, not {expected} "
+                               "each in its place: nothing written.")
 
 
 def summarize_files(summarizer_dir, inputs, output=None, *, overwrite: bool = False, resume: bool = True,
@@ -585,8 +647,9 @@ def summarize_files(summarizer_dir, inputs, output=None, *, overwrite: bool = Fa
     if copy_constraint is not None:
         options["copy_constraint"] = copy_constraint
 
-    def summarize(start, stop):
-        return summarizer.summarize(judgments[start:stop], extract_only=extract_only, batch_size=batch_size, **options)
+    def summarize(start, stop, progress):
+        return summarizer.summarize(judgments[start:stop], extract_only=extract_only, batch_size=batch_size,
+                                    progress=progress, **options)
 
     journal = output.with_name(f".{output.name}.progress") if output is not None else None
     record = RunRecord.create("summarize", summarizer_dir, inputs, {
@@ -595,12 +658,12 @@ def summarize_files(summarizer_dir, inputs, output=None, *, overwrite: bool = Fa
     with claimed_by_main(state, *([output] if output is not None else [])):
         results = run_batches(state, len(judgments), batch_size, summarize, journal, record,
                               keys=[j.id for j in judgments], resume=resume, show_progress=show_progress,
-                              unit="judgments", result_schema=lambda index: result_schema(judgments[index]))
+                              unit="judgments", result_schema=lambda index: result_schema(judgments[index]),
+                              item_progress=True)
         if not state.is_main_process:
             return None
         if output is not None:
-            write_text_atomically(output, summaries_text(results, output.suffix.lower() == ".txt"),
-                                  overwrite=overwrite)
+            write_summaries(output, results, overwrite)
             shutil.rmtree(journal)
     return SummarizedFiles(results, left_out)
 

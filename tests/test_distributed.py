@@ -231,7 +231,10 @@ def test_summarize_on_two_processes_equals_one_and_a_rerun_after_a_kill_skips_wh
                 *options, *extra]
 
     launch(summarize(tmp_path / "one.jsonl", [sys.executable]))
-    launch(summarize(tmp_path / "two.jsonl", TORCHRUN))
+    two = launch(summarize(tmp_path / "two.jsonl", TORCHRUN))
+    # One progress bar (the main process's): drawn once at its start, then with its stage beside the count.
+    assert two.stderr.count("0/30 [00:00<?, ?judgment/s]") == 1, two.stderr[-4000:]
+    assert "extracting 1 of 2" in two.stderr and "generating 2 summaries: token " in two.stderr
     one = (tmp_path / "one.jsonl").read_text(encoding="utf-8")
     assert (tmp_path / "two.jsonl").read_text(encoding="utf-8") == one
     assert [json.loads(line)["id"] for line in one.splitlines()] == [f"doc{i}" for i in range(30)]

@@ -207,6 +207,25 @@ def test_a_summariser_exports_whole_and_runs_on_onnxruntime(tmp_path, run_cli):
     assert_foreign_manifests_are_refused(tmp_path / "onnx", run_cli)
 
 
+@pytest.mark.slow
+def test_a_summariser_export_prints_what_concerns_the_user_only(tmp_path, tokenizer):
+    """Issue 57: the model export's noise (`W1127 ... torch/onnx`, torchvision, `TReal`, PyTorch's own warnings) was
+    held back; the summariser's export (extractor, generator's prefill and decoding step, checked on onnxruntime)
+    prints its own summary line only."""
+    from test_newcomer import exporter_noise
+    from test_reuse_and_damage import summarizer_folder
+
+    summarizer_folder(tmp_path / "s", tokenizer)
+    done = subprocess.run([sys.executable, "-m", "nezha_hf", "export", "onnx", tmp_path / "s", tmp_path / "onnx",
+                           "--greedy"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    noise, lines = exporter_noise(done)
+    assert not noise, noise
+    # Besides its summary, transformers' bars loading the two models (as every command that loads them shows).
+    others = [line for line in lines if not line.startswith(("Exported the summariser", "Loading weights:"))]
+    assert not others, others  # were `[torch.onnx] Run decompositions...`, `[transformers] ... experimental`, ...
+
+
 def assert_foreign_manifests_are_refused(exported, run_cli):
     """Round four: an exported folder's `export.json` is data from whoever made it; one naming a program outside the
     folder, or a format whose loading runs code, is one line naming the manifest, before anything is read."""

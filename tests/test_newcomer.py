@@ -201,8 +201,6 @@ def test_converted_and_pretrained_checkpoints_load_quietly(tmp_path):
 def test_export_onnx_prints_what_concerns_the_user_only(tmp_path):
     """`export onnx` printed about 15 lines of other libraries per pass (`W1127 ... torch/onnx ... torchvision is not
     installed`, `[torch.onnx] ...` steps, FutureWarnings of PyTorch internals): now its own summary line only."""
-    import re
-
     from helpers import VOCAB, tiny_config
 
     from nezha_hf import NezhaForMaskedLM
@@ -212,11 +210,19 @@ def test_export_onnx_prints_what_concerns_the_user_only(tmp_path):
     done = subprocess.run([sys.executable, "-m", "nezha_hf", "export", "onnx", tmp_path / "model",
                            tmp_path / "model.onnx"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in re.split(r"[\r\n]", done.stdout + done.stderr) if line.strip()]
-    noise = [line for line in lines if re.match(r"[WIE]\d{4} ", line) or "torch.onnx" in line or "torch/onnx" in line
-             or "Warning" in line]
+    noise, lines = exporter_noise(done)
     assert not noise, noise
     assert any(line.startswith("Exported NezhaForMaskedLM") for line in lines)
+
+
+def exporter_noise(done) -> tuple[list[str], list[str]]:
+    """The lines of a finished command's output that come from the exporters (`W1127 ... torch/onnx` log lines,
+    `[torch.onnx] ...` steps, warnings), and all its lines."""
+    import re
+
+    lines = [line for line in re.split(r"[\r\n]", done.stdout + done.stderr) if line.strip()]
+    return [line for line in lines if re.match(r"[WIE]\d{4} ", line) or "torch.onnx" in line or "torch/onnx" in line
+            or "Warning" in line], lines
 
 
 def test_convert_bert_add_characters_extends_the_vocabulary_with_the_corpus_characters(tmp_path, run_cli):

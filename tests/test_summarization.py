@@ -1,5 +1,6 @@
 """The extractor on synthetic CAIL2020 data whose right sentences are known by construction."""
 
+import json
 import random
 
 import pytest
@@ -180,3 +181,102 @@ def test_generate_text_gives_one_text_per_source_or_refuses(tokenizer):
     assert generate_text(model, tokenizer, sources, max_new_tokens=5, num_beams=2) == expected
     with pytest.raises(ValueError, match="num_return_sequences"):
         generate_text(model, tokenizer, sources, max_new_tokens=5, num_beams=2, num_return_sequences=2)
+
+
+def recording_progress(monkeypatch):
+    """`run_batches`' progress bar, recorded: the count after each update, and each stage text set."""
+    from tqdm.auto import tqdm
+
+    import nezha_hf.distributed
+
+    counts, stages = [], []
+
+    class Recorded(tqdm):
+        def update(self, n=1):
+            shown = super().update(n)
+            counts.append(self.n)
+            return shown
+
+        def set_postfix_str(self, s="", refresh=True):
+            stages.append(s)
+            return super().set_postfix_str(s, refresh)
+
+    monkeypatch.setattr(nezha_hf.distributed, "tqdm", Recorded)
+    return counts, stages
+
+
+@pytest.mark.parametrize("extract_only", [False, True], ids=["generated", "extracted"])
+def test_summarize_progress_counts_each_judgment_and_says_the_stage(tokenizer, tmp_path, monkeypatch, extract_only):
+    """Issue 57: `summarize` of a few long judgments showed one bar frozen for minutes: it moved a batch at a time
+    (three judgments in one batch: 0 of 3, then 3 of 3), and said nothing of the stage in between. It counts each
+    judgment and says which is being extracted and, while generating, each decoding step."""
+    from test_reuse_and_damage import judgments_file, summarizer_folder
+
+    from nezha_hf.summarization import summarize_files
+
+    counts, stages = recording_progress(monkeypatch)
+    model = summarizer_folder(tmp_path / "s", tokenizer)
+    data = judgments_file(tmp_path / "j.jsonl", "j", 3)
+    done = summarize_files(model, [data], tmp_path / "out.jsonl", batch_size=4, max_new_tokens=3,
+                           extract_only=extract_only)
+    assert len(done.results) == 3
+    assert counts == [1, 2, 3], counts
+    assert [s for s in stages if s.startswith("extracting")] == [f"extracting {n} of 3" for n in (1, 2, 3)], stages
+    generating = [s for s in stages if s.startswith("generating")]
+    assert (generating == []) if extract_only else ("generating 3 summaries: token 1 of at most 3" in generating)
+
+
+# Where `str.splitlines` splits a line: each, in a summary, shifted every later line of a `.txt` output.
+SPLITLINES_SEPARATORS = ["\n", "\r", "\r\n", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+
+
+def judgments_with_breaks(path):
+    """A judgment per separator, whose one sentence (so its extract-only summary) holds it, then one without."""
+    sentences = [f"原告{separator}胜诉。" for separator in SPLITLINES_SEPARATORS] + ["被告败诉。"]
+    records = [{"id": f"j{i}", "text": [{"sentence": sentence, "label": 1}]} for i, sentence in enumerate(sentences)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")  # escaped: a record a line
+    return path, sentences
+
+
+@pytest.mark.parametrize("name", ["out.txt", "out.jsonl"])
+def test_summaries_with_line_breaks_keep_one_line_each(tokenizer, tmp_path, caplog, name):
+    """Issue 54's leftover: a summary holding a line break (any that `str.splitlines` splits at) was written as it is
+    into a `.txt` output, shifting every later line onto another judgment, silently; in JSONL, U+0085, U+2028 and
+    U+2029 were written raw (JSON allows them), so a reader splitting lines that way shifted too. Text: each break
+    is a space, said once with the count; JSONL: escaped, the summaries exact."""
+    from test_reuse_and_damage import summarizer_folder
+
+    from nezha_hf.summarization import summarize_files
+
+    data, sentences = judgments_with_breaks(tmp_path / "j.jsonl")
+    ids = [f"j{i}" for i in range(len(sentences))]
+    model = summarizer_folder(tmp_path / "s", tokenizer)
+    summarize_files(model, [data], tmp_path / name, extract_only=True, show_progress=False)
+    lines = (tmp_path / name).read_bytes().decode("utf-8").splitlines()
+    if name.endswith(".txt"):
+        assert lines[::3] == ids and set(lines[2::3]) == {""} and len(lines) == 3 * len(ids) - 1, lines
+        assert lines[1::3] == ["原告 胜诉。"] * len(SPLITLINES_SEPARATORS) + ["被告败诉。"]
+        assert caplog.text.count("line breaks") == 1
+        assert f"{len(SPLITLINES_SEPARATORS)} of {len(ids)} summaries held line breaks" in caplog.text
+    else:
+        assert [json.loads(line) for line in lines] == [{"id": i, "extracted": [0], "summary": s}
+                                                        for i, s in zip(ids, sentences, strict=True)]
+
+
+def test_a_summaries_file_is_put_in_place_only_with_a_line_per_summary(tokenizer, tmp_path, monkeypatch):
+    """The line count is checked before the output is renamed into place: a text whose summaries would shift its
+    lines (as written before line breaks were replaced) is refused, nothing written."""
+    from test_reuse_and_damage import summarizer_folder
+
+    import nezha_hf.summarization
+    from nezha_hf.summarization import summarize_files
+
+    def unreplaced(results, text=False):
+        return "\n\n".join(f"{r['id']}\n{r['summary']}" for r in results) + "\n"
+
+    monkeypatch.setattr(nezha_hf.summarization, "summaries_text", unreplaced)
+    data, _ = judgments_with_breaks(tmp_path / "j.jsonl")
+    model = summarizer_folder(tmp_path / "s", tokenizer)
+    with pytest.raises(RuntimeError, match="nothing written"):
+        summarize_files(model, [data], tmp_path / "out.txt", extract_only=True, show_progress=False)
+    assert not (tmp_path / "out.txt").exists()
