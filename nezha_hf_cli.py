@@ -207,7 +207,8 @@ def build_parser(progs: dict[str, str] | None = None) -> argparse.ArgumentParser
     summarize.add_argument("model", help="a summariser folder (from train-summarizer)")
     summarize.add_argument("inputs", nargs="+", help=".txt files, folders, or JSONL (CAIL2020 or a `text` string)")
     summarize.add_argument("--output", type=Path,
-                           help="JSONL (one {id, summary, extracted} per input) or .txt; default: standard output")
+                           help="JSONL (one {id, summary, extracted} per input) or .txt (id line, summary line, blank "
+                                "line; a summary's line breaks written as spaces); default: standard output")
     summarize.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     summarize.add_argument("--no-resume", action="store_true",
                            help="start over, deleting the finished batches an earlier run kept beside --output")
