@@ -607,7 +607,7 @@ def kept_journal(tmp_path, tokenizer, run_cli, monkeypatch, count=4):
         raise OSError("the output could not be written")
 
     with monkeypatch.context() as patched:
-        patched.setattr(summarization, "write_text_atomically", cannot_write)
+        patched.setattr(summarization, "write_summaries", cannot_write)
         assert run_cli("summarize", model, data, "--output", output, *SUMMARIZE).returncode == 2
     journal = tmp_path / ".o.jsonl.progress"
     assert len((journal / "done-0.jsonl").read_text().splitlines()) == count
