@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_script import rehearsing, write_staged  # noqa: E402
+from benchmarks.gpu_script import attention_cells, number, rehearsing, write_staged  # noqa: E402
 
 rehearsing(sys.argv)  # before anything imports Triton
 
@@ -226,22 +226,16 @@ def table(rows: list[dict]) -> list[str]:
              "yardstick | yardstick / SDPA | NEZHA / SDPA TFLOP/s | GB/s NEZHA / SDPA | SDPA backend | peak MB NEZHA / "
              "SDPA | NEZHA's blocks |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def number(value, digits):
-        return "-" if value is None else f"{value:.{digits}f}"
-
     for row in rows:
         goal = "-" if row["target"] is None else f"<= {row['target']} ({'met' if row['met'] else 'NOT met'})"
         memory = (f"{row['nezha_peak_mb']:.0f} / {row['sdpa_peak_mb']:.0f}" if row.get("nezha_peak_mb") is not None
                   else "-")
         bandwidth = f"{row['nezha_gb_per_s']:.0f} / {row['sdpa_gb_per_s']:.0f}" if "nezha_gb_per_s" in row else "-"
         speed = f"{number(row.get('nezha_tflops'), 1)} / {number(row.get('sdpa_tflops'), 1)}"
-        nezha = row.get("nezha_error") or number(row["nezha_ms"], 3)
-        sdpa = row.get("sdpa_error") or number(row["sdpa_ms"], 3)
-        blocks = "; ".join(f"{name} {config}" for name, config in row.get("configs", {}).items()) or "-"
-        lines.append(f"| {row['case']} | {row['dtype']} | {row['queries']:,} x {row['keys']:,} | {nezha} | "
-                     f"{sdpa} | {number(row['ratio'], 2)} | {goal} | {number(row.get('yardstick_ms'), 3)} | "
-                     f"{number(row.get('nezha_over_yardstick'), 2)} | {number(row.get('yardstick_over_sdpa'), 2)} | "
-                     f"{speed} | {bandwidth} | {row['sdpa_backend']} | {memory} | {blocks} |")
+        cells = attention_cells(row)
+        lines.append(f"| {row['case']} | {row['dtype']} | {row['queries']:,} x {row['keys']:,} | {cells['nezha']} | "
+                     f"{cells['sdpa']} | {cells['ratio']} | {goal} | {cells['yardstick']} | {speed} | {bandwidth} | "
+                     f"{row['sdpa_backend']} | {memory} | {cells['blocks']} |")
     return lines
 
 

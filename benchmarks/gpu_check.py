@@ -57,7 +57,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.gpu_script import write_staged  # noqa: E402
+from benchmarks.gpu_script import attention_cells, write_staged  # noqa: E402
 
 CARRIED = ROOT / ".gpu"  # what travels with the checkout to the GPU machine (ignored by git)
 PART_SIZE = 15 * 2**20  # the device tool brings back files of at most 16 MiB
@@ -265,18 +265,11 @@ def attention_lines(rows: list[dict]) -> list[str]:
     lines = ["| op | dtype | keys | NEZHA ms | SDPA ms | ratio | target | yardstick ms | NEZHA / yardstick | "
              "yardstick / SDPA | NEZHA's blocks |", "|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def number(value, digits):
-        return "-" if value is None else f"{value:.{digits}f}"
-
     for row in rows:
         goal = "-" if row["target"] is None else f"<= {row['target']} {'met' if row['met'] else 'NOT met'}"
-        nezha = row.get("nezha_error") or number(row["nezha_ms"], 3)
-        sdpa = row.get("sdpa_error") or number(row["sdpa_ms"], 3)
-        blocks = "; ".join(f"{kernel} {config}" for kernel, config in row.get("configs", {}).items()) or "-"
-        lines.append(f"| {row['case']} | {row['dtype']} | {row['keys']:,} | {nezha} | {sdpa} | "
-                     f"{number(row['ratio'], 2)} | {goal} | {number(row.get('yardstick_ms'), 3)} | "
-                     f"{number(row.get('nezha_over_yardstick'), 2)} | {number(row.get('yardstick_over_sdpa'), 2)} | "
-                     f"{blocks} |")
+        cells = attention_cells(row)
+        lines.append(f"| {row['case']} | {row['dtype']} | {row['keys']:,} | {cells['nezha']} | {cells['sdpa']} | "
+                     f"{cells['ratio']} | {goal} | {cells['yardstick']} | {cells['blocks']} |")
     return lines
 
 

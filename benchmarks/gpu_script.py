@@ -23,3 +23,20 @@ def write_staged(path: Path, text: str) -> None:
     staged = path.with_name(f".{path.name}.tmp")
     staged.write_text(text, encoding="utf-8")
     os.replace(staged, path)
+
+
+def number(value, digits: int) -> str:
+    """A table cell: `value` with `digits` decimals, "-" for None."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def attention_cells(row: dict) -> dict[str, str]:
+    """The cells both attention tables (gpu_attention.py's results, gpu_check.py's summary) give one row: NEZHA's and
+    SDPA's ms (or the error of a step that failed), their ratio, the yardstick's three cells (ms, NEZHA / yardstick,
+    yardstick / SDPA) and the blocks NEZHA's kernels ran."""
+    return {"nezha": row.get("nezha_error") or number(row["nezha_ms"], 3),
+            "sdpa": row.get("sdpa_error") or number(row["sdpa_ms"], 3),
+            "ratio": number(row["ratio"], 2),
+            "yardstick": f"{number(row.get('yardstick_ms'), 3)} | {number(row.get('nezha_over_yardstick'), 2)} | "
+                         f"{number(row.get('yardstick_over_sdpa'), 2)}",
+            "blocks": "; ".join(f"{kernel} {config}" for kernel, config in row.get("configs", {}).items()) or "-"}
