@@ -282,12 +282,14 @@ def test_the_correctness_half_fails_an_element_no_kernel_wrote(monkeypatch, unme
         "float32 decode": "1 queries: output has NaN or unwritten elements"}
 
 
+@pytest.mark.slow
 def test_the_correctness_half_fails_a_wrong_relative_term(monkeypatch, unmeasured_machine, tmp_path):
     sabotaged(monkeypatch, lambda real, q, k, v, table, problem: real(q, k, v, table.flip(0), problem))
     failure = correctness_failures(tmp_path, "float16 causal")["float16 causal"]
     assert failure.startswith("output relative error") and failure.endswith("> 4e-03")
 
 
+@pytest.mark.slow
 def test_the_correctness_half_fails_a_backward_that_draws_another_dropout_mask(monkeypatch, unmeasured_machine,
                                                                                tmp_path):
     """The keep mask the reference is given differs from the kernel's in one entry per row, as a backward redrawing

@@ -34,6 +34,7 @@ def padded_batch(length, rows=3, seed=0):
 
 
 @pytest.mark.parametrize("cls", [NezhaModel, NezhaForMaskedLM, NezhaForSequenceClassification], ids=lambda c: c.__name__)
+@pytest.mark.slow
 def test_onnx_matches_pytorch_at_any_length_with_padding(cls, tmp_path):
     torch.manual_seed(0)
     model = cls(tiny_config(num_labels=3)).eval()  # the default attention; the ONNX graph has the gather formulation
@@ -51,6 +52,7 @@ def test_onnx_matches_pytorch_at_any_length_with_padding(cls, tmp_path):
             np.testing.assert_allclose(value, expected[name].numpy(), atol=1e-4, rtol=0, err_msg=f"{name} at {length}")
 
 
+@pytest.mark.slow
 def test_exporting_a_model_object_leaves_its_attention_alone(tmp_path):
     """The caller's model keeps its linear-memory attention after an export (an earlier version shared the config
     of an eager copy, so the model was silently switched to the L x L gather path)."""
@@ -84,6 +86,7 @@ def test_export_refuses_what_it_cannot_do_and_writes_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "model", "old.onnx", "unilm"]
 
 
+@pytest.mark.slow
 def test_cli_exports_and_says_it_verified(tmp_path):
     torch.manual_seed(0)
     NezhaForSequenceClassification(tiny_config(num_labels=2)).save_pretrained(tmp_path / "model")

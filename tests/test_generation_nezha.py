@@ -118,6 +118,7 @@ def test_long_source_generation_with_cache_matches_uncached():
     torch.testing.assert_close(cached_logits, uncached_logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_small_model_learns_to_copy_the_source():
     """Trained on copying 5-token sources, greedy generation reproduces held-out sources."""
     torch.manual_seed(0)
@@ -268,6 +269,7 @@ def test_copy_head_errors_are_clear():
         model.generate(inputs_embeds=torch.randn(1, 5, model.config.hidden_size), max_new_tokens=2)
 
 
+@pytest.mark.slow
 def test_copy_head_learns_tags_jointly_and_constrained_decoding_copies():
     """Target = source tokens 2..4, then a fixed token: copy tags 1 2 2 0 0."""
     torch.manual_seed(0)

@@ -56,6 +56,7 @@ def test_default_attention_compiles_without_graph_breaks():
 
 
 @pytest.mark.parametrize("cls, length", COMPILED)
+@pytest.mark.slow
 def test_compiled_forward_and_backward_match_eager(cls, length):
     model = build(cls, classifier_dropout=0.0)
     batch = padded_batch(length)
@@ -107,6 +108,7 @@ def test_compiled_static_cache_generation_equals_plain_greedy():
 
 @pytest.mark.parametrize("implementation", [None, "eager"])
 @pytest.mark.parametrize("cls", HEADS, ids=lambda c: c.__name__)
+@pytest.mark.slow
 def test_exported_program_with_dynamic_batch_and_length(cls, implementation):
     model = build(cls, implementation)
     example = padded_batch(40, rows=2)

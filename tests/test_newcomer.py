@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import make_tokenizer, save_layout, small_bert
 from test_cli import one_line_failure
@@ -166,6 +167,7 @@ pipeline("fill-mask", model=path)("原告[MASK]告")
 ALARMS = ("seem corrupted", "LOAD REPORT", "Token indices sequence length", "MISSING", "UNEXPECTED")
 
 
+@pytest.mark.slow
 def test_converted_and_pretrained_checkpoints_load_quietly(tmp_path):
     """The README's first two commands on a BertModel (no MLM head, like all-MiniLM-L6-v2), then the loads a user
     makes: transformers' "This checkpoint seem corrupted", its LOAD REPORT tables and the tokenizer's "indexing
@@ -198,6 +200,7 @@ def test_converted_and_pretrained_checkpoints_load_quietly(tmp_path):
     assert "cls.predictions.transform.dense.weight" in headless.stderr and "MISSING" in headless.stderr
 
 
+@pytest.mark.slow
 def test_export_onnx_prints_what_concerns_the_user_only(tmp_path):
     """`export onnx` printed about 15 lines of other libraries per pass (`W1127 ... torch/onnx ... torchvision is not
     installed`, `[torch.onnx] ...` steps, FutureWarnings of PyTorch internals): now its own summary line only."""

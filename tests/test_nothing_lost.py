@@ -223,6 +223,7 @@ def test_pretrain_refuses_an_existing_folder_without_overwrite(tmp_path, tokeniz
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_a_resume_of_another_run_is_refused(tmp_path, tokenizer):
     """Base B into an output holding base A's checkpoints resumed A and saved A's weights, exit 0."""
     data = corpus(tmp_path / "corpus")
@@ -240,6 +241,7 @@ def test_a_resume_of_another_run_is_refused(tmp_path, tokenizer):
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_pretrain_trains_nothing_more(tmp_path, tokenizer):
     base, data = base_model(tmp_path / "base", tokenizer), corpus(tmp_path / "corpus")
     output = tmp_path / "out"
@@ -296,6 +298,7 @@ def test_non_finite_numbers_are_refused(command, option, value, tmp_path, run_cl
     one_line_failure(done, option, "finite")
 
 
+@pytest.mark.slow
 def test_training_that_diverges_stops_with_one_line_and_writes_nothing(tmp_path, tokenizer):
     base, data = base_model(tmp_path / "base", tokenizer), corpus(tmp_path / "corpus")
     before = snapshot(tmp_path)
@@ -329,6 +332,7 @@ def test_summarize_refuses_a_model_with_non_finite_weights(tmp_path, tokenizer, 
 
 
 @pytest.mark.parametrize("how, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.slow
 def test_a_signal_ends_in_one_line_and_removes_the_staging(tmp_path, tokenizer, how, code):
     base, data = base_model(tmp_path / "base", tokenizer), corpus(tmp_path / "corpus")
     process = subprocess.Popen([*CLI, "pretrain", str(base), str(data), "--output", str(tmp_path / "out"),

@@ -240,6 +240,7 @@ with torch.no_grad():
 """
 
 
+@pytest.mark.slow
 def test_a_lora_adapter_on_a_pretrain_output_reloads_onto_a_fresh_base_in_a_fresh_process_with_equal_logits(tmp_path):
     """`pretrain` writes the pooler (a classifier reads it) with the model: without it the pooler was drawn anew at
     every load, outside the adapter, and the reloaded classifier's logits were 0.07-0.09 off."""

@@ -44,6 +44,7 @@ def test_whole_word_masking_masks_every_token_of_a_word(tokenizer):
     assert not masked[:, 0].any()  # never [CLS]
 
 
+@pytest.mark.slow
 def test_pretrain_lowers_the_loss_and_resumes(tmp_path, tokenizer):
     start, corpus = pretraining_start(tmp_path, tokenizer)
     texts = (corpus / "corpus.txt").read_text(encoding="utf-8").split("\n\n")
@@ -113,6 +114,7 @@ def weights(folder):
 
 
 @pytest.mark.parametrize("damage", ["killed while saving trainer_state.json", "truncated weights"])
+@pytest.mark.slow
 def test_resume_skips_an_incomplete_checkpoint_and_reaches_the_uninterrupted_weights(tmp_path, tokenizer, damage,
                                                                                      monkeypatch, caplog):
     from transformers import Trainer

@@ -225,6 +225,7 @@ def test_the_fingerprint_covers_every_file_of_a_model_folder_and_the_order_of_in
     assert "another order" in one.difference(other)
 
 
+@pytest.mark.slow
 def test_pretrain_does_not_resume_with_its_corpus_in_another_order(tmp_path, tokenizer):
     """Resumed with its corpus files in another order, pretrain went on (weights 1.2e-4 off both uninterrupted
     runs)."""
@@ -256,6 +257,7 @@ def test_the_global_batch_not_the_batch_per_process_decides_a_resume():
 
 @pytest.mark.parametrize("damage", ["no optimizer", "optimizer piece cut", "optimizer metadata missing",
                                     "no scheduler"])
+@pytest.mark.slow
 def test_an_incomplete_checkpoint_falls_back_to_the_newest_whole_one(damage, tmp_path, tokenizer):
     """A checkpoint without (or with cut) optimizer state or scheduler was resumed from with a fresh optimizer and
     schedule without a word, or failed on every rerun with torch's traceback in one line."""
@@ -535,6 +537,7 @@ TRAINER_STATE_DAMAGE = {
 }
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_the_wrong_shape_or_with_garbage_state_is_skipped_for_the_last_intact_one(tmp_path, tokenizer,
                                                                                                  caplog):
     """Issue 54 item 10: a `trainer_state.json` that is valid JSON of the wrong shape ended pretrain with "list
@@ -570,6 +573,7 @@ def test_a_checkpoint_of_the_wrong_shape_or_with_garbage_state_is_skipped_for_th
         torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_run_is_not_resumed(tmp_path, tokenizer):
     """Issue 54 item 5: the run record was checked per folder, not per checkpoint: another run's `checkpoint-4`
     (other data, another learning rate) dropped into the folder was resumed, here taken as the finished run, without

@@ -25,7 +25,7 @@ def test_three_regions_gradcheck_float64(mode, three_regions_always, monkeypatch
     def fn(q, k, v):
         return ra.ENGINES[ra.Engine.THREE_REGIONS].run(q, k, v, table, AttentionProblem(mask, 0.5))[0]
 
-    assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in (q, k, v)))
+    assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in (q, k, v)), fast_mode=True)
 
 
 @pytest.mark.parametrize("mode", ["bidirectional", "causal", "prefix"])
