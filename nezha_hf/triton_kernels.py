@@ -91,8 +91,10 @@ else:
     QUERY_GRAD_CONFIGS = [_config(64, 64, 2, 4), _config(128, 32, 2, 8), _config(128, 64, 2, 8),
                           FLOAT32_CONFIGS[0], FLOAT32_CONFIGS[2]]
 
-# The forward's band by rotation reads the sinusoid's rows `0 .. 2K + BLOCK_M - 1` (`_rotated_band`).
-ROTATION_ROWS = max(config.kwargs["BLOCK_M"] for config in FORWARD_CONFIGS)
+# A band by rotation reads the sinusoid's rows `0 .. 2K + BLOCK_M - 1` (`_rotated_band`, `_rotated_query_band`,
+# `_rotated_key_value_band`).
+ROTATION_ROWS = max(config.kwargs["BLOCK_M"] for config in FORWARD_CONFIGS + KEY_VALUE_GRAD_CONFIGS
+                    + QUERY_GRAD_CONFIGS)
 
 # A split of a decoding step's keys is a whole number of this many keys, so that every tuned key block divides it.
 SPLIT_GRANULE = max(config.kwargs["BLOCK_N"] for config in FORWARD_CONFIGS)
@@ -695,20 +697,84 @@ def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyVa
     return grad_k, grad_v
 
 
-@triton.autotune(configs=KEY_VALUE_GRAD_CONFIGS, key=TUNING_KEY, prune_configs_by=PRUNING)
+@triton.jit
+def _by_class(left, right, left_value, band_value, right_value):
+    """Per pair of a rotated band tile: the left tail's row value where the pair is clipped left (`left`), the
+    right tail's where clipped right, the band's otherwise."""
+    return tl.where(left, left_value, tl.where(right, right_value, band_value))
+
+
+@triton.jit
+def _band_statistics(RowLse, RowDot, head, offs_m, Lq, DROPOUT: tl.constexpr):
+    """The three classes' `(lse, row_dot, output_term)` of the queries `offs_m` (`_class_statistics`) in one tuple,
+    left, band, right: a rotated band tile's clipped pairs take the tails' (`_by_class`)."""
+    lse_left, dot_left, term_left = _class_statistics(RowLse, RowDot, head, offs_m, Lq, LEFT, DROPOUT)
+    lse_band, dot_band, term_band = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT)
+    lse_right, dot_right, term_right = _class_statistics(RowLse, RowDot, head, offs_m, Lq, RIGHT, DROPOUT)
+    return lse_left, lse_band, lse_right, dot_left, dot_band, dot_right, term_left, term_band, term_right
+
+
+@triton.jit
+def _rotated_key_value_band(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Sinusoid, KeyValid, KeyIsSource, key_row,
+                            lo, hi, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm, stride_qd,
+                            stride_om, stride_od, scale_log2, seed, head, threshold, keep_scale,
+                            HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
+                            DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The band's query blocks `lo .. hi` of `_key_value_tiles` by rotation (`ROTATE`, as the forward's
+    `_rotated_band_tile`): per tile the queries and output gradients turned pairwise by `s = i - m0`, so that a pair
+    inside the band has its key term `q~_i . E[t_j]` and its output term `dO~_i . E[t_j]` (`t = j - offset - m0 + K`),
+    one product each with the sinusoid's rows of the block's keys; a clipped pair takes its tail's row statistics (the
+    tails' terms folded in, `nezha_row_statistics_kernel`). `dK`, `dV` take no table term."""
+    OPERAND = Qh.dtype.element_ty
+    angles = _sinusoid_rows(Sinusoid, tl.arange(0, BLOCK_M), D, offs_d).to(tl.float32)
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
+        do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
+        rotated_q = _rotate_pairs(q.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(OPERAND)
+        rotated_do = _rotate_pairs(do.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(OPERAND)
+        lse_l, lse_b, lse_r, dot_l, dot_b, dot_r, term_l, term_b, term_r = _band_statistics(
+            RowLse, RowDot, head, offs_m, Lq, DROPOUT)
+        sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - m0 + K, 0), 2 * K + BLOCK_M - 1),
+                                  D, offs_d)
+        distance = offs_n[:, None] - (offset + offs_m)[None, :]
+        left, right = distance <= -K, distance >= K
+        clipped = left | right
+        scores = _product_into(tl.where(clipped, 0.0, _product(sinusoid, tl.trans(rotated_q), WIDEN, IEEE)), k,
+                               tl.trans(q), WIDEN, IEEE)
+        grad_p = _product_into(tl.where(clipped, 0.0, _product(sinusoid, tl.trans(rotated_do), WIDEN, IEEE)), v,
+                               tl.trans(do), WIDEN, IEEE)
+        if HAS_VALID or CAUSAL:
+            visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+                               HAS_SOURCE, False)
+            scores = tl.where(tl.trans(tl.broadcast_to(visible, [BLOCK_M, BLOCK_N])), scores, float("-inf"))
+        p = tl.exp2(scores * scale_log2 - _by_class(left, right, lse_l[None, :], lse_b[None, :], lse_r[None, :]))
+        keep = None
+        if DROPOUT:
+            keep = tl.trans(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N))
+        kept, grad_s = _gradient_of_scores(
+            p, grad_p, keep, _by_class(left, right, dot_l[None, :], dot_b[None, :], dot_r[None, :]),
+            _by_class(left, right, term_l[None, :], term_b[None, :], term_r[None, :]), keep_scale, DROPOUT)
+        grad_v = _product_into(grad_v, kept.to(OPERAND), do, WIDEN, IEEE)
+        grad_k = _product_into(grad_k, grad_s.to(OPERAND), q, WIDEN, IEEE)
+    return grad_k, grad_v
+
+
+@triton.autotune(configs=KEY_VALUE_GRAD_CONFIGS, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=PRUNING)
 @triton.jit(do_not_specialize=STEP_VALUES)
 def nezha_key_value_grad_kernel(
-    Q, Kx, V, DO, Table, RowLse, RowDot, DK, DV, KeyValid, KeyIsSource, KeyBounds, Offset,
+    Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, DK, DV, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
     heads, Lq, Lk, D: tl.constexpr, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
-    OFFSET_IN_MEMORY: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One block of keys of one head: `dK = scale sum_i dS_ij q_i` and `dV = sum_i P~_ij dO_i` (`[batch, heads, keys,
     d]` contiguous), over the query blocks that see any of its keys: right tail, band, then left tail tiles
-    (`_program` numbers the programs)."""
+    (`_program` numbers the programs). `ROTATE`: the band by rotation, as the forward's (`_rotated_key_value_band`)."""
     block, head, b, h, offset = _program(tl.cdiv(Lk, BLOCK_N), heads, Offset, offset, OFFSET_IN_MEMORY)
     n0 = block * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -734,10 +800,17 @@ def nezha_key_value_grad_kernel(
         grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, lo, right_hi, n0, offs_n,
         offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold,
         keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    grad_k, grad_v = _key_value_tiles(
-        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, right_hi, left_lo, n0,
-        offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
-        threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    if ROTATE:
+        grad_k, grad_v = _rotated_key_value_band(
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Sinusoid, KeyValid, KeyIsSource, key_row, right_hi, left_lo,
+            n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed,
+            head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N,
+            BLOCK_D)
+    else:
+        grad_k, grad_v = _key_value_tiles(
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, right_hi, left_lo,
+            n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed,
+            head, threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_k, grad_v = _key_value_tiles(
         grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, left_lo, hi, n0, offs_n,
         offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold,
@@ -803,19 +876,76 @@ def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSo
                        WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
 
 
-@triton.autotune(configs=QUERY_GRAD_CONFIGS, key=TUNING_KEY, prune_configs_by=PRUNING)
+@triton.jit
+def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, KeyValid, KeyIsSource, key_row, lo,
+                        hi, m0, offs_m, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn,
+                        stride_vd, scale_log2, seed, head, threshold, keep_scale, HAS_VALID: tl.constexpr,
+                        CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
+                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The band's key blocks `lo .. hi` of the query gradient by rotation (`ROTATE`, as the forward's
+    `_rotated_band`): the block's queries and output gradients turned once by `s = i - m0`, so that a pair inside the
+    band has its key and output terms by one product each with the sinusoid's rows of the tile's keys; its table
+    term of `dQ` gathers in `spread = sum_j dS_ij E[t_j]`, turned back once after the band. A clipped pair takes its
+    tail's row statistics and its `dS` the tail's mass (the row's `T[0]` or `T[2K]`)."""
+    OPERAND = Vh.dtype.element_ty
+    angles = _sinusoid_rows(Sinusoid, tl.arange(0, BLOCK_M), D, offs_d).to(tl.float32)
+    rotated_q = _rotate_pairs(q.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(OPERAND)
+    rotated_do = _rotate_pairs(do.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(OPERAND)
+    lse_l, lse_b, lse_r, dot_l, dot_b, dot_r, term_l, term_b, term_r = _band_statistics(
+        RowLse, RowDot, head, offs_m, Lq, DROPOUT)
+    spread = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    left_mass = tl.zeros([BLOCK_M], tl.float32)
+    right_mass = tl.zeros([BLOCK_M], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, True,
+                                  BLOCK_N)
+        sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - m0 + K, 0), 2 * K + BLOCK_M - 1),
+                                  D, offs_d)
+        distance = offs_n[None, :] - (offset + offs_m)[:, None]
+        left, right = distance <= -K, distance >= K
+        clipped = left | right
+        scores = _product_into(tl.where(clipped, 0.0, _product(rotated_q, tl.trans(sinusoid), WIDEN, IEEE)), q,
+                               tl.trans(k), WIDEN, IEEE)
+        if HAS_VALID or CAUSAL:
+            visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+                               HAS_SOURCE, True)
+            scores = tl.where(visible, scores, float("-inf"))
+        else:  # keys past the last one: a bias per column, not a mask per pair
+            scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
+        p = tl.exp2(scores * scale_log2 - _by_class(left, right, lse_l[:, None], lse_b[:, None], lse_r[:, None]))
+        grad_p = _product_into(tl.where(clipped, 0.0, _product(rotated_do, tl.trans(sinusoid), WIDEN, IEEE)), do,
+                               tl.trans(v), WIDEN, IEEE)
+        keep = None
+        if DROPOUT:
+            keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
+        _, grad_s = _gradient_of_scores(
+            p, grad_p, keep, _by_class(left, right, dot_l[:, None], dot_b[:, None], dot_r[:, None]),
+            _by_class(left, right, term_l[:, None], term_b[:, None], term_r[:, None]), keep_scale, DROPOUT)
+        left_s = tl.where(left, grad_s, 0.0)
+        right_s = tl.where(right, grad_s, 0.0)
+        spread = _product_into(spread, (grad_s - left_s - right_s).to(OPERAND), sinusoid, WIDEN, IEEE)
+        left_mass += tl.sum(left_s, 1)
+        right_mass += tl.sum(right_s, 1)
+        grad_q = _product_into(grad_q, grad_s.to(OPERAND), k, WIDEN, IEEE)
+    grad_q += _rotate_pairs(spread, angles, True, BLOCK_M, BLOCK_D)
+    return (grad_q + left_mass[:, None] * _table_row(Table, 0, D, offs_d)[None, :]
+            + right_mass[:, None] * _table_row(Table, 2 * K, D, offs_d)[None, :])
+
+
+@triton.autotune(configs=QUERY_GRAD_CONFIGS, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=PRUNING)
 @triton.jit(do_not_specialize=STEP_VALUES)
 def nezha_query_grad_kernel(
-    Q, Kx, V, DO, Table, RowLse, RowDot, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
+    Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
     heads, Lq, Lk, D: tl.constexpr, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
-    OFFSET_IN_MEMORY: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One block of queries of one head: `dQ = scale sum_j dS_ij (k_j + T[r])` (`[batch, heads, queries, d]`
-    contiguous), over the key blocks the forward visits (`_program` numbers the programs)."""
+    contiguous), over the key blocks the forward visits (`_program` numbers the programs). `ROTATE`: the band by
+    rotation, as the forward's (`_rotated_query_band`)."""
     block, head, b, h, offset = _program(tl.cdiv(Lq, BLOCK_M), heads, Offset, offset, OFFSET_IN_MEMORY)
     m0 = block * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -834,10 +964,17 @@ def nezha_query_grad_kernel(
         Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
         keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_q += mass[:, None] * _table_row(Table, 0, D, offs_d)[None, :]
-    grad_q, _ = _query_tiles(
-        grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_lo, band_hi, m0, offs_m,
-        offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
-        keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    if ROTATE:
+        grad_q = _rotated_query_band(
+            grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_lo, band_hi,
+            m0, offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
+            head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N,
+            BLOCK_D)
+    else:
+        grad_q, _ = _query_tiles(
+            grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_lo, band_hi, m0,
+            offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+            threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_q, mass = _query_tiles(
         grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_hi, hi, m0, offs_m, offset,
         Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
