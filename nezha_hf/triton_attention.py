@@ -342,19 +342,27 @@ def triton_backward(grad_output, query, key, value, table, problem: AttentionPro
     switches = Switches.of(query, problem)
     _refuse_set_aside("backward", switches)
     arguments = _arguments(query, key, value, table, problem, switches, kernels)
-    arguments.update(_rotation(table, query.dtype, kernels))
-    # Per query and tile class: the log-sum-exp less a tail's key term, D_i = dO_i . O_i less its output term.
+    rotation = _rotation(table, query.dtype, kernels)
+    arguments.update(rotation)
+    # Per query and tile class: the log-sum-exp less a tail's key term, D_i = dO_i . O_i less its output term; for the
+    # band by rotation, its clipped pairs' terms and the queries and output gradients turned.
     row_lse, row_dot = (torch.empty(batch, heads, 3, queries, dtype=torch.float32, device=query.device)
                         for _ in range(2))
+    turned = dict(RowTerms=None, RotQ=None, RotDO=None)
+    if rotation["ROTATE"]:
+        turned = dict(RowTerms=torch.empty(batch, heads, 4, queries, dtype=torch.float32, device=query.device),
+                      RotQ=torch.empty(batch, heads, queries, size, dtype=query.dtype, device=query.device),
+                      RotDO=torch.empty(batch, heads, queries, size, dtype=query.dtype, device=query.device))
     shared = dict(Q=query, Kx=key, V=value, DO=grad_output, RowLse=row_lse, RowDot=row_dot, scale=problem.scaling,
-                  **arguments, **_strides(grad_output, "o", "m"))
+                  **turned, **arguments, **_strides(grad_output, "o", "m"))
     with _launching("backward", switches, query.device):
         block = kernels.STATISTICS_BLOCK_M
         kernels.nezha_row_statistics_kernel[(_blocks(queries, block) * batch * heads,)](
-            Q=query, DO=grad_output, O=output, Table=arguments["Table"], Lse=lse, RowLse=row_lse, RowDot=row_dot,
+            Q=query, DO=grad_output, O=output, Table=arguments["Table"], Sinusoid=rotation["Sinusoid"], Lse=lse,
+            RowLse=row_lse, RowDot=row_dot, **turned,
             **_strides(query, "q", "m"), **_strides(grad_output, "o", "m"), **_strides(output, "y", "m"), heads=heads,
             Lq=queries, D=size, K=arguments["K"], scale_log2=arguments["scale_log2"], DROPOUT=switches.dropout,
-            BLOCK_D=arguments["BLOCK_D"], BLOCK_M=block)
+            ROTATE=rotation["ROTATE"], BLOCK_D=arguments["BLOCK_D"], BLOCK_M=block)
         kernels.nezha_key_value_grad_kernel[lambda meta: (_blocks(keys, meta["BLOCK_N"]) * batch * heads,)](
             DK=grad_key, DV=grad_value, **shared)
         kernels.nezha_query_grad_kernel[lambda meta: (_blocks(queries, meta["BLOCK_M"]) * batch * heads,)](

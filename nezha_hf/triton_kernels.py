@@ -91,10 +91,12 @@ else:
     QUERY_GRAD_CONFIGS = [_config(64, 64, 2, 4), _config(128, 32, 2, 8), _config(128, 64, 2, 8),
                           FLOAT32_CONFIGS[0], FLOAT32_CONFIGS[2]]
 
-# A band by rotation reads the sinusoid's rows `0 .. 2K + BLOCK_M - 1` (`_rotated_band`, `_rotated_query_band`,
-# `_rotated_key_value_band`).
-ROTATION_ROWS = max(config.kwargs["BLOCK_M"] for config in FORWARD_CONFIGS + KEY_VALUE_GRAD_CONFIGS
-                    + QUERY_GRAD_CONFIGS)
+# A band by rotation reads the sinusoid's rows `0 .. 2K + ROTATION_ROWS - 1`: the forward's turns its block's queries
+# by `i - m0` (`_rotated_band`), the backward's are turned once, by `i mod ROTATION_ROWS`, a multiple of every block
+# (`nezha_row_statistics_kernel`). Under the interpreter twice its block, so that the tests cross that reference.
+ROTATION_ROWS = 2 * 16 if INTERPRETING else max(config.kwargs["BLOCK_M"] for config in FORWARD_CONFIGS
+                                                  + KEY_VALUE_GRAD_CONFIGS + QUERY_GRAD_CONFIGS)
+ROTATION = tl.constexpr(ROTATION_ROWS)
 
 # A split of a decoding step's keys is a whole number of this many keys, so that every tuned key block divides it.
 SPLIT_GRANULE = max(config.kwargs["BLOCK_N"] for config in FORWARD_CONFIGS)
@@ -598,16 +600,20 @@ def nezha_merge_kernel(Partial, PartialStats, Out, Lse, stride_ob, stride_oh, st
 
 
 @triton.jit
-def nezha_row_statistics_kernel(Q, DO, O, Table, Lse, RowLse, RowDot, stride_qb, stride_qh, stride_qm, stride_qd,
-                                stride_ob, stride_oh, stride_om, stride_od, stride_yb, stride_yh, stride_ym, stride_yd,
-                                heads, Lq, D: tl.constexpr, K, scale_log2, DROPOUT: tl.constexpr,
-                                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def nezha_row_statistics_kernel(Q, DO, O, Table, Sinusoid, Lse, RowLse, RowDot, RowTerms, RotQ, RotDO, stride_qb,
+                                stride_qh, stride_qm, stride_qd, stride_ob, stride_oh, stride_om, stride_od, stride_yb,
+                                stride_yh, stride_ym, stride_yd, heads, Lq, D: tl.constexpr, K, scale_log2,
+                                DROPOUT: tl.constexpr, ROTATE: tl.constexpr, BLOCK_D: tl.constexpr,
+                                BLOCK_M: tl.constexpr):
     """The backward's statistics of one block of queries of one head, one row per tile class (`[heads, 3, Lq]`
     float32, the class's index): `RowLse`, the forward's log-sum-exp in base 2 (+inf for a row that saw nothing, so
     that its probabilities are 0) less a tail's key term `q_i . T[row] * scale * log2(e)`; `RowDot`, `D_i = dO_i . O_i`
     (`O`: `stride_y*`) less a tail's output term `dO_i . T[row]`, or with dropout, which multiplies that term pair by
     pair, the term itself (the band's row keeps `D_i`). A tail tile then costs a plain FlashAttention-2 tile: its
-    exponent one multiply-add, nothing per row recomputed in the key/value gradients' loop."""
+    exponent one multiply-add, nothing per row recomputed in the key/value gradients' loop. `ROTATE` (the backward's
+    band by rotation): also `RowTerms` (`[heads, 4, Lq]` float32: `q_i . T[0]`, `q_i . T[2K]`, `dO_i . T[0]`,
+    `dO_i . T[2K]`, the terms of a band tile's clipped pairs) and the queries and output gradients turned pairwise
+    by `i mod ROTATION_ROWS` (`RotQ`, `RotDO`, `[heads, Lq, D]` in their type)."""
     block, head, b, h, _ = _program(tl.cdiv(Lq, BLOCK_M), heads, None, 0, False)
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -620,6 +626,19 @@ def nezha_row_statistics_kernel(Q, DO, O, Table, Lse, RowLse, RowDot, stride_qb,
     row_dot = tl.sum(do.to(tl.float32) * out.to(tl.float32), 1)
     first_row, last_row = _table_row(Table, 0, D, offs_d), _table_row(Table, 2 * K, D, offs_d)
     left, right = _row_term(do, first_row), _row_term(do, last_row)
+    if ROTATE:
+        terms = head.to(tl.int64) * 4 * Lq + offs_m
+        tl.store(RowTerms + terms, _row_term(q, first_row), mask=rows)
+        tl.store(RowTerms + terms + Lq, _row_term(q, last_row), mask=rows)
+        tl.store(RowTerms + terms + 2 * Lq, left, mask=rows)
+        tl.store(RowTerms + terms + 3 * Lq, right, mask=rows)
+        angles = _sinusoid_rows(Sinusoid, offs_m % ROTATION, D, offs_d).to(tl.float32)
+        turned = head.to(tl.int64) * Lq * D + offs_m[:, None] * D + offs_d[None, :]
+        inside = rows[:, None] & _columns(offs_d, D)[None, :]
+        tl.store(RotQ + turned, _rotate_pairs(q.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(q.dtype),
+                 mask=inside)
+        tl.store(RotDO + turned, _rotate_pairs(do.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(do.dtype),
+                 mask=inside)
     if not DROPOUT:
         left, right = row_dot - left, row_dot - right
     base = head.to(tl.int64) * 3 * Lq + offs_m
@@ -698,64 +717,69 @@ def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyVa
 
 
 @triton.jit
-def _by_class(left, right, left_value, band_value, right_value):
-    """Per pair of a rotated band tile: the left tail's row value where the pair is clipped left (`left`), the
-    right tail's where clipped right, the band's otherwise."""
-    return tl.where(left, left_value, tl.where(right, right_value, band_value))
+def _band_terms(RowTerms, head, offs_m, Lq):
+    """`(left_key, right_key, left_out, right_out)` of the queries `offs_m`: the terms a rotated band tile's clipped
+    pairs take (`q_i . T[0]`, `q_i . T[2K]`, `dO_i . T[0]`, `dO_i . T[2K]`; `nezha_row_statistics_kernel`), 0 past
+    the queries."""
+    rows = offs_m < Lq
+    base = RowTerms + head.to(tl.int64) * 4 * Lq + offs_m
+    return (tl.load(base, mask=rows, other=0.0), tl.load(base + Lq, mask=rows, other=0.0),
+            tl.load(base + 2 * Lq, mask=rows, other=0.0), tl.load(base + 3 * Lq, mask=rows, other=0.0))
 
 
 @triton.jit
-def _band_statistics(RowLse, RowDot, head, offs_m, Lq, DROPOUT: tl.constexpr):
-    """The three classes' `(lse, row_dot, output_term)` of the queries `offs_m` (`_class_statistics`) in one tuple,
-    left, band, right: a rotated band tile's clipped pairs take the tails' (`_by_class`)."""
-    lse_left, dot_left, term_left = _class_statistics(RowLse, RowDot, head, offs_m, Lq, LEFT, DROPOUT)
-    lse_band, dot_band, term_band = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT)
-    lse_right, dot_right, term_right = _class_statistics(RowLse, RowDot, head, offs_m, Lq, RIGHT, DROPOUT)
-    return lse_left, lse_band, lse_right, dot_left, dot_band, dot_right, term_left, term_band, term_right
+def _turned(Turned, head, offs_m, offs_d, Lq, D: tl.constexpr):
+    """Rows `offs_m` of the queries or output gradients turned by `i mod ROTATION_ROWS` (`RotQ`, `RotDO`)."""
+    return _rows(Turned + head.to(tl.int64) * Lq * D, offs_m, offs_d, D, 1, Lq, D, True)
 
 
 @triton.jit
-def _rotated_key_value_band(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Sinusoid, KeyValid, KeyIsSource, key_row,
+def _clipped(term, distance, left_row, right_row, K):
+    """A rotated band tile's table term with its clipped pairs' replaced (`distance = j - i`): the row's `left_row`
+    (`x_i . T[0]`) where `j - i <= -K`, `right_row` where `j - i >= K`."""
+    return tl.where(distance >= K, right_row, tl.where(distance <= -K, left_row, term))
+
+
+@triton.jit
+def _rotated_key_value_band(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+                            KeyIsSource, key_row,
                             lo, hi, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm, stride_qd,
                             stride_om, stride_od, scale_log2, seed, head, threshold, keep_scale,
                             HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
                             DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """The band's query blocks `lo .. hi` of `_key_value_tiles` by rotation (`ROTATE`, as the forward's
-    `_rotated_band_tile`): per tile the queries and output gradients turned pairwise by `s = i - m0`, so that a pair
-    inside the band has its key term `q~_i . E[t_j]` and its output term `dO~_i . E[t_j]` (`t = j - offset - m0 + K`),
-    one product each with the sinusoid's rows of the block's keys; a clipped pair takes its tail's row statistics (the
-    tails' terms folded in, `nezha_row_statistics_kernel`). `dK`, `dV` take no table term."""
+    `_rotated_band_tile`), with the queries and output gradients turned pairwise by `s = i - m0'`, `m0'` the multiple
+    of `ROTATION_ROWS` at or before the tile's first query (`RotQ`, `RotDO`): a pair inside the band has its key term
+    `q~_i . E[t_j]` and its output term `dO~_i . E[t_j]` (`t = j - offset - m0' + K`), one product each with the
+    sinusoid's rows of the block's keys; a clipped pair takes its tail's terms instead (`_band_terms`, `_clipped`).
+    `dK`, `dV` take no table term."""
     OPERAND = Qh.dtype.element_ty
-    angles = _sinusoid_rows(Sinusoid, tl.arange(0, BLOCK_M), D, offs_d).to(tl.float32)
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
         do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
-        rotated_q = _rotate_pairs(q.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(OPERAND)
-        rotated_do = _rotate_pairs(do.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(OPERAND)
-        lse_l, lse_b, lse_r, dot_l, dot_b, dot_r, term_l, term_b, term_r = _band_statistics(
-            RowLse, RowDot, head, offs_m, Lq, DROPOUT)
-        sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - m0 + K, 0), 2 * K + BLOCK_M - 1),
-                                  D, offs_d)
-        distance = offs_n[:, None] - (offset + offs_m)[None, :]
-        left, right = distance <= -K, distance >= K
-        clipped = left | right
-        scores = _product_into(tl.where(clipped, 0.0, _product(sinusoid, tl.trans(rotated_q), WIDEN, IEEE)), k,
-                               tl.trans(q), WIDEN, IEEE)
-        grad_p = _product_into(tl.where(clipped, 0.0, _product(sinusoid, tl.trans(rotated_do), WIDEN, IEEE)), v,
-                               tl.trans(do), WIDEN, IEEE)
+        rotated_q = _turned(RotQ, head, offs_m, offs_d, Lq, D)
+        rotated_do = _turned(RotDO, head, offs_m, offs_d, Lq, D)
+        lse, row_dot, _ = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT)
+        left_key, right_key, left_out, right_out = _band_terms(RowTerms, head, offs_m, Lq)
+        reference = m0 // ROTATION * ROTATION
+        sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
+                                                       2 * K + ROTATION - 1), D, offs_d)
+        distance = (offs_n - offset)[:, None] - offs_m[None, :]
+        scores = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_q), WIDEN, IEEE), distance,
+                                        left_key[None, :], right_key[None, :], K), k, tl.trans(q), WIDEN, IEEE)
+        grad_p = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_do), WIDEN, IEEE), distance,
+                                        left_out[None, :], right_out[None, :], K), v, tl.trans(do), WIDEN, IEEE)
         if HAS_VALID or CAUSAL:
             visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
                                HAS_SOURCE, False)
             scores = tl.where(tl.trans(tl.broadcast_to(visible, [BLOCK_M, BLOCK_N])), scores, float("-inf"))
-        p = tl.exp2(scores * scale_log2 - _by_class(left, right, lse_l[None, :], lse_b[None, :], lse_r[None, :]))
+        p = tl.exp2(scores * scale_log2 - lse[None, :])
         keep = None
         if DROPOUT:
             keep = tl.trans(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N))
-        kept, grad_s = _gradient_of_scores(
-            p, grad_p, keep, _by_class(left, right, dot_l[None, :], dot_b[None, :], dot_r[None, :]),
-            _by_class(left, right, term_l[None, :], term_b[None, :], term_r[None, :]), keep_scale, DROPOUT)
+        kept, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[None, :], 0.0, keep_scale, DROPOUT)
         grad_v = _product_into(grad_v, kept.to(OPERAND), do, WIDEN, IEEE)
         grad_k = _product_into(grad_k, grad_s.to(OPERAND), q, WIDEN, IEEE)
     return grad_k, grad_v
@@ -764,7 +788,8 @@ def _rotated_key_value_band(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Sinus
 @triton.autotune(configs=KEY_VALUE_GRAD_CONFIGS, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=PRUNING)
 @triton.jit(do_not_specialize=STEP_VALUES)
 def nezha_key_value_grad_kernel(
-    Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, DK, DV, KeyValid, KeyIsSource, KeyBounds, Offset,
+    Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, DK, DV, KeyValid, KeyIsSource, KeyBounds,
+    Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
     heads, Lq, Lk, D: tl.constexpr, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
@@ -802,7 +827,8 @@ def nezha_key_value_grad_kernel(
         keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     if ROTATE:
         grad_k, grad_v = _rotated_key_value_band(
-            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Sinusoid, KeyValid, KeyIsSource, key_row, right_hi, left_lo,
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
+            key_row, right_hi, left_lo,
             n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed,
             head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N,
             BLOCK_D)
@@ -877,56 +903,56 @@ def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSo
 
 
 @triton.jit
-def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, KeyValid, KeyIsSource, key_row, lo,
-                        hi, m0, offs_m, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn,
-                        stride_vd, scale_log2, seed, head, threshold, keep_scale, HAS_VALID: tl.constexpr,
-                        CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
-                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, KeyValid,
+                        KeyIsSource, key_row, lo, hi, m0, offs_m, offset, Lq, Lk, K, D: tl.constexpr, offs_d,
+                        stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold, keep_scale,
+                        HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
+                        WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
     """The band's key blocks `lo .. hi` of the query gradient by rotation (`ROTATE`, as the forward's
-    `_rotated_band`): the block's queries and output gradients turned once by `s = i - m0`, so that a pair inside the
-    band has its key and output terms by one product each with the sinusoid's rows of the tile's keys; its table
-    term of `dQ` gathers in `spread = sum_j dS_ij E[t_j]`, turned back once after the band. A clipped pair takes its
-    tail's row statistics and its `dS` the tail's mass (the row's `T[0]` or `T[2K]`)."""
+    `_rotated_band`): the block's queries and output gradients turned by `s = i - m0'` (`RotQ`, `RotDO`; `m0'` the
+    multiple of `ROTATION_ROWS` at or before `m0`), so that a pair inside the band has its key and output terms by
+    one product each with the sinusoid's rows of the tile's keys; its table term of `dQ` gathers in `spread = sum_j
+    dS_ij E[t_j]`, turned back once after the band. A clipped pair takes its tail's terms (`_band_terms`,
+    `_clipped`) and its `dS` the tail's mass (the row's `T[0]` or `T[2K]`)."""
     OPERAND = Vh.dtype.element_ty
-    angles = _sinusoid_rows(Sinusoid, tl.arange(0, BLOCK_M), D, offs_d).to(tl.float32)
-    rotated_q = _rotate_pairs(q.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(OPERAND)
-    rotated_do = _rotate_pairs(do.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(OPERAND)
-    lse_l, lse_b, lse_r, dot_l, dot_b, dot_r, term_l, term_b, term_r = _band_statistics(
-        RowLse, RowDot, head, offs_m, Lq, DROPOUT)
+    rotated_q = _turned(RotQ, head, offs_m, offs_d, Lq, D)
+    rotated_do = _turned(RotDO, head, offs_m, offs_d, Lq, D)
+    lse, row_dot, _ = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT)
+    left_key, right_key, left_out, right_out = _band_terms(RowTerms, head, offs_m, Lq)
+    reference = m0 // ROTATION * ROTATION
     spread = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     left_mass = tl.zeros([BLOCK_M], tl.float32)
     right_mass = tl.zeros([BLOCK_M], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, True,
                                   BLOCK_N)
-        sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - m0 + K, 0), 2 * K + BLOCK_M - 1),
-                                  D, offs_d)
-        distance = offs_n[None, :] - (offset + offs_m)[:, None]
+        sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
+                                                       2 * K + ROTATION - 1), D, offs_d)
+        distance = (offs_n - offset)[None, :] - offs_m[:, None]
         left, right = distance <= -K, distance >= K
-        clipped = left | right
-        scores = _product_into(tl.where(clipped, 0.0, _product(rotated_q, tl.trans(sinusoid), WIDEN, IEEE)), q,
-                               tl.trans(k), WIDEN, IEEE)
+        scores = _product_into(_clipped(_product(rotated_q, tl.trans(sinusoid), WIDEN, IEEE), distance,
+                                        left_key[:, None], right_key[:, None], K), q, tl.trans(k), WIDEN, IEEE)
         if HAS_VALID or CAUSAL:
             visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
                                HAS_SOURCE, True)
             scores = tl.where(visible, scores, float("-inf"))
         else:  # keys past the last one: a bias per column, not a mask per pair
             scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
-        p = tl.exp2(scores * scale_log2 - _by_class(left, right, lse_l[:, None], lse_b[:, None], lse_r[:, None]))
-        grad_p = _product_into(tl.where(clipped, 0.0, _product(rotated_do, tl.trans(sinusoid), WIDEN, IEEE)), do,
-                               tl.trans(v), WIDEN, IEEE)
+        p = tl.exp2(scores * scale_log2 - lse[:, None])
+        grad_p = _product_into(_clipped(_product(rotated_do, tl.trans(sinusoid), WIDEN, IEEE), distance,
+                                        left_out[:, None], right_out[:, None], K), do, tl.trans(v), WIDEN, IEEE)
         keep = None
         if DROPOUT:
             keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
-        _, grad_s = _gradient_of_scores(
-            p, grad_p, keep, _by_class(left, right, dot_l[:, None], dot_b[:, None], dot_r[:, None]),
-            _by_class(left, right, term_l[:, None], term_b[:, None], term_r[:, None]), keep_scale, DROPOUT)
+        grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[:, None], 0.0, keep_scale, DROPOUT)[1]
         left_s = tl.where(left, grad_s, 0.0)
         right_s = tl.where(right, grad_s, 0.0)
         spread = _product_into(spread, (grad_s - left_s - right_s).to(OPERAND), sinusoid, WIDEN, IEEE)
         left_mass += tl.sum(left_s, 1)
         right_mass += tl.sum(right_s, 1)
         grad_q = _product_into(grad_q, grad_s.to(OPERAND), k, WIDEN, IEEE)
+    angles = _sinusoid_rows(Sinusoid, offs_m % ROTATION, D, offs_d).to(tl.float32)
     grad_q += _rotate_pairs(spread, angles, True, BLOCK_M, BLOCK_D)
     return (grad_q + left_mass[:, None] * _table_row(Table, 0, D, offs_d)[None, :]
             + right_mass[:, None] * _table_row(Table, 2 * K, D, offs_d)[None, :])
@@ -935,7 +961,7 @@ def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, 
 @triton.autotune(configs=QUERY_GRAD_CONFIGS, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=PRUNING)
 @triton.jit(do_not_specialize=STEP_VALUES)
 def nezha_query_grad_kernel(
-    Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
+    Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
     heads, Lq, Lk, D: tl.constexpr, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
@@ -966,7 +992,8 @@ def nezha_query_grad_kernel(
     grad_q += mass[:, None] * _table_row(Table, 0, D, offs_d)[None, :]
     if ROTATE:
         grad_q = _rotated_query_band(
-            grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_lo, band_hi,
+            grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, KeyValid, KeyIsSource,
+            key_row, band_lo, band_hi,
             m0, offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
             head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N,
             BLOCK_D)
