@@ -903,6 +903,43 @@ def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSo
 
 
 @triton.jit
+def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q, rotated_do, lse, row_dot, left_key,
+                        right_key, left_out, right_out, reference, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, n0,
+                        offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                        scale_log2, seed, head, threshold, keep_scale, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
+                        HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+                        EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One band tile of `_rotated_query_band` at key block `n0`: `(grad_q, spread, left_mass, right_mass)` updated
+    (`EDGE`: the block may end past the last key)."""
+    OPERAND = Vh.dtype.element_ty
+    offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, EDGE, BLOCK_N)
+    sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
+                                                   2 * K + ROTATION - 1), D, offs_d)
+    distance = (offs_n - offset)[None, :] - offs_m[:, None]
+    left, right = distance <= -K, distance >= K
+    scores = _product_into(_clipped(_product(rotated_q, tl.trans(sinusoid), WIDEN, IEEE), distance,
+                                    left_key[:, None], right_key[:, None], K), q, tl.trans(k), WIDEN, IEEE)
+    if HAS_VALID or CAUSAL:
+        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+                           HAS_SOURCE, EDGE)
+        scores = tl.where(visible, scores, float("-inf"))
+    elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
+        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
+    p = tl.exp2(scores * scale_log2 - lse[:, None])
+    grad_p = _product_into(_clipped(_product(rotated_do, tl.trans(sinusoid), WIDEN, IEEE), distance,
+                                    left_out[:, None], right_out[:, None], K), do, tl.trans(v), WIDEN, IEEE)
+    keep = None
+    if DROPOUT:
+        keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
+    grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[:, None], 0.0, keep_scale, DROPOUT)[1]
+    left_s = tl.where(left, grad_s, 0.0)
+    right_s = tl.where(right, grad_s, 0.0)
+    spread = _product_into(spread, (grad_s - left_s - right_s).to(OPERAND), sinusoid, WIDEN, IEEE)
+    grad_q = _product_into(grad_q, grad_s.to(OPERAND), k, WIDEN, IEEE)
+    return grad_q, spread, left_mass + tl.sum(left_s, 1), right_mass + tl.sum(right_s, 1)
+
+
+@triton.jit
 def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, KeyValid,
                         KeyIsSource, key_row, lo, hi, m0, offs_m, offset, Lq, Lk, K, D: tl.constexpr, offs_d,
                         stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold, keep_scale,
@@ -914,8 +951,8 @@ def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, 
     multiple of `ROTATION_ROWS` at or before `m0`), so that a pair inside the band has its key and output terms by
     one product each with the sinusoid's rows of the tile's keys; its table term of `dQ` gathers in `spread = sum_j
     dS_ij E[t_j]`, turned back once after the band. A clipped pair takes its tail's terms (`_band_terms`,
-    `_clipped`) and its `dS` the tail's mass (the row's `T[0]` or `T[2K]`)."""
-    OPERAND = Vh.dtype.element_ty
+    `_clipped`) and its `dS` the tail's mass (the row's `T[0]` or `T[2K]`). Whole blocks run in a loop without a key
+    mask, the one that may end past the last key after it (as the tails', `_forward_tiles`)."""
     rotated_q = _turned(RotQ, head, offs_m, offs_d, Lq, D)
     rotated_do = _turned(RotDO, head, offs_m, offs_d, Lq, D)
     lse, row_dot, _ = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT)
@@ -924,34 +961,19 @@ def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, 
     spread = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     left_mass = tl.zeros([BLOCK_M], tl.float32)
     right_mass = tl.zeros([BLOCK_M], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, True,
-                                  BLOCK_N)
-        sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
-                                                       2 * K + ROTATION - 1), D, offs_d)
-        distance = (offs_n - offset)[None, :] - offs_m[:, None]
-        left, right = distance <= -K, distance >= K
-        scores = _product_into(_clipped(_product(rotated_q, tl.trans(sinusoid), WIDEN, IEEE), distance,
-                                        left_key[:, None], right_key[:, None], K), q, tl.trans(k), WIDEN, IEEE)
-        if HAS_VALID or CAUSAL:
-            visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
-                               HAS_SOURCE, True)
-            scores = tl.where(visible, scores, float("-inf"))
-        else:  # keys past the last one: a bias per column, not a mask per pair
-            scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
-        p = tl.exp2(scores * scale_log2 - lse[:, None])
-        grad_p = _product_into(_clipped(_product(rotated_do, tl.trans(sinusoid), WIDEN, IEEE), distance,
-                                        left_out[:, None], right_out[:, None], K), do, tl.trans(v), WIDEN, IEEE)
-        keep = None
-        if DROPOUT:
-            keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
-        grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[:, None], 0.0, keep_scale, DROPOUT)[1]
-        left_s = tl.where(left, grad_s, 0.0)
-        right_s = tl.where(right, grad_s, 0.0)
-        spread = _product_into(spread, (grad_s - left_s - right_s).to(OPERAND), sinusoid, WIDEN, IEEE)
-        left_mass += tl.sum(left_s, 1)
-        right_mass += tl.sum(right_s, 1)
-        grad_q = _product_into(grad_q, grad_s.to(OPERAND), k, WIDEN, IEEE)
+    edge = tl.maximum(tl.minimum(hi, Lk // BLOCK_N * BLOCK_N), lo)
+    for n0 in range(lo, edge, BLOCK_N):
+        grad_q, spread, left_mass, right_mass = _rotated_query_tile(
+            grad_q, spread, left_mass, right_mass, q, do, rotated_q, rotated_do, lse, row_dot, left_key, right_key,
+            left_out, right_out, reference, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, n0, offs_m, offset, Lk,
+            K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold, keep_scale,
+            HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
+    if edge < hi:  # the last block, ending past the last key (`hi - edge < BLOCK_N`)
+        grad_q, spread, left_mass, right_mass = _rotated_query_tile(
+            grad_q, spread, left_mass, right_mass, q, do, rotated_q, rotated_do, lse, row_dot, left_key, right_key,
+            left_out, right_out, reference, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, edge, offs_m, offset,
+            Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
+            keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
     angles = _sinusoid_rows(Sinusoid, offs_m % ROTATION, D, offs_d).to(tl.float32)
     grad_q += _rotate_pairs(spread, angles, True, BLOCK_M, BLOCK_D)
     return (grad_q + left_mass[:, None] * _table_row(Table, 0, D, offs_d)[None, :]

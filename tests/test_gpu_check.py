@@ -150,7 +150,7 @@ def test_the_summary_prints_the_gate_counts_of_each_configuration_timed(tmp_path
     row = {"case": "forward+backward", "dtype": "bfloat16", "queries": 2048, "keys": 2048, "dropout": 0.0,
            "target": 1.3, "met": False, "nezha_ms": 2.0, "sdpa_ms": 0.7, "ratio": 2.0 / 0.7, "sdpa_backend": "flash",
            "yardstick_ms": 0.8, "nezha_over_yardstick": 2.5, "yardstick_over_sdpa": 0.8 / 0.7,
-           "configs": {"forward": "128x64, 8 warps, 3 stages", "dK/dV": "64x128, 8 warps, 2 stages",
+           "configs": {"forward": "128x64, 8 warps, 3 stages", "dK/dV": "64x64, 4 warps, 2 stages",
                        "dQ": "32x32, 8 warps, 9 stages"}}
     _attention_results(tmp_path, [row], "3.6.0")
     summary = gpu_check.summary_table(tmp_path, {"attention op": "passed (9 s)"}, GATES_36)
@@ -171,7 +171,7 @@ def test_the_summary_prints_the_gate_counts_of_each_configuration_timed(tmp_path
             f"{forward['blocks_per_sm']} | {forward['wgmma']} / {forward['mma_sync']} | "
             f"{tail['per_pair']:.2f} ({tail['per_pair'] / plain['per_pair']:.2f}x) | "
             f"{band['instructions'] / tail['instructions']:.2f} |") in summary
-    key_value_tail = loop("tail", "nezha_key_value_grad_kernel", "64x128, 8 warps, 2 stages")
+    key_value_tail = loop("tail", "nezha_key_value_grad_kernel", "64x64, 4 warps, 2 stages")
     assert key_value_tail["spills"] and f", {key_value_tail['spills']} LDL/STL |" in summary
     assert "| dQ | bfloat16 | 32x32, 8 warps, 9 stages | - | - | - | - | - | - |" in summary
     assert "gates.json, Triton 3.6.0;" in summary
