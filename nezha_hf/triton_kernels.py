@@ -651,17 +651,24 @@ def nezha_row_statistics_kernel(Q, DO, O, Table, Sinusoid, Lse, RowLse, RowDot, 
 
 
 @triton.jit
-def _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND: tl.constexpr, DROPOUT: tl.constexpr):
+def _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                      MASK_ROWS: tl.constexpr):
     """`(lse, row_dot, output_term)` of the queries `offs_m` for a tile class (`nezha_row_statistics_kernel`): +inf
-    and 0 past the queries; `output_term` is 0 but for a tail's with dropout, when `row_dot` is `D_i` itself."""
+    and 0 past the queries (masked only where `MASK_ROWS`: a block that may end past the last query); `output_term`
+    is 0 but for a tail's with dropout, when `row_dot` is `D_i` itself."""
     rows = offs_m < Lq
-    base = head.to(tl.int64) * 3 * Lq + offs_m
-    lse = tl.load(RowLse + base + KIND * Lq, mask=rows, other=float("inf"))
-    row_dot = tl.load(RowDot + base + KIND * Lq, mask=rows, other=0.0)
+    head_rows = head.to(tl.int64) * 3 * Lq  # a scalar: the loop adds only the queries' offsets
+    lse_of, dot_of = RowLse + head_rows + KIND * Lq, RowDot + head_rows + KIND * Lq
+    if MASK_ROWS:
+        lse = tl.load(lse_of + offs_m, mask=rows, other=float("inf"))
+        row_dot = tl.load(dot_of + offs_m, mask=rows, other=0.0)
+    else:
+        lse = tl.load(lse_of + offs_m)
+        row_dot = tl.load(dot_of + offs_m)
     output_term = tl.zeros_like(row_dot)
     if DROPOUT and KIND != BAND:
         output_term = row_dot
-        row_dot = tl.load(RowDot + base + BAND * Lq, mask=rows, other=0.0)
+        row_dot = tl.load(RowDot + head_rows + BAND * Lq + offs_m, mask=rows, other=0.0)
     return lse, row_dot, output_term
 
 
@@ -680,6 +687,39 @@ def _gradient_of_scores(p, grad_p, keep, row_dot, output_term, keep_scale, DROPO
 
 
 @triton.jit
+def _key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, m0, n0,
+                    offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm, stride_qd, stride_om, stride_od,
+                    scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+                    CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
+                    IEEE: tl.constexpr, MASK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile of `_key_value_tiles` at query block `m0`: `(grad_k, grad_v)` updated (`MASK_ROWS`: the block may end
+    past the last query)."""
+    OPERAND = Qh.dtype.element_ty
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, MASK_ROWS)
+    do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, MASK_ROWS)
+    lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT, MASK_ROWS)
+    scores = _product(k, tl.trans(q), WIDEN, IEEE)
+    grad_p = _product(v, tl.trans(do), WIDEN, IEEE)
+    if KIND == BAND:
+        first = _window_start(n0, m0, offset, K, BLOCK_M)
+        scores += tl.trans(_by_pair(q, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
+        grad_p += tl.trans(_by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
+    if HAS_VALID or (CAUSAL and KIND != LEFT):
+        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL,
+                           HAS_SOURCE, False)
+        scores = tl.where(tl.trans(tl.broadcast_to(visible, [BLOCK_M, BLOCK_N])), scores, float("-inf"))
+    p = tl.exp2(scores * scale_log2 - lse[None, :])
+    keep = None
+    if DROPOUT:
+        keep = tl.trans(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N))
+    kept, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[None, :], output_term[None, :], keep_scale, DROPOUT)
+    grad_v = _product_into(grad_v, kept.to(OPERAND), do, WIDEN, IEEE)
+    grad_k = _product_into(grad_k, grad_s.to(OPERAND), q, WIDEN, IEEE)
+    return grad_k, grad_v
+
+
+@triton.jit
 def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, lo, hi, n0,
                      offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm, stride_qd, stride_om, stride_od,
                      scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
@@ -688,31 +728,19 @@ def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyVa
     """`dK` (unscaled) and `dV` of a key block over the query blocks `lo .. hi` of one class, as FlashAttention-2's
     Triton kernels compute them: transposed, `S^T = K Q^T`, so that the key block's rows are every product's rows
     (wgmma on Hopper) and nothing is transposed between products. Keys past the last one need no mask: their rows
-    are never stored."""
-    OPERAND = Qh.dtype.element_ty
-    for m0 in range(lo, hi, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
-        do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
-        lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT)
-        scores = _product(k, tl.trans(q), WIDEN, IEEE)
-        grad_p = _product(v, tl.trans(do), WIDEN, IEEE)
-        if KIND == BAND:
-            first = _window_start(n0, m0, offset, K, BLOCK_M)
-            scores += tl.trans(_by_pair(q, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
-            grad_p += tl.trans(_by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
-        if HAS_VALID or (CAUSAL and KIND != LEFT):
-            visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL,
-                               HAS_SOURCE, False)
-            scores = tl.where(tl.trans(tl.broadcast_to(visible, [BLOCK_M, BLOCK_N])), scores, float("-inf"))
-        p = tl.exp2(scores * scale_log2 - lse[None, :])
-        keep = None
-        if DROPOUT:
-            keep = tl.trans(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N))
-        kept, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[None, :], output_term[None, :], keep_scale,
-                                           DROPOUT)
-        grad_v = _product_into(grad_v, kept.to(OPERAND), do, WIDEN, IEEE)
-        grad_k = _product_into(grad_k, grad_s.to(OPERAND), q, WIDEN, IEEE)
+    are never stored. Whole query blocks run in a loop without a query mask, the one that may end past the last
+    query after it (as the forward's tails)."""
+    edge = tl.maximum(tl.minimum(hi, Lq // BLOCK_M * BLOCK_M), lo)
+    for m0 in range(lo, edge, BLOCK_M):
+        grad_k, grad_v = _key_value_tile(
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, m0, n0, offs_n,
+            offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
+            threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
+    if edge < hi:  # the last block, ending past the last query (`hi - edge < BLOCK_M`)
+        grad_k, grad_v = _key_value_tile(
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, edge, n0, offs_n,
+            offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
+            threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
     return grad_k, grad_v
 
 
@@ -761,7 +789,7 @@ def _rotated_key_value_band(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTe
         do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
         rotated_q = _turned(RotQ, head, offs_m, offs_d, Lq, D)
         rotated_do = _turned(RotDO, head, offs_m, offs_d, Lq, D)
-        lse, row_dot, _ = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT)
+        lse, row_dot, _ = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT, True)
         left_key, right_key, left_out, right_out = _band_terms(RowTerms, head, offs_m, Lq)
         reference = m0 // ROTATION * ROTATION
         sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
@@ -887,7 +915,7 @@ def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSo
     """`(grad_q, mass)`: `sum_j dS_ij (k_j + T[r])` (unscaled) of a query block over the key blocks `lo .. hi` of one
     class, the band's table part added tile by tile, a tail's gathered in `mass` (for its row) as the forward's value
     term is. A tail's whole blocks run without a key mask, the one that may end past the last key after them."""
-    lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT)
+    lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT, True)
     mass = tl.zeros([BLOCK_M], tl.float32)
     edge = lo
     if KIND != BAND:
@@ -955,7 +983,7 @@ def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, 
     mask, the one that may end past the last key after it (as the tails', `_forward_tiles`)."""
     rotated_q = _turned(RotQ, head, offs_m, offs_d, Lq, D)
     rotated_do = _turned(RotDO, head, offs_m, offs_d, Lq, D)
-    lse, row_dot, _ = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT)
+    lse, row_dot, _ = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT, True)
     left_key, right_key, left_out, right_out = _band_terms(RowTerms, head, offs_m, Lq)
     reference = m0 // ROTATION * ROTATION
     spread = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
