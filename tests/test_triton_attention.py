@@ -600,7 +600,9 @@ def compile_for_a_gpu(architecture: int = 90) -> None:
         (torch.float16, 1, 600, RelativeAttentionMask(key_is_valid=valid, causal=True, query_offset=599), 0.0)]
     for dtype, queries, keys, mask, dropout in calls:
         q, k = torch.zeros(1, 2, queries, 64, dtype=dtype), torch.zeros(1, 2, keys, 64, dtype=dtype)
-        table = torch.zeros(9, 64, dtype=dtype)
+        table = torch.zeros(9, 64, dtype=dtype)  # the table's window; bfloat16 by rotation (the exact sinusoid)
+        if dtype == torch.bfloat16:
+            table = ra.sinusoid_relative_table(4, 64).to(dtype)
         problem = AttentionProblem(mask, 0.125, dropout, torch.tensor(1))
         ta.triton_forward(q, k, k, table, problem)
         if queries > 1:
