@@ -692,8 +692,8 @@ def _key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyVal
                     scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
                     IEEE: tl.constexpr, MASK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The tile of `_key_value_tiles` at query block `m0`: `(grad_k, grad_v)` updated (`MASK_ROWS`: the block may end
-    past the last query)."""
+    """The tile of `_key_value_tiles` at query block `m0` by the table's window (a band tile) or a tail's row:
+    `(grad_k, grad_v)` updated (`MASK_ROWS`: the block may end past the last query)."""
     OPERAND = Qh.dtype.element_ty
     offs_m = m0 + tl.arange(0, BLOCK_M)
     q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, MASK_ROWS)
@@ -720,45 +720,64 @@ def _key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyVal
 
 
 @triton.jit
-def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, lo, hi, n0,
-                     offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm, stride_qd, stride_om, stride_od,
-                     scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
-                     CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
-                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+                     KeyIsSource, key_row, lo, hi, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm,
+                     stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, keep_scale,
+                     KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
+                     DROPOUT: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """`dK` (unscaled) and `dV` of a key block over the query blocks `lo .. hi` of one class, as FlashAttention-2's
     Triton kernels compute them: transposed, `S^T = K Q^T`, so that the key block's rows are every product's rows
     (wgmma on Hopper) and nothing is transposed between products. Keys past the last one need no mask: their rows
     are never stored. Whole query blocks run in a loop without a query mask, the one that may end past the last
-    query after it (as the forward's tails)."""
+    query after it (as the forward's tails). `ROTATE`: band tiles by rotation (`_rotated_key_value_tile`)."""
     edge = tl.maximum(tl.minimum(hi, Lq // BLOCK_M * BLOCK_M), lo)
     for m0 in range(lo, edge, BLOCK_M):
-        grad_k, grad_v = _key_value_tile(
-            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, m0, n0, offs_n,
-            offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
-            threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
+        if ROTATE and KIND == BAND:
+            grad_k, grad_v = _rotated_key_value_tile(
+                grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
+                key_row, m0, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
+                scale_log2, seed, head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE,
+                False, BLOCK_M, BLOCK_N)
+        else:
+            grad_k, grad_v = _key_value_tile(
+                grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, m0, n0, offs_n,
+                offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
+                threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M,
+                BLOCK_N)
     if edge < hi:  # the last block, ending past the last query (`hi - edge < BLOCK_M`)
-        grad_k, grad_v = _key_value_tile(
-            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, edge, n0, offs_n,
-            offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
-            threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
+        if ROTATE and KIND == BAND:
+            grad_k, grad_v = _rotated_key_value_tile(
+                grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
+                key_row, edge, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
+                scale_log2, seed, head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE,
+                True, BLOCK_M, BLOCK_N)
+        else:
+            grad_k, grad_v = _key_value_tile(
+                grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, edge, n0,
+                offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed,
+                head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
+                BLOCK_N)
     return grad_k, grad_v
 
 
 @triton.jit
-def _band_terms(RowTerms, head, offs_m, Lq):
+def _band_terms(RowTerms, head, offs_m, Lq, MASK_ROWS: tl.constexpr):
     """`(left_key, right_key, left_out, right_out)` of the queries `offs_m`: the terms a rotated band tile's clipped
     pairs take (`q_i . T[0]`, `q_i . T[2K]`, `dO_i . T[0]`, `dO_i . T[2K]`; `nezha_row_statistics_kernel`), 0 past
-    the queries."""
-    rows = offs_m < Lq
+    the queries (masked only where `MASK_ROWS`)."""
     base = RowTerms + head.to(tl.int64) * 4 * Lq + offs_m
-    return (tl.load(base, mask=rows, other=0.0), tl.load(base + Lq, mask=rows, other=0.0),
-            tl.load(base + 2 * Lq, mask=rows, other=0.0), tl.load(base + 3 * Lq, mask=rows, other=0.0))
+    if MASK_ROWS:
+        rows = offs_m < Lq
+        return (tl.load(base, mask=rows, other=0.0), tl.load(base + Lq, mask=rows, other=0.0),
+                tl.load(base + 2 * Lq, mask=rows, other=0.0), tl.load(base + 3 * Lq, mask=rows, other=0.0))
+    return tl.load(base), tl.load(base + Lq), tl.load(base + 2 * Lq), tl.load(base + 3 * Lq)
 
 
 @triton.jit
-def _turned(Turned, head, offs_m, offs_d, Lq, D: tl.constexpr):
+def _turned(Turned, head, offs_m, offs_d, Lq, D: tl.constexpr, MASK_ROWS: tl.constexpr):
     """Rows `offs_m` of the queries or output gradients turned by `i mod ROTATION_ROWS` (`RotQ`, `RotDO`)."""
-    return _rows(Turned + head.to(tl.int64) * Lq * D, offs_m, offs_d, D, 1, Lq, D, True)
+    return _rows(Turned + head.to(tl.int64) * Lq * D, offs_m, offs_d, D, 1, Lq, D, MASK_ROWS)
 
 
 @triton.jit
@@ -769,47 +788,44 @@ def _clipped(term, distance, left_row, right_row, K):
 
 
 @triton.jit
-def _rotated_key_value_band(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
-                            KeyIsSource, key_row,
-                            lo, hi, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm, stride_qd,
-                            stride_om, stride_od, scale_log2, seed, head, threshold, keep_scale,
+def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+                            KeyIsSource, key_row, m0, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d,
+                            stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, keep_scale,
                             HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
-                            DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The band's query blocks `lo .. hi` of `_key_value_tiles` by rotation (`ROTATE`, as the forward's
-    `_rotated_band_tile`), with the queries and output gradients turned pairwise by `s = i - m0'`, `m0'` the multiple
-    of `ROTATION_ROWS` at or before the tile's first query (`RotQ`, `RotDO`): a pair inside the band has its key term
-    `q~_i . E[t_j]` and its output term `dO~_i . E[t_j]` (`t = j - offset - m0' + K`), one product each with the
-    sinusoid's rows of the block's keys; a clipped pair takes its tail's terms instead (`_band_terms`, `_clipped`).
-    `dK`, `dV` take no table term."""
+                            DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, MASK_ROWS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A band tile of `_key_value_tiles` by rotation (`ROTATE`, as the forward's `_rotated_band_tile`), with the
+    queries and output gradients turned pairwise by `s = i - m0'`, `m0'` the multiple of `ROTATION_ROWS` at or before
+    the tile's first query (`RotQ`, `RotDO`): a pair inside the band has its key term `q~_i . E[t_j]` and its output
+    term `dO~_i . E[t_j]` (`t = j - offset - m0' + K`), one product each with the sinusoid's rows of the block's keys;
+    a clipped pair takes its tail's terms instead (`_band_terms`, `_clipped`). `dK`, `dV` take no table term."""
     OPERAND = Qh.dtype.element_ty
-    for m0 in range(lo, hi, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
-        do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
-        rotated_q = _turned(RotQ, head, offs_m, offs_d, Lq, D)
-        rotated_do = _turned(RotDO, head, offs_m, offs_d, Lq, D)
-        lse, row_dot, _ = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT, True)
-        left_key, right_key, left_out, right_out = _band_terms(RowTerms, head, offs_m, Lq)
-        reference = m0 // ROTATION * ROTATION
-        sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
-                                                       2 * K + ROTATION - 1), D, offs_d)
-        distance = (offs_n - offset)[:, None] - offs_m[None, :]
-        scores = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_q), WIDEN, IEEE), distance,
-                                        left_key[None, :], right_key[None, :], K), k, tl.trans(q), WIDEN, IEEE)
-        grad_p = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_do), WIDEN, IEEE), distance,
-                                        left_out[None, :], right_out[None, :], K), v, tl.trans(do), WIDEN, IEEE)
-        if HAS_VALID or CAUSAL:
-            visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
-                               HAS_SOURCE, False)
-            scores = tl.where(tl.trans(tl.broadcast_to(visible, [BLOCK_M, BLOCK_N])), scores, float("-inf"))
-        p = tl.exp2(scores * scale_log2 - lse[None, :])
-        keep = None
-        if DROPOUT:
-            keep = tl.trans(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N))
-        kept, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[None, :], 0.0, keep_scale, DROPOUT)
-        grad_v = _product_into(grad_v, kept.to(OPERAND), do, WIDEN, IEEE)
-        grad_k = _product_into(grad_k, grad_s.to(OPERAND), q, WIDEN, IEEE)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, MASK_ROWS)
+    do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, MASK_ROWS)
+    rotated_q = _turned(RotQ, head, offs_m, offs_d, Lq, D, MASK_ROWS)
+    rotated_do = _turned(RotDO, head, offs_m, offs_d, Lq, D, MASK_ROWS)
+    lse, row_dot, _ = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT, MASK_ROWS)
+    left_key, right_key, left_out, right_out = _band_terms(RowTerms, head, offs_m, Lq, MASK_ROWS)
+    reference = m0 // ROTATION * ROTATION
+    sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
+                                                   2 * K + ROTATION - 1), D, offs_d)
+    distance = (offs_n - offset)[:, None] - offs_m[None, :]
+    scores = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_q), WIDEN, IEEE), distance,
+                                    left_key[None, :], right_key[None, :], K), k, tl.trans(q), WIDEN, IEEE)
+    grad_p = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_do), WIDEN, IEEE), distance,
+                                    left_out[None, :], right_out[None, :], K), v, tl.trans(do), WIDEN, IEEE)
+    if HAS_VALID or CAUSAL:
+        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+                           HAS_SOURCE, False)
+        scores = tl.where(tl.trans(tl.broadcast_to(visible, [BLOCK_M, BLOCK_N])), scores, float("-inf"))
+    p = tl.exp2(scores * scale_log2 - lse[None, :])
+    keep = None
+    if DROPOUT:
+        keep = tl.trans(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N))
+    kept, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[None, :], 0.0, keep_scale, DROPOUT)
+    grad_v = _product_into(grad_v, kept.to(OPERAND), do, WIDEN, IEEE)
+    grad_k = _product_into(grad_k, grad_s.to(OPERAND), q, WIDEN, IEEE)
     return grad_k, grad_v
 
 
@@ -827,7 +843,7 @@ def nezha_key_value_grad_kernel(
 ):
     """One block of keys of one head: `dK = scale sum_i dS_ij q_i` and `dV = sum_i P~_ij dO_i` (`[batch, heads, keys,
     d]` contiguous), over the query blocks that see any of its keys: right tail, band, then left tail tiles
-    (`_program` numbers the programs). `ROTATE`: the band by rotation, as the forward's (`_rotated_key_value_band`)."""
+    (`_program` numbers the programs). `ROTATE`: the band by rotation, as the forward's (`_rotated_key_value_tile`)."""
     block, head, b, h, offset = _program(tl.cdiv(Lk, BLOCK_N), heads, Offset, offset, OFFSET_IN_MEMORY)
     n0 = block * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -850,25 +866,20 @@ def nezha_key_value_grad_kernel(
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_k, grad_v = _key_value_tiles(
-        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, lo, right_hi, n0, offs_n,
-        offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold,
-        keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    if ROTATE:
-        grad_k, grad_v = _rotated_key_value_band(
-            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
-            key_row, right_hi, left_lo,
-            n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed,
-            head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N,
-            BLOCK_D)
-    else:
-        grad_k, grad_v = _key_value_tiles(
-            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, right_hi, left_lo,
-            n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed,
-            head, threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
+        key_row, lo, right_hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
+        scale_log2, seed, head, threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
+        IEEE, BLOCK_M, BLOCK_N)
     grad_k, grad_v = _key_value_tiles(
-        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, left_lo, hi, n0, offs_n,
-        offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold,
-        keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
+        key_row, right_hi, left_lo, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
+        stride_od, scale_log2, seed, head, threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE,
+        WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    grad_k, grad_v = _key_value_tiles(
+        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
+        key_row, left_lo, hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
+        scale_log2, seed, head, threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
+        IEEE, BLOCK_M, BLOCK_N)
     out = head.to(tl.int64) * Lk * D + offs_n[:, None] * D + offs_d[None, :]
     key_mask = (offs_n < Lk)[:, None] & _columns(offs_d, D)[None, :]
     tl.store(DK + out, (grad_k * scale).to(DK.dtype.element_ty), mask=key_mask)
@@ -981,10 +992,10 @@ def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, 
     dS_ij E[t_j]`, turned back once after the band. A clipped pair takes its tail's terms (`_band_terms`,
     `_clipped`) and its `dS` the tail's mass (the row's `T[0]` or `T[2K]`). Whole blocks run in a loop without a key
     mask, the one that may end past the last key after it (as the tails', `_forward_tiles`)."""
-    rotated_q = _turned(RotQ, head, offs_m, offs_d, Lq, D)
-    rotated_do = _turned(RotDO, head, offs_m, offs_d, Lq, D)
+    rotated_q = _turned(RotQ, head, offs_m, offs_d, Lq, D, True)
+    rotated_do = _turned(RotDO, head, offs_m, offs_d, Lq, D, True)
     lse, row_dot, _ = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT, True)
-    left_key, right_key, left_out, right_out = _band_terms(RowTerms, head, offs_m, Lq)
+    left_key, right_key, left_out, right_out = _band_terms(RowTerms, head, offs_m, Lq, True)
     reference = m0 // ROTATION * ROTATION
     spread = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     left_mass = tl.zeros([BLOCK_M], tl.float32)
