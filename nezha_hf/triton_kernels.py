@@ -687,24 +687,14 @@ def _gradient_of_scores(p, grad_p, keep, row_dot, output_term, keep_scale, DROPO
 
 
 @triton.jit
-def _key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, m0, n0,
-                    offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm, stride_qd, stride_om, stride_od,
-                    scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
-                    CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
-                    IEEE: tl.constexpr, MASK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The tile of `_key_value_tiles` at query block `m0` by the table's window (a band tile) or a tail's row:
-    `(grad_k, grad_v)` updated (`MASK_ROWS`: the block may end past the last query)."""
-    OPERAND = Qh.dtype.element_ty
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, MASK_ROWS)
-    do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, MASK_ROWS)
-    lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT, MASK_ROWS)
-    scores = _product(k, tl.trans(q), WIDEN, IEEE)
-    grad_p = _product(v, tl.trans(do), WIDEN, IEEE)
-    if KIND == BAND:
-        first = _window_start(n0, m0, offset, K, BLOCK_M)
-        scores += tl.trans(_by_pair(q, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
-        grad_p += tl.trans(_by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
+def _key_value_products(grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, offs_n, n0, offset,
+                        Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, keep_scale,
+                        KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
+                        DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """`(grad_k, grad_v)` updated by a tile whose `S^T` and `dP^T` (before the scale and the masks) are `scores` and
+    `grad_p`: the masks, the probabilities, dropout's draws, `dS` and the two products."""
+    OPERAND = q.dtype
     if HAS_VALID or (CAUSAL and KIND != LEFT):
         visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL,
                            HAS_SOURCE, False)
@@ -715,7 +705,39 @@ def _key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyVal
         keep = tl.trans(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N))
     kept, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[None, :], output_term[None, :], keep_scale, DROPOUT)
     grad_v = _product_into(grad_v, kept.to(OPERAND), do, WIDEN, IEEE)
-    grad_k = _product_into(grad_k, grad_s.to(OPERAND), q, WIDEN, IEEE)
+    return _product_into(grad_k, grad_s.to(OPERAND), q, WIDEN, IEEE), grad_v
+
+
+@triton.jit
+def _key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+                    KeyIsSource, key_row, m0, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm,
+                    stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr,
+                    HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
+                    ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, MASK_ROWS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile of `_key_value_tiles` at query block `m0`: `(grad_k, grad_v)` updated (`MASK_ROWS`: the block may end
+    past the last query); a band tile by rotation (`ROTATE`, `_rotated_key_value_tile`) or by the table's window."""
+    if ROTATE and KIND == BAND:
+        grad_k, grad_v = _rotated_key_value_tile(
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
+            key_row, m0, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
+            scale_log2, seed, head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE,
+            MASK_ROWS, BLOCK_M, BLOCK_N)
+    else:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, MASK_ROWS)
+        do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, MASK_ROWS)
+        lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT, MASK_ROWS)
+        scores = _product(k, tl.trans(q), WIDEN, IEEE)
+        grad_p = _product(v, tl.trans(do), WIDEN, IEEE)
+        if KIND == BAND:
+            first = _window_start(n0, m0, offset, K, BLOCK_M)
+            scores += tl.trans(_by_pair(q, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
+            grad_p += tl.trans(_by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
+        grad_k, grad_v = _key_value_products(
+            grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, offs_n, n0, offset, Lk,
+            KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL,
+            HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     return grad_k, grad_v
 
 
@@ -730,34 +752,20 @@ def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTe
     Triton kernels compute them: transposed, `S^T = K Q^T`, so that the key block's rows are every product's rows
     (wgmma on Hopper) and nothing is transposed between products. Keys past the last one need no mask: their rows
     are never stored. Whole query blocks run in a loop without a query mask, the one that may end past the last
-    query after it (as the forward's tails). `ROTATE`: band tiles by rotation (`_rotated_key_value_tile`)."""
+    query after it (as the forward's tails)."""
     edge = tl.maximum(tl.minimum(hi, Lq // BLOCK_M * BLOCK_M), lo)
     for m0 in range(lo, edge, BLOCK_M):
-        if ROTATE and KIND == BAND:
-            grad_k, grad_v = _rotated_key_value_tile(
-                grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
-                key_row, m0, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
-                scale_log2, seed, head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE,
-                False, BLOCK_M, BLOCK_N)
-        else:
-            grad_k, grad_v = _key_value_tile(
-                grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, m0, n0, offs_n,
-                offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
-                threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M,
-                BLOCK_N)
+        grad_k, grad_v = _key_value_tile(
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+            KeyIsSource, key_row, m0, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
+            stride_od, scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
+            ROTATE, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
     if edge < hi:  # the last block, ending past the last query (`hi - edge < BLOCK_M`)
-        if ROTATE and KIND == BAND:
-            grad_k, grad_v = _rotated_key_value_tile(
-                grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
-                key_row, edge, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
-                scale_log2, seed, head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE,
-                True, BLOCK_M, BLOCK_N)
-        else:
-            grad_k, grad_v = _key_value_tile(
-                grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, edge, n0,
-                offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed,
-                head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
-                BLOCK_N)
+        grad_k, grad_v = _key_value_tile(
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+            KeyIsSource, key_row, edge, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
+            stride_od, scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
+            ROTATE, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
     return grad_k, grad_v
 
 
@@ -799,13 +807,12 @@ def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTe
     the tile's first query (`RotQ`, `RotDO`): a pair inside the band has its key term `q~_i . E[t_j]` and its output
     term `dO~_i . E[t_j]` (`t = j - offset - m0' + K`), one product each with the sinusoid's rows of the block's keys;
     a clipped pair takes its tail's terms instead (`_band_terms`, `_clipped`). `dK`, `dV` take no table term."""
-    OPERAND = Qh.dtype.element_ty
     offs_m = m0 + tl.arange(0, BLOCK_M)
     q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, MASK_ROWS)
     do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, MASK_ROWS)
     rotated_q = _turned(RotQ, head, offs_m, offs_d, Lq, D, MASK_ROWS)
     rotated_do = _turned(RotDO, head, offs_m, offs_d, Lq, D, MASK_ROWS)
-    lse, row_dot, _ = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT, MASK_ROWS)
+    lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT, MASK_ROWS)
     left_key, right_key, left_out, right_out = _band_terms(RowTerms, head, offs_m, Lq, MASK_ROWS)
     reference = m0 // ROTATION * ROTATION
     sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
@@ -815,18 +822,10 @@ def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTe
                                     left_key[None, :], right_key[None, :], K), k, tl.trans(q), WIDEN, IEEE)
     grad_p = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_do), WIDEN, IEEE), distance,
                                     left_out[None, :], right_out[None, :], K), v, tl.trans(do), WIDEN, IEEE)
-    if HAS_VALID or CAUSAL:
-        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
-                           HAS_SOURCE, False)
-        scores = tl.where(tl.trans(tl.broadcast_to(visible, [BLOCK_M, BLOCK_N])), scores, float("-inf"))
-    p = tl.exp2(scores * scale_log2 - lse[None, :])
-    keep = None
-    if DROPOUT:
-        keep = tl.trans(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N))
-    kept, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[None, :], 0.0, keep_scale, DROPOUT)
-    grad_v = _product_into(grad_v, kept.to(OPERAND), do, WIDEN, IEEE)
-    grad_k = _product_into(grad_k, grad_s.to(OPERAND), q, WIDEN, IEEE)
-    return grad_k, grad_v
+    return _key_value_products(grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, offs_n, n0,
+                               offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold,
+                               keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M,
+                               BLOCK_N)
 
 
 @triton.autotune(configs=KEY_VALUE_GRAD_CONFIGS, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=PRUNING)
