@@ -61,7 +61,8 @@ SHORT = {"nezha_forward_kernel": "forward", "nezha_key_value_grad_kernel": "dK/d
          "yardstick_forward_kernel": "yardstick forward", "yardstick_key_value_grad_kernel": "yardstick dK/dV",
          "yardstick_query_grad_kernel": "yardstick dQ"}
 # The helpers of `triton_kernels.py` that only band tiles run: a loop holding their lines is the band's.
-BAND_HELPERS = ("_by_pair", "_add_times_window", "_rotated_band_tile")
+BAND_HELPERS = ("_by_pair", "_add_times_window", "_rotated_band_tile", "_rotated_key_value_tile",
+                "_rotated_query_tile")
 
 # An H100's multiprocessor (../shared/docs/gpu-measuring.md).
 SM_REGISTERS, SM_SHARED, BLOCK_RESERVED_SHARED, SM_WARPS, SM_BLOCKS = 65536, 228 * 1024, 1024, 64, 32

@@ -24,8 +24,9 @@ a decoding step's partial outputs; nothing per (query, table row).
   elementwise `D_i = dO_i . O_i`, the key bounds and flags).
 - No host synchronisation: nothing on the path reads a GPU tensor on the host. A static cache's offset (a tensor on
   the GPU) is read by the kernels; the dropout seed is a CPU tensor (`relative_attention` draws it there). The one
-  exception: whether a bfloat16 / float16 call's table is the exact sinusoid (the forward's band by rotation) is
-  compared once per table tensor and version (`relative_attention` passes the model's own table, not a copy per call).
+  exception: whether a bfloat16 / float16 call's table is the exact sinusoid (the band by rotation, forward and
+  backward) is compared once per table tensor and version (`relative_attention` passes the model's own table, not a
+  copy per call).
 """
 
 import contextlib
@@ -253,14 +254,14 @@ def _arguments(query, key, value, table, problem: AttentionProblem, switches: Sw
 
 # Tables compared with the sinusoid: (id, dtype) -> (a weak reference to the table, its version, whether it is).
 _exact_tables: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, bool]] = {}
-_sinusoids: dict[tuple, torch.Tensor] = {}  # (K, head size, dtype, device) -> the forward's `Sinusoid`
+_sinusoids: dict[tuple, torch.Tensor] = {}  # (K, head size, dtype, device) -> the kernels' `Sinusoid`
 
 
 def _is_exact_sinusoid(table: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether `table` in `dtype` is, entry for entry, the sinusoid `sinusoid_relative_table` makes (NEZHA's table):
-    then the forward's band tiles go by rotation (`triton_kernels._rotated_band`), which holds for that table only;
-    any other table takes the table's window. Compared once per table tensor and version (the comparison waits for
-    the GPU), the answer kept while the table lives."""
+    then the band tiles, forward and backward, go by rotation (`triton_kernels._rotated_band`), which holds for that
+    table only; any other table takes the table's window. Compared once per table tensor and version (the comparison
+    waits for the GPU), the answer kept while the table lives."""
     key = (id(table), dtype)
     version = None if table.is_inference() else table._version  # an inference tensor counts no versions: no reuse
     known = _exact_tables.get(key)
@@ -274,7 +275,7 @@ def _is_exact_sinusoid(table: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def _rotation(table: torch.Tensor, dtype: torch.dtype, kernels) -> dict:
-    """The forward's `ROTATE` and `Sinusoid` (the sinusoid continued to `2K + ROTATION_ROWS` rows, in `dtype`, made
+    """The kernels' `ROTATE` and `Sinusoid` (the sinusoid continued to `2K + ROTATION_ROWS` rows, in `dtype`, made
     once per size): by rotation for bfloat16 and float16 with the exact sinusoid; float32, whose products must stay
     as exact as the table's own rows, and any other table, by the table's window."""
     if dtype == torch.float32 or not _is_exact_sinusoid(table, dtype):
@@ -341,18 +342,27 @@ def triton_backward(grad_output, query, key, value, table, problem: AttentionPro
     switches = Switches.of(query, problem)
     _refuse_set_aside("backward", switches)
     arguments = _arguments(query, key, value, table, problem, switches, kernels)
-    # Per query and tile class: the log-sum-exp less a tail's key term, D_i = dO_i . O_i less its output term.
+    rotation = _rotation(table, query.dtype, kernels)
+    arguments.update(rotation)
+    # Per query and tile class: the log-sum-exp less a tail's key term, D_i = dO_i . O_i less its output term; for the
+    # band by rotation, its clipped pairs' terms and the queries and output gradients turned.
     row_lse, row_dot = (torch.empty(batch, heads, 3, queries, dtype=torch.float32, device=query.device)
                         for _ in range(2))
+    turned = dict(RowTerms=None, RotQ=None, RotDO=None)
+    if rotation["ROTATE"]:
+        turned = dict(RowTerms=torch.empty(batch, heads, 4, queries, dtype=torch.float32, device=query.device),
+                      RotQ=torch.empty(batch, heads, queries, size, dtype=query.dtype, device=query.device),
+                      RotDO=torch.empty(batch, heads, queries, size, dtype=query.dtype, device=query.device))
     shared = dict(Q=query, Kx=key, V=value, DO=grad_output, RowLse=row_lse, RowDot=row_dot, scale=problem.scaling,
-                  **arguments, **_strides(grad_output, "o", "m"))
+                  **turned, **arguments, **_strides(grad_output, "o", "m"))
     with _launching("backward", switches, query.device):
         block = kernels.STATISTICS_BLOCK_M
         kernels.nezha_row_statistics_kernel[(_blocks(queries, block) * batch * heads,)](
-            Q=query, DO=grad_output, O=output, Table=arguments["Table"], Lse=lse, RowLse=row_lse, RowDot=row_dot,
+            Q=query, DO=grad_output, O=output, Table=arguments["Table"], Sinusoid=rotation["Sinusoid"], Lse=lse,
+            RowLse=row_lse, RowDot=row_dot, **turned,
             **_strides(query, "q", "m"), **_strides(grad_output, "o", "m"), **_strides(output, "y", "m"), heads=heads,
             Lq=queries, D=size, K=arguments["K"], scale_log2=arguments["scale_log2"], DROPOUT=switches.dropout,
-            BLOCK_D=arguments["BLOCK_D"], BLOCK_M=block)
+            ROTATE=rotation["ROTATE"], BLOCK_D=arguments["BLOCK_D"], BLOCK_M=block)
         kernels.nezha_key_value_grad_kernel[lambda meta: (_blocks(keys, meta["BLOCK_N"]) * batch * heads,)](
             DK=grad_key, DV=grad_value, **shared)
         kernels.nezha_query_grad_kernel[lambda meta: (_blocks(queries, meta["BLOCK_M"]) * batch * heads,)](

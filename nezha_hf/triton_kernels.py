@@ -91,8 +91,12 @@ else:
     QUERY_GRAD_CONFIGS = [_config(64, 64, 2, 4), _config(128, 32, 2, 8), _config(128, 64, 2, 8),
                           FLOAT32_CONFIGS[0], FLOAT32_CONFIGS[2]]
 
-# The forward's band by rotation reads the sinusoid's rows `0 .. 2K + BLOCK_M - 1` (`_rotated_band`).
-ROTATION_ROWS = max(config.kwargs["BLOCK_M"] for config in FORWARD_CONFIGS)
+# A band by rotation reads the sinusoid's rows `0 .. 2K + ROTATION_ROWS - 1`: the forward's turns its block's queries
+# by `i - m0` (`_rotated_band`), the backward's are turned once, by `i mod ROTATION_ROWS`, a multiple of every block
+# (`nezha_row_statistics_kernel`). Under the interpreter twice its block, so that the tests cross that reference.
+ROTATION_ROWS = 2 * 16 if INTERPRETING else max(config.kwargs["BLOCK_M"] for config in FORWARD_CONFIGS
+                                                  + KEY_VALUE_GRAD_CONFIGS + QUERY_GRAD_CONFIGS)
+ROTATION = tl.constexpr(ROTATION_ROWS)
 
 # A split of a decoding step's keys is a whole number of this many keys, so that every tuned key block divides it.
 SPLIT_GRANULE = max(config.kwargs["BLOCK_N"] for config in FORWARD_CONFIGS)
@@ -596,16 +600,20 @@ def nezha_merge_kernel(Partial, PartialStats, Out, Lse, stride_ob, stride_oh, st
 
 
 @triton.jit
-def nezha_row_statistics_kernel(Q, DO, O, Table, Lse, RowLse, RowDot, stride_qb, stride_qh, stride_qm, stride_qd,
-                                stride_ob, stride_oh, stride_om, stride_od, stride_yb, stride_yh, stride_ym, stride_yd,
-                                heads, Lq, D: tl.constexpr, K, scale_log2, DROPOUT: tl.constexpr,
-                                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def nezha_row_statistics_kernel(Q, DO, O, Table, Sinusoid, Lse, RowLse, RowDot, RowTerms, RotQ, RotDO, stride_qb,
+                                stride_qh, stride_qm, stride_qd, stride_ob, stride_oh, stride_om, stride_od, stride_yb,
+                                stride_yh, stride_ym, stride_yd, heads, Lq, D: tl.constexpr, K, scale_log2,
+                                DROPOUT: tl.constexpr, ROTATE: tl.constexpr, BLOCK_D: tl.constexpr,
+                                BLOCK_M: tl.constexpr):
     """The backward's statistics of one block of queries of one head, one row per tile class (`[heads, 3, Lq]`
     float32, the class's index): `RowLse`, the forward's log-sum-exp in base 2 (+inf for a row that saw nothing, so
     that its probabilities are 0) less a tail's key term `q_i . T[row] * scale * log2(e)`; `RowDot`, `D_i = dO_i . O_i`
     (`O`: `stride_y*`) less a tail's output term `dO_i . T[row]`, or with dropout, which multiplies that term pair by
     pair, the term itself (the band's row keeps `D_i`). A tail tile then costs a plain FlashAttention-2 tile: its
-    exponent one multiply-add, nothing per row recomputed in the key/value gradients' loop."""
+    exponent one multiply-add, nothing per row recomputed in the key/value gradients' loop. `ROTATE` (the backward's
+    band by rotation): also `RowTerms` (`[heads, 4, Lq]` float32: `q_i . T[0]`, `q_i . T[2K]`, `dO_i . T[0]`,
+    `dO_i . T[2K]`, the terms of a band tile's clipped pairs) and the queries and output gradients turned pairwise
+    by `i mod ROTATION_ROWS` (`RotQ`, `RotDO`, `[heads, Lq, D]` in their type)."""
     block, head, b, h, _ = _program(tl.cdiv(Lq, BLOCK_M), heads, None, 0, False)
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -618,6 +626,19 @@ def nezha_row_statistics_kernel(Q, DO, O, Table, Lse, RowLse, RowDot, stride_qb,
     row_dot = tl.sum(do.to(tl.float32) * out.to(tl.float32), 1)
     first_row, last_row = _table_row(Table, 0, D, offs_d), _table_row(Table, 2 * K, D, offs_d)
     left, right = _row_term(do, first_row), _row_term(do, last_row)
+    if ROTATE:
+        terms = head.to(tl.int64) * 4 * Lq + offs_m
+        tl.store(RowTerms + terms, _row_term(q, first_row), mask=rows)
+        tl.store(RowTerms + terms + Lq, _row_term(q, last_row), mask=rows)
+        tl.store(RowTerms + terms + 2 * Lq, left, mask=rows)
+        tl.store(RowTerms + terms + 3 * Lq, right, mask=rows)
+        angles = _sinusoid_rows(Sinusoid, offs_m % ROTATION, D, offs_d).to(tl.float32)
+        turned = head.to(tl.int64) * Lq * D + offs_m[:, None] * D + offs_d[None, :]
+        inside = rows[:, None] & _columns(offs_d, D)[None, :]
+        tl.store(RotQ + turned, _rotate_pairs(q.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(q.dtype),
+                 mask=inside)
+        tl.store(RotDO + turned, _rotate_pairs(do.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(do.dtype),
+                 mask=inside)
     if not DROPOUT:
         left, right = row_dot - left, row_dot - right
     base = head.to(tl.int64) * 3 * Lq + offs_m
@@ -630,17 +651,24 @@ def nezha_row_statistics_kernel(Q, DO, O, Table, Lse, RowLse, RowDot, stride_qb,
 
 
 @triton.jit
-def _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND: tl.constexpr, DROPOUT: tl.constexpr):
+def _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                      MASK_ROWS: tl.constexpr):
     """`(lse, row_dot, output_term)` of the queries `offs_m` for a tile class (`nezha_row_statistics_kernel`): +inf
-    and 0 past the queries; `output_term` is 0 but for a tail's with dropout, when `row_dot` is `D_i` itself."""
+    and 0 past the queries (masked only where `MASK_ROWS`: a block that may end past the last query); `output_term`
+    is 0 but for a tail's with dropout, when `row_dot` is `D_i` itself."""
     rows = offs_m < Lq
-    base = head.to(tl.int64) * 3 * Lq + offs_m
-    lse = tl.load(RowLse + base + KIND * Lq, mask=rows, other=float("inf"))
-    row_dot = tl.load(RowDot + base + KIND * Lq, mask=rows, other=0.0)
+    head_rows = head.to(tl.int64) * 3 * Lq  # a scalar: the loop adds only the queries' offsets
+    lse_of, dot_of = RowLse + head_rows + KIND * Lq, RowDot + head_rows + KIND * Lq
+    if MASK_ROWS:
+        lse = tl.load(lse_of + offs_m, mask=rows, other=float("inf"))
+        row_dot = tl.load(dot_of + offs_m, mask=rows, other=0.0)
+    else:
+        lse = tl.load(lse_of + offs_m)
+        row_dot = tl.load(dot_of + offs_m)
     output_term = tl.zeros_like(row_dot)
     if DROPOUT and KIND != BAND:
         output_term = row_dot
-        row_dot = tl.load(RowDot + base + BAND * Lq, mask=rows, other=0.0)
+        row_dot = tl.load(RowDot + head_rows + BAND * Lq + offs_m, mask=rows, other=0.0)
     return lse, row_dot, output_term
 
 
@@ -659,56 +687,162 @@ def _gradient_of_scores(p, grad_p, keep, row_dot, output_term, keep_scale, DROPO
 
 
 @triton.jit
-def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, lo, hi, n0,
-                     offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm, stride_qd, stride_om, stride_od,
-                     scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
-                     CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
-                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`dK` (unscaled) and `dV` of a key block over the query blocks `lo .. hi` of one class, as FlashAttention-2's
-    Triton kernels compute them: transposed, `S^T = K Q^T`, so that the key block's rows are every product's rows
-    (wgmma on Hopper) and nothing is transposed between products. Keys past the last one need no mask: their rows
-    are never stored."""
-    OPERAND = Qh.dtype.element_ty
-    for m0 in range(lo, hi, BLOCK_M):
+def _key_value_products(grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, offs_n, n0, offset,
+                        Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, keep_scale,
+                        KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
+                        DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """`(grad_k, grad_v)` updated by a tile whose `S^T` and `dP^T` (before the scale and the masks) are `scores` and
+    `grad_p`: the masks, the probabilities, dropout's draws, `dS` and the two products."""
+    OPERAND = q.dtype
+    if HAS_VALID or (CAUSAL and KIND != LEFT):
+        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL,
+                           HAS_SOURCE, False)
+        scores = tl.where(tl.trans(tl.broadcast_to(visible, [BLOCK_M, BLOCK_N])), scores, float("-inf"))
+    p = tl.exp2(scores * scale_log2 - lse[None, :])
+    keep = None
+    if DROPOUT:
+        keep = tl.trans(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N))
+    kept, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[None, :], output_term[None, :], keep_scale, DROPOUT)
+    grad_v = _product_into(grad_v, kept.to(OPERAND), do, WIDEN, IEEE)
+    return _product_into(grad_k, grad_s.to(OPERAND), q, WIDEN, IEEE), grad_v
+
+
+@triton.jit
+def _key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+                    KeyIsSource, key_row, m0, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm,
+                    stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr,
+                    HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
+                    ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, MASK_ROWS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile of `_key_value_tiles` at query block `m0`: `(grad_k, grad_v)` updated (`MASK_ROWS`: the block may end
+    past the last query); a band tile by rotation (`ROTATE`, `_rotated_key_value_tile`) or by the table's window."""
+    if ROTATE and KIND == BAND:
+        grad_k, grad_v = _rotated_key_value_tile(
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
+            key_row, m0, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
+            scale_log2, seed, head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE,
+            MASK_ROWS, BLOCK_M, BLOCK_N)
+    else:
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
-        do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
-        lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT)
+        q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, MASK_ROWS)
+        do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, MASK_ROWS)
+        lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT, MASK_ROWS)
         scores = _product(k, tl.trans(q), WIDEN, IEEE)
         grad_p = _product(v, tl.trans(do), WIDEN, IEEE)
         if KIND == BAND:
             first = _window_start(n0, m0, offset, K, BLOCK_M)
             scores += tl.trans(_by_pair(q, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
             grad_p += tl.trans(_by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
-        if HAS_VALID or (CAUSAL and KIND != LEFT):
-            visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL,
-                               HAS_SOURCE, False)
-            scores = tl.where(tl.trans(tl.broadcast_to(visible, [BLOCK_M, BLOCK_N])), scores, float("-inf"))
-        p = tl.exp2(scores * scale_log2 - lse[None, :])
-        keep = None
-        if DROPOUT:
-            keep = tl.trans(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N))
-        kept, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[None, :], output_term[None, :], keep_scale,
-                                           DROPOUT)
-        grad_v = _product_into(grad_v, kept.to(OPERAND), do, WIDEN, IEEE)
-        grad_k = _product_into(grad_k, grad_s.to(OPERAND), q, WIDEN, IEEE)
+        grad_k, grad_v = _key_value_products(
+            grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, offs_n, n0, offset, Lk,
+            KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL,
+            HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     return grad_k, grad_v
 
 
-@triton.autotune(configs=KEY_VALUE_GRAD_CONFIGS, key=TUNING_KEY, prune_configs_by=PRUNING)
+@triton.jit
+def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+                     KeyIsSource, key_row, lo, hi, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm,
+                     stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, keep_scale,
+                     KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
+                     DROPOUT: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`dK` (unscaled) and `dV` of a key block over the query blocks `lo .. hi` of one class, as FlashAttention-2's
+    Triton kernels compute them: transposed, `S^T = K Q^T`, so that the key block's rows are every product's rows
+    (wgmma on Hopper) and nothing is transposed between products. Keys past the last one need no mask: their rows
+    are never stored. Whole query blocks run in a loop without a query mask, the one that may end past the last
+    query after it (as the forward's tails)."""
+    edge = tl.maximum(tl.minimum(hi, Lq // BLOCK_M * BLOCK_M), lo)
+    for m0 in range(lo, edge, BLOCK_M):
+        grad_k, grad_v = _key_value_tile(
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+            KeyIsSource, key_row, m0, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
+            stride_od, scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
+            ROTATE, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
+    if edge < hi:  # the last block, ending past the last query (`hi - edge < BLOCK_M`)
+        grad_k, grad_v = _key_value_tile(
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+            KeyIsSource, key_row, edge, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
+            stride_od, scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
+            ROTATE, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
+    return grad_k, grad_v
+
+
+@triton.jit
+def _band_terms(RowTerms, head, offs_m, Lq, MASK_ROWS: tl.constexpr):
+    """`(left_key, right_key, left_out, right_out)` of the queries `offs_m`: the terms a rotated band tile's clipped
+    pairs take (`q_i . T[0]`, `q_i . T[2K]`, `dO_i . T[0]`, `dO_i . T[2K]`; `nezha_row_statistics_kernel`), 0 past
+    the queries (masked only where `MASK_ROWS`)."""
+    base = RowTerms + head.to(tl.int64) * 4 * Lq + offs_m
+    if MASK_ROWS:
+        rows = offs_m < Lq
+        return (tl.load(base, mask=rows, other=0.0), tl.load(base + Lq, mask=rows, other=0.0),
+                tl.load(base + 2 * Lq, mask=rows, other=0.0), tl.load(base + 3 * Lq, mask=rows, other=0.0))
+    return tl.load(base), tl.load(base + Lq), tl.load(base + 2 * Lq), tl.load(base + 3 * Lq)
+
+
+@triton.jit
+def _turned(Turned, head, offs_m, offs_d, Lq, D: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """Rows `offs_m` of the queries or output gradients turned by `i mod ROTATION_ROWS` (`RotQ`, `RotDO`)."""
+    return _rows(Turned + head.to(tl.int64) * Lq * D, offs_m, offs_d, D, 1, Lq, D, MASK_ROWS)
+
+
+@triton.jit
+def _clipped(term, distance, left_row, right_row, K):
+    """A rotated band tile's table term with its clipped pairs' replaced (`distance = j - i`): the row's `left_row`
+    (`x_i . T[0]`) where `j - i <= -K`, `right_row` where `j - i >= K`."""
+    return tl.where(distance >= K, right_row, tl.where(distance <= -K, left_row, term))
+
+
+@triton.jit
+def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+                            KeyIsSource, key_row, m0, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d,
+                            stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, keep_scale,
+                            HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
+                            DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, MASK_ROWS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A band tile of `_key_value_tiles` by rotation (`ROTATE`, as the forward's `_rotated_band_tile`), with the
+    queries and output gradients turned pairwise by `s = i - m0'`, `m0'` the multiple of `ROTATION_ROWS` at or before
+    the tile's first query (`RotQ`, `RotDO`): a pair inside the band has its key term `q~_i . E[t_j]` and its output
+    term `dO~_i . E[t_j]` (`t = j - offset - m0' + K`), one product each with the sinusoid's rows of the block's keys;
+    a clipped pair takes its tail's terms instead (`_band_terms`, `_clipped`). `dK`, `dV` take no table term."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, MASK_ROWS)
+    do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, MASK_ROWS)
+    rotated_q = _turned(RotQ, head, offs_m, offs_d, Lq, D, MASK_ROWS)
+    rotated_do = _turned(RotDO, head, offs_m, offs_d, Lq, D, MASK_ROWS)
+    lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT, MASK_ROWS)
+    left_key, right_key, left_out, right_out = _band_terms(RowTerms, head, offs_m, Lq, MASK_ROWS)
+    reference = m0 // ROTATION * ROTATION
+    sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
+                                                   2 * K + ROTATION - 1), D, offs_d)
+    distance = (offs_n - offset)[:, None] - offs_m[None, :]
+    scores = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_q), WIDEN, IEEE), distance,
+                                    left_key[None, :], right_key[None, :], K), k, tl.trans(q), WIDEN, IEEE)
+    grad_p = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_do), WIDEN, IEEE), distance,
+                                    left_out[None, :], right_out[None, :], K), v, tl.trans(do), WIDEN, IEEE)
+    return _key_value_products(grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, offs_n, n0,
+                               offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold,
+                               keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M,
+                               BLOCK_N)
+
+
+@triton.autotune(configs=KEY_VALUE_GRAD_CONFIGS, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=PRUNING)
 @triton.jit(do_not_specialize=STEP_VALUES)
 def nezha_key_value_grad_kernel(
-    Q, Kx, V, DO, Table, RowLse, RowDot, DK, DV, KeyValid, KeyIsSource, KeyBounds, Offset,
+    Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, DK, DV, KeyValid, KeyIsSource, KeyBounds,
+    Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
     heads, Lq, Lk, D: tl.constexpr, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
-    OFFSET_IN_MEMORY: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One block of keys of one head: `dK = scale sum_i dS_ij q_i` and `dV = sum_i P~_ij dO_i` (`[batch, heads, keys,
     d]` contiguous), over the query blocks that see any of its keys: right tail, band, then left tail tiles
-    (`_program` numbers the programs)."""
+    (`_program` numbers the programs). `ROTATE`: the band by rotation, as the forward's (`_rotated_key_value_tile`)."""
     block, head, b, h, offset = _program(tl.cdiv(Lk, BLOCK_N), heads, Offset, offset, OFFSET_IN_MEMORY)
     n0 = block * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -731,17 +865,20 @@ def nezha_key_value_grad_kernel(
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_k, grad_v = _key_value_tiles(
-        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, lo, right_hi, n0, offs_n,
-        offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold,
-        keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
+        key_row, lo, right_hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
+        scale_log2, seed, head, threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
+        IEEE, BLOCK_M, BLOCK_N)
     grad_k, grad_v = _key_value_tiles(
-        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, right_hi, left_lo, n0,
-        offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head,
-        threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
+        key_row, right_hi, left_lo, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
+        stride_od, scale_log2, seed, head, threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE,
+        WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_k, grad_v = _key_value_tiles(
-        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, KeyValid, KeyIsSource, key_row, left_lo, hi, n0, offs_n,
-        offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold,
-        keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
+        key_row, left_lo, hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
+        scale_log2, seed, head, threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
+        IEEE, BLOCK_M, BLOCK_N)
     out = head.to(tl.int64) * Lk * D + offs_n[:, None] * D + offs_d[None, :]
     key_mask = (offs_n < Lk)[:, None] & _columns(offs_d, D)[None, :]
     tl.store(DK + out, (grad_k * scale).to(DK.dtype.element_ty), mask=key_mask)
@@ -788,7 +925,7 @@ def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSo
     """`(grad_q, mass)`: `sum_j dS_ij (k_j + T[r])` (unscaled) of a query block over the key blocks `lo .. hi` of one
     class, the band's table part added tile by tile, a tail's gathered in `mass` (for its row) as the forward's value
     term is. A tail's whole blocks run without a key mask, the one that may end past the last key after them."""
-    lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT)
+    lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT, True)
     mass = tl.zeros([BLOCK_M], tl.float32)
     edge = lo
     if KIND != BAND:
@@ -803,19 +940,98 @@ def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSo
                        WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
 
 
-@triton.autotune(configs=QUERY_GRAD_CONFIGS, key=TUNING_KEY, prune_configs_by=PRUNING)
+@triton.jit
+def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q, rotated_do, lse, row_dot, left_key,
+                        right_key, left_out, right_out, reference, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, n0,
+                        offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                        scale_log2, seed, head, threshold, keep_scale, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
+                        HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+                        EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One band tile of `_rotated_query_band` at key block `n0`: `(grad_q, spread, left_mass, right_mass)` updated
+    (`EDGE`: the block may end past the last key)."""
+    OPERAND = Vh.dtype.element_ty
+    offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, EDGE, BLOCK_N)
+    sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
+                                                   2 * K + ROTATION - 1), D, offs_d)
+    distance = (offs_n - offset)[None, :] - offs_m[:, None]
+    left, right = distance <= -K, distance >= K
+    scores = _product_into(_clipped(_product(rotated_q, tl.trans(sinusoid), WIDEN, IEEE), distance,
+                                    left_key[:, None], right_key[:, None], K), q, tl.trans(k), WIDEN, IEEE)
+    if HAS_VALID or CAUSAL:
+        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+                           HAS_SOURCE, EDGE)
+        scores = tl.where(visible, scores, float("-inf"))
+    elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
+        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
+    p = tl.exp2(scores * scale_log2 - lse[:, None])
+    grad_p = _product_into(_clipped(_product(rotated_do, tl.trans(sinusoid), WIDEN, IEEE), distance,
+                                    left_out[:, None], right_out[:, None], K), do, tl.trans(v), WIDEN, IEEE)
+    keep = None
+    if DROPOUT:
+        keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
+    grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[:, None], 0.0, keep_scale, DROPOUT)[1]
+    left_s = tl.where(left, grad_s, 0.0)
+    right_s = tl.where(right, grad_s, 0.0)
+    spread = _product_into(spread, (grad_s - left_s - right_s).to(OPERAND), sinusoid, WIDEN, IEEE)
+    grad_q = _product_into(grad_q, grad_s.to(OPERAND), k, WIDEN, IEEE)
+    return grad_q, spread, left_mass + tl.sum(left_s, 1), right_mass + tl.sum(right_s, 1)
+
+
+@triton.jit
+def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, KeyValid,
+                        KeyIsSource, key_row, lo, hi, m0, offs_m, offset, Lq, Lk, K, D: tl.constexpr, offs_d,
+                        stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold, keep_scale,
+                        HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
+                        WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    """The band's key blocks `lo .. hi` of the query gradient by rotation (`ROTATE`, as the forward's
+    `_rotated_band`): the block's queries and output gradients turned by `s = i - m0'` (`RotQ`, `RotDO`; `m0'` the
+    multiple of `ROTATION_ROWS` at or before `m0`), so that a pair inside the band has its key and output terms by
+    one product each with the sinusoid's rows of the tile's keys; its table term of `dQ` gathers in `spread = sum_j
+    dS_ij E[t_j]`, turned back once after the band. A clipped pair takes its tail's terms (`_band_terms`,
+    `_clipped`) and its `dS` the tail's mass (the row's `T[0]` or `T[2K]`). Whole blocks run in a loop without a key
+    mask, the one that may end past the last key after it (as the tails', `_forward_tiles`)."""
+    rotated_q = _turned(RotQ, head, offs_m, offs_d, Lq, D, True)
+    rotated_do = _turned(RotDO, head, offs_m, offs_d, Lq, D, True)
+    lse, row_dot, _ = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT, True)
+    left_key, right_key, left_out, right_out = _band_terms(RowTerms, head, offs_m, Lq, True)
+    reference = m0 // ROTATION * ROTATION
+    spread = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    left_mass = tl.zeros([BLOCK_M], tl.float32)
+    right_mass = tl.zeros([BLOCK_M], tl.float32)
+    edge = tl.maximum(tl.minimum(hi, Lk // BLOCK_N * BLOCK_N), lo)
+    for n0 in range(lo, edge, BLOCK_N):
+        grad_q, spread, left_mass, right_mass = _rotated_query_tile(
+            grad_q, spread, left_mass, right_mass, q, do, rotated_q, rotated_do, lse, row_dot, left_key, right_key,
+            left_out, right_out, reference, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, n0, offs_m, offset, Lk,
+            K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold, keep_scale,
+            HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
+    if edge < hi:  # the last block, ending past the last key (`hi - edge < BLOCK_N`)
+        grad_q, spread, left_mass, right_mass = _rotated_query_tile(
+            grad_q, spread, left_mass, right_mass, q, do, rotated_q, rotated_do, lse, row_dot, left_key, right_key,
+            left_out, right_out, reference, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, edge, offs_m, offset,
+            Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
+            keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
+    angles = _sinusoid_rows(Sinusoid, offs_m % ROTATION, D, offs_d).to(tl.float32)
+    grad_q += _rotate_pairs(spread, angles, True, BLOCK_M, BLOCK_D)
+    return (grad_q + left_mass[:, None] * _table_row(Table, 0, D, offs_d)[None, :]
+            + right_mass[:, None] * _table_row(Table, 2 * K, D, offs_d)[None, :])
+
+
+@triton.autotune(configs=QUERY_GRAD_CONFIGS, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=PRUNING)
 @triton.jit(do_not_specialize=STEP_VALUES)
 def nezha_query_grad_kernel(
-    Q, Kx, V, DO, Table, RowLse, RowDot, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
+    Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
     heads, Lq, Lk, D: tl.constexpr, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
-    OFFSET_IN_MEMORY: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One block of queries of one head: `dQ = scale sum_j dS_ij (k_j + T[r])` (`[batch, heads, queries, d]`
-    contiguous), over the key blocks the forward visits (`_program` numbers the programs)."""
+    contiguous), over the key blocks the forward visits (`_program` numbers the programs). `ROTATE`: the band by
+    rotation, as the forward's (`_rotated_query_band`)."""
     block, head, b, h, offset = _program(tl.cdiv(Lq, BLOCK_M), heads, Offset, offset, OFFSET_IN_MEMORY)
     m0 = block * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -834,10 +1050,18 @@ def nezha_query_grad_kernel(
         Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
         keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_q += mass[:, None] * _table_row(Table, 0, D, offs_d)[None, :]
-    grad_q, _ = _query_tiles(
-        grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_lo, band_hi, m0, offs_m,
-        offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
-        keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    if ROTATE:
+        grad_q = _rotated_query_band(
+            grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, KeyValid, KeyIsSource,
+            key_row, band_lo, band_hi,
+            m0, offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
+            head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N,
+            BLOCK_D)
+    else:
+        grad_q, _ = _query_tiles(
+            grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_lo, band_hi, m0,
+            offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+            threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_q, mass = _query_tiles(
         grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_hi, hi, m0, offs_m, offset,
         Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,

@@ -600,7 +600,9 @@ def compile_for_a_gpu(architecture: int = 90) -> None:
         (torch.float16, 1, 600, RelativeAttentionMask(key_is_valid=valid, causal=True, query_offset=599), 0.0)]
     for dtype, queries, keys, mask, dropout in calls:
         q, k = torch.zeros(1, 2, queries, 64, dtype=dtype), torch.zeros(1, 2, keys, 64, dtype=dtype)
-        table = torch.zeros(9, 64, dtype=dtype)
+        table = torch.zeros(9, 64, dtype=dtype)  # the table's window; bfloat16 by rotation (the exact sinusoid)
+        if dtype == torch.bfloat16:
+            table = ra.sinusoid_relative_table(4, 64).to(dtype)
         problem = AttentionProblem(mask, 0.125, dropout, torch.tensor(1))
         ta.triton_forward(q, k, k, table, problem)
         if queries > 1:
@@ -663,13 +665,16 @@ def test_a_planted_64_row_block_on_8_warps_fails_the_gpu_gates():
 # --- the forward's band by rotation (issue 55) ----------------------------------------------------------------------
 
 
-def forward_launches(monkeypatch):
-    """The forward's launches, recorded and run."""
+def forward_launches(monkeypatch, kernel="nezha_forward_kernel"):
+    """The launches of a kernel (the forward's by default), recorded and run."""
     from nezha_hf import triton_kernels as tk
 
-    launches = Launches(real=tk.nezha_forward_kernel)
-    monkeypatch.setattr(tk, "nezha_forward_kernel", launches)
+    launches = Launches(real=getattr(tk, kernel))
+    monkeypatch.setattr(tk, kernel, launches)
     return launches
+
+
+BACKWARD_KERNELS = ("nezha_key_value_grad_kernel", "nezha_query_grad_kernel")
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 4e-2), (torch.float16, 5e-3)], ids=["bfloat16", "float16"])
@@ -681,6 +686,7 @@ def test_band_by_rotation_matches_the_formula(queries, keys, K, dtype, atol, mon
     block) take the tails' rows; against the plain formula with the float64 sinusoid, under padding and a causal
     mask, queries continuing a cache and a decoding step split over programs."""
     launches = forward_launches(monkeypatch)
+    backward = [forward_launches(monkeypatch, kernel) for kernel in BACKWARD_KERNELS]
     q, k, v = (t.to(dtype).double() for t in inputs(2, 2, queries, keys, 16, seed=K))
     valid = torch.ones(2, keys, dtype=torch.bool)
     valid[0, :3] = False  # left padding
@@ -690,8 +696,40 @@ def test_band_by_rotation_matches_the_formula(queries, keys, K, dtype, atol, mon
     mask = RelativeAttentionMask(key_is_valid=valid, causal=True)
     allowed = reference.allowed_mask(queries, valid, causal=True, query_offset=offset, key_length=keys)
     compare(q, k, v, K, mask, allowed, offset=offset, dtype=dtype, atol=atol)
-    rotate = [switches["ROTATE"] for _, switches in launches.launches if switches["Lk"] == keys]  # not the check's
-    assert rotate and all(rotate)
+    for kernel in (launches, *backward):  # the backward's band tiles go by rotation too (dQ and dK/dV)
+        rotate = [switches.get("ROTATE") for _, switches in kernel.launches
+                  if switches["Lk"] == keys]  # not the check's
+        assert rotate and all(rotate)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "unilm-prefix"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
+def test_backward_band_by_rotation_matches_the_window(mask_kind, dropout, monkeypatch):
+    """The backward's band by rotation (dQ's and dK/dV's tiles: queries and output gradients turned pairwise, dQ's
+    table term turned back) gives the gradients the table's window gives (forced for the second call), with dropout
+    (the same pairs dropped), a ragged last block and pairs clipped inside band tiles (K = 6 below the block)."""
+    from nezha_hf import triton_kernels as tk
+
+    backward = [forward_launches(monkeypatch, kernel) for kernel in BACKWARD_KERNELS]
+    q, k, v, grad = (t.to(torch.float16) for t in [*inputs(1, 2, 45, 45, 16, seed=7), inputs(1, 2, 45, 1, 16, 8)[0]])
+    valid = torch.ones(1, 45, dtype=torch.bool)
+    valid[0, 40:] = False
+    source = torch.zeros(1, 45, dtype=torch.bool)
+    source[0, :12] = True
+    mask, _ = MASKS[mask_kind](valid, source)
+    table = ra.sinusoid_relative_table(6, 16).to(torch.float16)
+    problem = AttentionProblem(mask, 16**-0.5, dropout, torch.tensor(11))
+    output, lse = ta.triton_forward(q, k, v, table, problem)
+    rotated = ta.triton_backward(grad, q, k, v, table, problem, output.transpose(1, 2), lse)
+    monkeypatch.setattr(ta, "_rotation", lambda *args: dict(ROTATE=False, Sinusoid=None))
+    windowed = ta.triton_backward(grad, q, k, v, table, problem, output.transpose(1, 2), lse)
+    for kernel in backward:
+        assert [switches.get("ROTATE") for _, switches in kernel.launches] == [True, False]
+    assert tk.ROTATION_ROWS >= 16
+    for name, a, b in zip("qkv", rotated, windowed):
+        assert a.abs().max() > 0.1
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-2, rtol=0,
+                                   msg=lambda text, name=name: f"d{name}: {text}")
 
 
 def test_band_by_rotation_with_dropout_keeps_the_windows_mask(monkeypatch):
