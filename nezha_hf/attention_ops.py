@@ -304,6 +304,18 @@ def _inductor_falls_back_to(*ops) -> None:
         lowering.make_fallback(op, layout_constraint=constraint, warn=False)
 
 
+def _needs_dispatcher(device_types: str | None, *arguments) -> bool:
+    """Whether an engine's call must go through its registered ops rather than straight to its functions: while
+    tracing, under a Python dispatch or function mode (fake tensors, `FlopCounterMode`, `torch.device` as a context),
+    inside a functorch transform (vmap, `torch.func.grad`), with a tensor subclass (DTensor) among `arguments`, or on
+    a device the ops are not registered for (the ops then refuse it)."""
+    return (tracing() or torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+            or torch._C._functorch.peek_interpreter_stack() is not None
+            or any(isinstance(argument, torch.Tensor) and (type(argument) is not torch.Tensor or device_types
+                                                            not in (None, argument.device.type))
+                   for argument in arguments))
+
+
 def engine_op(engine: Engine, forward: Callable, forward_fake: Callable, backward: Callable, backward_fake: Callable,
               device_types: str | None = None) -> Callable:
     """Register `engine` as the ops `nezha_hf::{engine.op_name}_forward` / `_backward`, with autograd, a fake and a
@@ -319,7 +331,11 @@ def engine_op(engine: Engine, forward: Callable, forward_fake: Callable, backwar
     give the outputs' shapes and dtypes from the inputs' (for tracing). `device_types` limits the ops to a device type
     (the compiled CPU kernel), None for any device. A second derivative is refused with a message.
 
-    Returns `attention(query, key, value, table, problem) -> output [batch, queries, heads, head_size]`.
+    Returns `attention(query, key, value, table, problem) -> output [batch, queries, heads, head_size]`. Called
+    eagerly on plain tensors, with no mode or transform active, it runs the same functions and the same autograd rules
+    as a `torch.autograd.Function`, past the dispatcher, whose Python-registered ops cost host time a GPU's short
+    calls cannot hide (`benchmarks/host_overhead.py`; docs/performance.md). Anything else (tracing, fake tensors,
+    `FlopCounterMode`, subclasses such as DTensor, vmap) goes through the registered ops.
     """
     name = engine.op_name
     tensors = ", ".join(f"Tensor {argument}" for argument in TENSOR_ARGUMENTS)
@@ -362,9 +378,25 @@ def engine_op(engine: Engine, forward: Callable, forward_fake: Callable, backwar
         for position, tensor in zip(ctx.tensor_fields, saved[tensors:]):
             fields[position] = tensor
         output, *statistics = saved[tensors + len(ctx.tensor_fields):]
-        grads = backward_op(grad_output.transpose(1, 2), *saved[:tensors], *fields,
-                            [output.transpose(1, 2), *statistics])
+        arguments = (grad_output.transpose(1, 2), *saved[:tensors], *fields, [output.transpose(1, 2), *statistics])
+        # The registered op where it is needed: a second derivative asked for (its autograd refuses one), tracing.
+        direct = not torch.is_grad_enabled() and not _needs_dispatcher(device_types, *arguments[:-1], *arguments[-1])
+        grads = run_backward(*arguments) if direct else backward_op(*arguments)
         return (*grads, None, *([None] * len(fields)))  # nothing for the table or the problem
+
+    class DirectAttention(torch.autograd.Function):
+        """The op's forward and autograd rules, for eager calls (see `_needs_dispatcher`)."""
+
+        @staticmethod
+        def forward(ctx, problem, *inputs):  # with `ctx`, not a `setup_context`: `apply` binds no signature per call
+            output = forward(*inputs[:tensors], problem)
+            setup_context(ctx, inputs, output)
+            ctx.mark_non_differentiable(*output[1:])
+            return tuple(output)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return None, *backward_step(ctx, grads)
 
     def no_double_backward(ctx, *grads):
         raise RuntimeError(
@@ -386,7 +418,12 @@ def engine_op(engine: Engine, forward: Callable, forward_fake: Callable, backwar
         return [output, *(torch.zeros_like(saved) for saved in forward_fake(query, key, value, table, problem)[1:])]
 
     def attention(query, key, value, table, problem: AttentionProblem) -> torch.Tensor:
-        return forward_op(query, key, value, table, *flatten(problem))[0]
+        fields = flatten(problem)
+        if _needs_dispatcher(device_types, query, key, value, table, *fields):
+            return forward_op(query, key, value, table, *fields)[0]
+        if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value, table)):
+            return DirectAttention.apply(problem, query, key, value, table, *fields)[0]
+        return forward(query, key, value, table, problem)[0]
 
     attention.forward_op, attention.backward_op = forward_op, backward_op
     return attention

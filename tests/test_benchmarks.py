@@ -459,3 +459,20 @@ def test_a_carried_triton_cache_of_files_and_folders_is_restored(tmp_path):
     gpu_check.restore_cache(tmp_path / "cache", [part], gpu_check.Log(tmp_path / "gpu-check.log"))
     assert (tmp_path / "cache" / "ab12" / "kernel.cubin").read_bytes() == b"k"
     assert (tmp_path / "cache" / "ab12" / "deeper" / "kernel.json").read_bytes() == b"{}"
+
+
+def test_the_host_overhead_benchmark_times_both_routes_and_puts_the_kernels_back(unmeasured_machine, tmp_path,
+                                                                                 monkeypatch):
+    from benchmarks import host_overhead, machine
+
+    from nezha_hf import triton_attention
+
+    monkeypatch.setattr(machine, "RESULTS", tmp_path)
+    kernels = {name: getattr(triton_attention._kernels(), name) for name in host_overhead.TRITON_KERNELS}
+    host_overhead.main(["--calls", "2", "--repeats", "1"])
+    assert {name: getattr(triton_attention._kernels(), name) for name in kernels} == kernels
+    (written,) = tmp_path.glob("*/host-overhead.md")
+    text = written.read_text()
+    assert text.startswith("Command: `python benchmarks/host_overhead.py --calls 2 --repeats 1`")
+    routes = {row["route"] for row in json.loads(written.with_suffix(".json").read_text())["rows"]}
+    assert {"triton, direct", "triton, registered ops", "SDPA"} <= routes

@@ -435,6 +435,10 @@ MUTATIONS = [
     Mutation("a generated text is matched to its source by position", "nezha_hf/unilm.py",
              '    generate_kwargs["num_return_sequences"] = 1\n', "",
              ["tests/test_summarization.py", "tests/test_unilm.py", "-k", "own_judgment or one_text_per_source"]),
+    # --- engine ops: eager calls past the dispatcher (attention_ops.engine_op) ---
+    Mutation("a dispatch mode no longer sees an engine's ops", "nezha_hf/attention_ops.py",
+             "    return (tracing() or torch._C._len_torch_dispatch_stack() > 0 or ", "    return (tracing() or ",
+             ["tests/test_engine_routes.py"]),
     # --- export ---
     Mutation("exporting a model object switches the caller's model to the L x L gather path", "nezha_hf/export.py",
              "_from_config(copy.deepcopy(model_or_path.config), ", "_from_config(model_or_path.config, ",
