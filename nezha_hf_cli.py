@@ -18,11 +18,13 @@ This module lives outside the `nezha_hf` package so that `--help` and `--version
 package loads PyTorch and transformers, which a command only does when it runs.
 """
 
+import _thread
 import argparse
 import importlib.util
 import math
 import signal
 import sys
+import threading
 from pathlib import Path
 
 
@@ -441,6 +443,70 @@ class Terminated(BaseException):
 _STOPPED_BY = {signal.SIGINT: ("interrupted", 130), signal.SIGTERM: ("terminated", 143)}
 
 
+class _StopOnSignals:
+    """While the command runs: SIGINT raises `KeyboardInterrupt` and SIGTERM `Terminated` where the main thread is,
+    and `received` records them, however a library wraps the exception.
+
+    Python runs a handler between any two bytecodes of the main thread, a finalizer's (`__del__`, a weakref or garbage
+    collector callback) too, where the exception it raises is reported as unraisable and dropped: the command would go
+    on as if no signal had come. So an exception of ours that reaches `sys.unraisablehook` is delivered again (the
+    signal simulated with `_thread.interrupt_main`) from a watcher thread, every 50 ms until one is raised outside a
+    finalizer; one simulated after that (the watcher's race with the raise) is ignored, so that it cannot cut short
+    the cleanup the raise set off."""
+
+    def __init__(self):
+        self.received: list[int] = []
+        self.dropped = threading.Event()  # our exception was dropped: deliver it again
+        self.redelivered = False  # a delivery the watcher simulated, not yet handled
+        self.finished = threading.Event()
+
+    def stop(self, signum, frame):
+        self.received.append(signum)
+        simulated, self.redelivered = self.redelivered, False
+        if simulated and not self.dropped.is_set():
+            return  # the raise it was for already happened
+        if _running(frame, self.note_dropped.__code__):
+            return  # raised here it would be dropped for good; the watcher delivers it again
+        self.dropped.clear()
+        raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+
+    def note_dropped(self, unraisable):
+        if self.received and isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated)):
+            self.dropped.set()
+        else:
+            self.previous_hook(unraisable)
+
+    def watch(self):
+        while not self.finished.wait(0.05):
+            if self.dropped.is_set():
+                self.redelivered = True
+                _thread.interrupt_main(self.received[0])
+
+    def __enter__(self):
+        self.previous = {signum: signal.signal(signum, self.stop) for signum in _STOPPED_BY}
+        self.previous_hook, sys.unraisablehook = sys.unraisablehook, self.note_dropped
+        self.watcher = threading.Thread(target=self.watch, name="nezha-hf signal watcher", daemon=True)
+        self.watcher.start()
+        return self
+
+    def __exit__(self, *exception):
+        self.finished.set()
+        self.watcher.join()
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        if sys.unraisablehook == self.note_dropped:  # not if the command's end silenced finalizers on purpose
+            sys.unraisablehook = self.previous_hook
+
+
+def _running(frame, code) -> bool:
+    """Whether `frame` or a frame it was called from runs `code`."""
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _leave_process_group() -> None:
     """End a multi-process run's process group (`accelerate launch`, `torchrun`) before exit: gloo's threads, left
     running, can abort the interpreter at teardown, failing a run that succeeded."""
@@ -464,16 +530,12 @@ def main(argv=None, progs: dict[str, str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     args = parser.parse_args(argv)
-    received = []  # the signal that stopped the command, however a library wrapped the exception it raised
-
-    def stop(signum, frame):
-        received.append(signum)
-        raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
-
-    previous = {signum: signal.signal(signum, stop) for signum in _STOPPED_BY}
+    signals = _StopOnSignals()
+    received = signals.received  # the signal that stopped the command, however a library wrapped the exception
     try:
-        COMMANDS[args.command](args)
-        _leave_process_group()
+        with signals:
+            COMMANDS[args.command](args)
+            _leave_process_group()
     except SystemExit:
         raise
     # BaseException: PyTorch's distributed checkpoints wrap what interrupted them in a non-`Exception` of their own.
@@ -498,9 +560,6 @@ def main(argv=None, progs: dict[str, str] | None = None) -> int:
             sys.unraisablehook = lambda unraisable: None
         print(f"{_new_line_if_a_progress_bar_is_drawing()}nezha-hf {args.command}: error: {message}", file=sys.stderr)
         return 2
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
     return 0
 
 

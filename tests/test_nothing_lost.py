@@ -332,17 +332,50 @@ def test_summarize_refuses_a_model_with_non_finite_weights(tmp_path, tokenizer, 
 
 
 @pytest.mark.parametrize("how, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_that_lands_in_a_finalizer_still_stops_the_command(monkeypatch, capsys, how, code):
+    """Python runs a signal's handler between any two bytecodes of the main thread, a finalizer's (`__del__`, a
+    weakref callback, the garbage collector's) too, where the exception it raises is reported as unraisable and
+    dropped: the command would go on as if no signal had come (one suspect of a pretraining run that outlived its
+    SIGTERM in CI). It must still stop, with the signal's one line and code."""
+    import nezha_hf_cli
+
+    class SignalsWhileFreed:
+        def __del__(self):
+            os.kill(os.getpid(), how)
+            time.sleep(0.01)  # more bytecode in the finalizer: the handler runs here, inside it
+
+    steps = []
+
+    def command(args):
+        SignalsWhileFreed()  # freed at once: its finalizer runs
+        for step in range(200):
+            time.sleep(0.01)
+            steps.append(step)
+
+    monkeypatch.setitem(nezha_hf_cli.COMMANDS, "accelerate-config", command)
+    assert nezha_hf_cli.main(["accelerate-config", "one-machine"]) == code
+    assert len(steps) < 50, f"the command ran {len(steps)} steps (10 ms each) past the signal"
+    assert "accelerate-config: " + ("interrupted" if how == signal.SIGINT else "terminated") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 @pytest.mark.slow
 def test_a_signal_ends_in_one_line_and_removes_the_staging(tmp_path, tokenizer, how, code):
     base, data = base_model(tmp_path / "base", tokenizer), corpus(tmp_path / "corpus")
+    # PYTHONFAULTHANDLER: if it outlives the signal, SIGABRT makes it print where each of its threads is.
     process = subprocess.Popen([*CLI, "pretrain", str(base), str(data), "--output", str(tmp_path / "out"),
                                 "--max-steps", "100000", *PRETRAIN], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+                               text=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     deadline = time.monotonic() + 300
     while not any((tmp_path / "out.checkpoints").glob("checkpoint-*")) and time.monotonic() < deadline:
         time.sleep(0.5)
     process.send_signal(how)
-    stdout, stderr = process.communicate(timeout=120)
+    try:
+        stdout, stderr = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        stderr = process.communicate(timeout=60)[1]
+        pytest.fail(f"pretraining did not end within 120 s of {how!r}; its threads then:\n{stderr[-8000:]}")
     done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     one_line_failure(done, "interrupted" if how == signal.SIGINT else "terminated", code=code)
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name or ".lock" in p.name]

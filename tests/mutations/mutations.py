@@ -439,6 +439,10 @@ MUTATIONS = [
     Mutation("a dispatch mode no longer sees an engine's ops", "nezha_hf/attention_ops.py",
              "    return (tracing() or torch._C._len_torch_dispatch_stack() > 0 or ", "    return (tracing() or ",
              ["tests/test_engine_routes.py"]),
+    # --- signals ---
+    Mutation("a signal whose exception a finalizer dropped is forgotten", "nezha_hf_cli.py",
+             "            self.dropped.set()\n", "            pass\n",
+             ["tests/test_nothing_lost.py", "-k", "finalizer"]),
     # --- export ---
     Mutation("exporting a model object switches the caller's model to the L x L gather path", "nezha_hf/export.py",
              "_from_config(copy.deepcopy(model_or_path.config), ", "_from_config(model_or_path.config, ",
