@@ -18,6 +18,7 @@ For a head of size `d`, query position `i`, key position `j` and `K = max_relati
   `AttentionProblem`: the only place its fields stand in a row.
 """
 
+import contextlib
 import dataclasses
 import enum
 import math
@@ -316,6 +317,12 @@ def _needs_dispatcher(device_types: str | None, *arguments) -> bool:
                    for argument in arguments))
 
 
+def _profiled_as(op: str):
+    """While a profiler runs, a range named as the registered op `op` (what a trace of the dispatcher's route
+    shows, so a profile reads the same on either route); otherwise nothing, at no cost."""
+    return torch.profiler.record_function(op) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
+
+
 def engine_op(engine: Engine, forward: Callable, forward_fake: Callable, backward: Callable, backward_fake: Callable,
               device_types: str | None = None) -> Callable:
     """Register `engine` as the ops `nezha_hf::{engine.op_name}_forward` / `_backward`, with autograd, a fake and a
@@ -381,7 +388,11 @@ def engine_op(engine: Engine, forward: Callable, forward_fake: Callable, backwar
         arguments = (grad_output.transpose(1, 2), *saved[:tensors], *fields, [output.transpose(1, 2), *statistics])
         # The registered op where it is needed: a second derivative asked for (its autograd refuses one), tracing.
         direct = not torch.is_grad_enabled() and not _needs_dispatcher(device_types, *arguments[:-1], *arguments[-1])
-        grads = run_backward(*arguments) if direct else backward_op(*arguments)
+        if direct:
+            with _profiled_as(backward_op.name()):
+                grads = run_backward(*arguments)
+        else:
+            grads = backward_op(*arguments)
         return (*grads, None, *([None] * len(fields)))  # nothing for the table or the problem
 
     class DirectAttention(torch.autograd.Function):
@@ -421,9 +432,10 @@ def engine_op(engine: Engine, forward: Callable, forward_fake: Callable, backwar
         fields = flatten(problem)
         if _needs_dispatcher(device_types, query, key, value, table, *fields):
             return forward_op(query, key, value, table, *fields)[0]
-        if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value, table)):
-            return DirectAttention.apply(problem, query, key, value, table, *fields)[0]
-        return forward(query, key, value, table, problem)[0]
+        with _profiled_as(forward_op.name()):
+            if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value, table)):
+                return DirectAttention.apply(problem, query, key, value, table, *fields)[0]
+            return forward(query, key, value, table, problem)[0]
 
     attention.forward_op, attention.backward_op = forward_op, backward_op
     return attention

@@ -86,3 +86,15 @@ def test_a_second_derivative_is_refused_on_the_direct_route(name):
     (grad,) = torch.autograd.grad(attend(query, key, value, table, problem).pow(2).sum(), query, create_graph=True)
     with pytest.raises(RuntimeError, match="no second derivative"):
         grad.sum().backward()
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_a_profile_names_the_ops_on_the_direct_route(name):
+    """Profiles (the GPU check's, a user's) find an engine's time under its ops' names on either route."""
+    attend = engine(name)
+    query, key, value, table, problem = case()
+    query.requires_grad_()
+    with torch.profiler.profile() as profile:
+        attend(query, key, value, table, problem).sum().backward()
+    names = {event.name for event in profile.events()}
+    assert {attend.forward_op.name(), attend.backward_op.name()} <= names, sorted(names)
