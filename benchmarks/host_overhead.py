@@ -33,6 +33,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import gpu_ops  # noqa: E402
 from benchmarks.machine import describe, results_directory, summary  # noqa: E402
 from nezha_hf import attention_ops, fused_attention, triton_attention  # noqa: E402
 from nezha_hf.attention_ops import AttentionProblem, RelativeAttentionMask, sinusoid_relative_table  # noqa: E402
@@ -66,21 +67,6 @@ def microseconds(routes: dict, calls: int, repeats: int) -> dict:
     return best
 
 
-def steps(attend, inputs, grad_output):
-    """`(forward, training step)` of `attend(query, key, value)`."""
-
-    def forward():
-        with torch.no_grad():
-            attend(*inputs)
-
-    def train():
-        for tensor in inputs:
-            tensor.grad = None
-        attend(*inputs).backward(grad_output)
-
-    return forward, train
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=200)
@@ -98,7 +84,7 @@ def main(argv=None):
     engines, stubs = {}, contextlib.ExitStack()
     if triton_attention.triton_installed():
         engines["triton"] = lambda q, k, v: triton_attention.triton_attention(q, k, v, table, problem)
-        steps(engines["triton"], inputs, grad_output)[1]()  # one real call: the backward's check compiles its kernels
+        gpu_ops.training_step(engines["triton"], inputs, grad_output)()  # one real call: the backward's check compiles
         for name in TRITON_KERNELS:  # put back when measured (a test runs this in its own process)
             stubs.enter_context(mock.patch.object(triton_attention._kernels(), name, NoLaunch()))
     if fused_attention.fused_kernel() is not None:
@@ -106,7 +92,7 @@ def main(argv=None):
     engines["SDPA"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
     routes = {}
     for engine, attend in engines.items():
-        forward, train = steps(attend, inputs, grad_output)
+        forward, train = gpu_ops.forward_step(attend, inputs), gpu_ops.training_step(attend, inputs, grad_output)
         for through_ops in ((False, True) if engine != "SDPA" else (False,)):
             route = engine if engine == "SDPA" else f"{engine}, {'registered ops' if through_ops else 'direct'}"
             routes[(route, "forward")] = (forward, through_ops)
@@ -131,8 +117,10 @@ def main(argv=None):
     output = results_directory(machine) / "host-overhead.md"
     output.write_text("\n".join(lines) + "\n")
     rows = [{"route": route, "case": case, "microseconds": value} for (route, case), value in times.items()]
-    output.with_suffix(".json").write_text(json.dumps({"command": lines[0], "machine": machine, "rows": rows}, indent=1))
+    record = {"command": lines[0], "machine": machine, "rows": rows}
+    output.with_suffix(".json").write_text(json.dumps(record, indent=1))
     print("\n".join(lines), f"\n\nwritten to {output} and its .json", sep="")
+
 
 if __name__ == "__main__":
     main()
