@@ -29,9 +29,12 @@ $(VENV)/.torch:
 	$(PY) -m pip install --quiet torch==2.13.0
 	touch $@
 
-# What the demo needs: the package, the BERT it converts, and ONNX export (the README's chain ends with it).
+# What the demo needs: the package, the BERT it converts, and ONNX export (the README's chain ends with it). An
+# environment made for the tests since pyproject.toml and the constraints last changed has them all (the README's
+# `make demo` test runs while the suite imports from it: no install there then).
 $(VENV)/.demo: pyproject.toml $(CONSTRAINTS) $(VENV)/.torch
-	$(INSTALL) -e ".[demo,onnx]"
+	test $(VENV)/.test -nt pyproject.toml -a $(VENV)/.test -nt $(or $(CONSTRAINTS),pyproject.toml) || \
+	  $(INSTALL) -e ".[demo,onnx]"
 	touch $@
 
 # What the tests need: every extra, and transformers' own common model tests, from its source distribution on
@@ -44,28 +47,45 @@ $(VENV)/.test: pyproject.toml $(CONSTRAINTS) $(VENV)/.torch
 demo: $(VENV)/.demo
 	$(VENV)/bin/nezha-hf demo
 
-test: test-main test-pythons
+# The environments' downloads and installs overlap (two at a time: the main one, and the other Pythons' torch); the
+# editable installs, which write nezha_hf.egg-info here, do not; then the suites, one after the other.
+test:
+	$(MAKE) -j2 $(VENV)/.test $(PYTHONS:%=.venv-%/.torch)
+	$(MAKE) test-main test-pythons
 
 PYTEST = $(1) -m pytest -q -p no:cacheprovider
+# Parallel runs use pytest-xdist workers of one thread each (OMP_NUM_THREADS=1): two workers with two-thread OpenMP
+# teams would wait on each other's preempted threads on two cores.
+XDIST_WORKERS ?= 2
+PARALLEL = OMP_NUM_THREADS=1 $(call PYTEST,$(1)) -n $(XDIST_WORKERS)
 
+# The main suite: the fast set one test at a time with PyTorch's threads, then the slow set (training runs, several
+# processes, exports: mostly waiting on processes of their own) in parallel, a file's tests in one worker.
 test-main: $(VENV)/.test
-	$(call PYTEST,$(PY))
+	$(call PYTEST,$(PY)) -m "not slow"
+	$(call PARALLEL,$(PY)) -m slow --dist loadfile
 
 # The file that alone constrains the environment of Python $(1); /dev/null for none.
 leg_constraints = $(or $(if $(CONSTRAINTS),$(wildcard .ci/constraints-$(1).txt)),/dev/null)
 
 .SECONDEXPANSION:
-.venv-%/.test: pyproject.toml $$(wildcard .ci/constraints-$$*.txt)
+# torch first, on its own (most of the leg's 5 GB): `make test` installs it while the main environment is made.
+.venv-%/.torch: $$(wildcard .ci/constraints-$$*.txt)
 	test -x .venv-$*/bin/python || $(call python_for,$*) -m venv .venv-$*
 	.venv-$*/bin/python -m pip install --quiet --upgrade pip
+	PIP_CONSTRAINT=$(call leg_constraints,$*) .venv-$*/bin/python -m pip install --quiet torch
+	touch $@
+
+.venv-%/.test: pyproject.toml $$(wildcard .ci/constraints-$$*.txt) .venv-%/.torch
 	PIP_CONSTRAINT=$(call leg_constraints,$*) .venv-$*/bin/python -m pip install --quiet -e ".[dev,tf,demo,onnx,triton]"
 	.venv-$*/bin/python tests/fetch_transformers_tests.py
 	touch $@
 
+# The other Pythons' fast set, in parallel (the main suite runs it with PyTorch's threads, one test at a time).
 test-pythons: $(PYTHONS:%=.venv-%/.test)
 	for version in $(PYTHONS); do \
 	  echo "Python $$version: the fast test set"; \
-	  $(call PYTEST,.venv-$$version/bin/python) -m "not slow" || exit 1; \
+	  $(call PARALLEL,.venv-$$version/bin/python) -m "not slow" || exit 1; \
 	done
 
 test-fast: $(VENV)/.test

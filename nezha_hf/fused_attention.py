@@ -20,6 +20,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -160,6 +161,27 @@ def _source_in(directory: Path) -> Path:
     return copy
 
 
+@contextlib.contextmanager
+def _environment_ninja_first():
+    """PATH with this environment's `ninja` (the package's dependency) first while PyTorch builds. PyTorch runs
+    whichever `ninja` PATH finds first, and ninja 1.12 changed how its log records a command: with a system ninja of
+    another version on PATH, a process with the environment activated and one without took each other's builds for
+    changed commands and compiled the kernel again (a minute each time, the build lock held)."""
+    scripts = sysconfig.get_path("scripts")
+    if shutil.which("ninja", path=scripts) is None:
+        yield
+        return
+    path = os.environ.get("PATH")
+    os.environ["PATH"] = scripts + os.pathsep + path if path else scripts
+    try:
+        yield
+    finally:
+        if path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path
+
+
 _loaded = {}  # "kernel": the extension, or None, once loading it was tried
 
 
@@ -216,8 +238,9 @@ def _load_kernel():
             if not (directory / f"{directory.name}.so").is_file():  # a pause of a minute deserves a word
                 logger.warning(f"Compiling NEZHA's attention kernel into {directory}: once per environment, about a "
                                "minute on 2 cores.")
-            return load(name=directory.name, sources=[str(source)], build_directory=str(directory),
-                        extra_cflags=cflags, extra_ldflags=ldflags)
+            with _environment_ninja_first():
+                return load(name=directory.name, sources=[str(source)], build_directory=str(directory),
+                            extra_cflags=cflags, extra_ldflags=ldflags)
     except Timeout:
         reason = (f"another process has been building it for {lock_timeout():.0f} s ({directory / 'nezha_build.lock'}"
                   f" is held; {LOCK_TIMEOUT_VARIABLE} sets the wait)")

@@ -6,6 +6,7 @@ other checkouts and other environments."""
 import dataclasses
 import math
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -262,6 +263,24 @@ def test_loading_a_complete_build_again_warns_of_nothing(fresh_kernel_state, cap
     fused_attention.forget_fused_kernel()
     kernel, warnings = logged_warnings(caplog, fused_attention.fused_kernel)
     assert kernel is not None and warnings == []
+
+
+def test_the_kernel_is_built_by_the_environments_ninja_whatever_path_finds_first(fresh_kernel_state, tmp_path):
+    """PyTorch ran the first `ninja` on PATH: with the environment activated, the package's ninja (1.13); without,
+    a system one (1.11), whose log records commands differently, so each took the other's build for a changed command
+    and compiled the kernel again, a minute each time, others waiting on the lock (the suite's two workers did so
+    every minute). A `ninja` first on PATH that fails is not run: the load uses the environment's."""
+    import sysconfig
+
+    assert shutil.which("ninja", path=sysconfig.get_path("scripts"))  # nezha_hf's dependency, in this environment
+    stranger = tmp_path / "bin" / "ninja"
+    stranger.parent.mkdir()
+    stranger.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'ran'}\nexit 1\n")
+    stranger.chmod(0o755)
+    fresh_kernel_state.setenv("PATH", f"{stranger.parent}{os.pathsep}{os.environ['PATH']}")
+    assert fused_attention.fused_kernel() is not None
+    assert not (tmp_path / "ran").exists()
+    assert os.environ["PATH"].startswith(str(stranger.parent))  # put back
 
 
 def test_another_process_still_building_is_waited_on_for_the_timeout_only(fresh_kernel_state, caplog):
@@ -598,7 +617,6 @@ def test_the_build_name_follows_the_environment_not_the_checkout(monkeypatch, tm
 def test_a_second_checkout_loads_the_built_kernel_without_compiling(tmp_path):
     """A copy of the package elsewhere (another checkout) in a fresh process: the kernel built by this one loads
     from the shared cache, the build folder unchanged (nothing compiled)."""
-    import shutil
     import subprocess
     import sys
 
