@@ -83,6 +83,58 @@ def test_the_kernel_profile_tells_products_from_an_engines_own_passes():
     assert part_of("malloc", "/usr/lib/x86_64-linux-gnu/libc.so.6", nezha) == "rest"
 
 
+class OneBitOff:
+    """A kernel whose forward output differs from the real one's in the lowest bit of one element."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def forward(self, *args):
+        output, lse = self.kernel.forward(*args)
+        output = output.clone()
+        bits = output.view(-1).view(torch.int16 if output.element_size() == 2 else torch.int32)
+        bits[0] ^= 1
+        return output, lse
+
+    def backward(self, *args):
+        return self.kernel.backward(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_kernel_ab_tells_the_same_bits_from_a_bit_off(dtype):
+    """`kernel_ab.py` says whether two kernel versions compute the same bits (a change to how operands are packed must,
+    one to the arithmetic need not); a bit off in one output element is reported."""
+    from benchmarks.kernel_ab import SAME_BITS_CASES, same_bits
+    from nezha_hf import fused_attention
+
+    kernel = fused_attention.fused_kernel()
+    if kernel is None:
+        pytest.skip("the compiled kernel is unavailable here")
+    assert same_bits(kernel, kernel, dtype) == []
+    assert len(same_bits(kernel, OneBitOff(kernel), dtype)) == len(SAME_BITS_CASES)
+
+
+@pytest.mark.slow
+def test_the_kernel_ab_builds_a_revisions_kernel_and_times_it_beside_the_working_trees(capsys, monkeypatch):
+    """Against HEAD: its kernel built under a name of its own, the bits compared, one line of times per length."""
+    import subprocess
+
+    from benchmarks import kernel_ab
+    from nezha_hf import fused_attention
+
+    if fused_attention.fused_kernel() is None:
+        pytest.skip("the compiled kernel is unavailable here")
+    monkeypatch.setattr(sys, "argv", ["kernel_ab.py", "--against", "HEAD", "--lengths", "64", "--seconds", "0.05",
+                                      "--dtype", "float32"])
+    kernel_ab.main()
+    printed = capsys.readouterr().out
+    unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "nezha_hf/csrc/fused_attention.cpp"],
+                               cwd=ROOT).returncode == 0
+    if unchanged:  # as in CI's clean clone: the same source built twice computes the same bits
+        assert "HEAD against the working tree, float32: the same bits in every case checked" in printed
+    assert re.search(r"^64 tokens, \d+ rounds: SDPA [\d.]+ ms \(1\.000x SDPA\), HEAD [\d.]+ ms", printed, re.M)
+
+
 # --- the GPU check's setup: a checkout on PYTHONPATH, never pip-installed -------------------------------------------
 
 

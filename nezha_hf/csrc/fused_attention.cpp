@@ -154,6 +154,35 @@ inline void prefetch(const void* address, int64_t bytes) {
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define NEZHA_AVX512_PACKING 1
+// 16 rows of 16 32-bit words, transposed in registers: rows[i] word w becomes rows[w] word i.
+inline void transpose_16x16_words(__m512i rows[16]) {
+  __m512i columns[16];  // per 128-bit lane: group g's word j, j + 4, j + 8, j + 12 of rows 4g..4g+3, in columns[4g + j]
+  for (int g = 0; g < 4; ++g) {
+    const __m512i* r = rows + 4 * g;
+    const __m512i low01 = _mm512_unpacklo_epi32(r[0], r[1]), high01 = _mm512_unpackhi_epi32(r[0], r[1]);
+    const __m512i low23 = _mm512_unpacklo_epi32(r[2], r[3]), high23 = _mm512_unpackhi_epi32(r[2], r[3]);
+    columns[4 * g] = _mm512_unpacklo_epi64(low01, low23);
+    columns[4 * g + 1] = _mm512_unpackhi_epi64(low01, low23);
+    columns[4 * g + 2] = _mm512_unpacklo_epi64(high01, high23);
+    columns[4 * g + 3] = _mm512_unpackhi_epi64(high01, high23);
+  }
+  for (int j = 0; j < 4; ++j) {  // gather lane l of the four groups: word 4 l + j of every row
+    const __m512i groups01_low = _mm512_shuffle_i32x4(columns[j], columns[4 + j], 0x44);
+    const __m512i groups01_high = _mm512_shuffle_i32x4(columns[j], columns[4 + j], 0xee);
+    const __m512i groups23_low = _mm512_shuffle_i32x4(columns[8 + j], columns[12 + j], 0x44);
+    const __m512i groups23_high = _mm512_shuffle_i32x4(columns[8 + j], columns[12 + j], 0xee);
+    rows[j] = _mm512_shuffle_i32x4(groups01_low, groups23_low, 0x88);
+    rows[4 + j] = _mm512_shuffle_i32x4(groups01_low, groups23_low, 0xdd);
+    rows[8 + j] = _mm512_shuffle_i32x4(groups01_high, groups23_high, 0x88);
+    rows[12 + j] = _mm512_shuffle_i32x4(groups01_high, groups23_high, 0xdd);
+  }
+}
+
+inline __mmask32 first_halves(int64_t count) { return count >= 32 ? ~__mmask32(0) : (__mmask32(1) << count) - 1; }
+#endif
+
 // Packs the B operand [K, N], B[k][n] = source[k * row + n * column], for the block products into `out`: panels of
 // `panel_columns` columns (a multiple of 16 unless one panel holds all N), each `even(K)` rows (zero past K) by `panel_width` columns (zero past N), panel
 // j at `out + j * even(K)`, in the rows-in-pairs layout oneDNN's brgemm reads with AMX tiles and with AVX512-BF16's
@@ -175,7 +204,17 @@ void pack(const T* source, int64_t row, int64_t column, int64_t K, int64_t N, in
         const int64_t stop = std::min(c0 + 16, width);
         for (int64_t c = c0; c < stop; ++c)
           if (j + c + kPrefetchRows < N) prefetch(columns + (c + kPrefetchRows) * column, K * sizeof(T));
-        for (int64_t k = 0; k + 1 < K; k += 2)
+        int64_t k = 0;
+#if NEZHA_AVX512_PACKING
+        if (sizeof(T) == 2 && stop - c0 == 16)  // 16 pairs of each of the 16 rows at a time, transposed in registers
+          for (; k + 32 <= K; k += 32) {
+            __m512i words[16];
+            for (int c = 0; c < 16; ++c) words[c] = _mm512_loadu_si512(columns + (c0 + c) * column + k);
+            transpose_16x16_words(words);
+            for (int w = 0; w < 16; ++w) _mm512_storeu_si512(panel + (k + 2 * w) * padded + 2 * c0, words[w]);
+          }
+#endif
+        for (; k + 1 < K; k += 2)
           for (int64_t c = c0; c < stop; ++c)
             std::memcpy(panel + k * padded + 2 * c, columns + c * column + k, 2 * sizeof(T));
       }
@@ -188,7 +227,24 @@ void pack(const T* source, int64_t row, int64_t column, int64_t K, int64_t N, in
           prefetch(second + kPrefetchRows * row, width * sizeof(T));
         }
         T* pairs = panel + k * padded;
-        for (int64_t c = 0; c < width; ++c) {
+        int64_t c = 0;
+#if NEZHA_AVX512_PACKING
+        if (sizeof(T) == 2 && column == 1)  // 32 columns of both rows at a time, interleaved in registers
+          for (; c < width; c += 32) {
+            // Lane 2 i of `low` is first[c + i], lane 2 i + 1 second[c + i]; `high` the same for c + 16 + i.
+            static const __m512i low_lanes = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                                              39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+            static const __m512i high_lanes = _mm512_add_epi16(low_lanes, _mm512_set1_epi16(16));
+            const int64_t count = std::min<int64_t>(32, width - c);
+            const __m512i a = _mm512_maskz_loadu_epi16(first_halves(count), first + c);
+            const __m512i b = _mm512_maskz_loadu_epi16(first_halves(count), second + c);
+            _mm512_mask_storeu_epi16(pairs + 2 * c, first_halves(2 * count), _mm512_permutex2var_epi16(a, low_lanes, b));
+            if (count > 16)
+              _mm512_mask_storeu_epi16(pairs + 2 * c + 32, first_halves(2 * (count - 16)),
+                                       _mm512_permutex2var_epi16(a, high_lanes, b));
+          }
+#endif
+        for (; c < width; ++c) {
           pairs[2 * c] = first[c * column];
           pairs[2 * c + 1] = second[c * column];
         }
@@ -706,11 +762,14 @@ struct TableOperands {
 
 // Calls with at most this many queries (decoding from a cache) multiply the keys and values where they lie.
 constexpr int64_t kDirectQueries = 16;
-// The keys and values of every head prepared for the forward's products, once per call: float32, K^T [B, H, d, Lk]
-// and the values as they are; reduced precision, the keys packed as panels and the values as blocks (`pack_rows`).
-// A call with few queries (`kDirectQueries`, decoding) prepares nothing: it reads the keys and values row by row
-// where they lie, because preparing them costs a pass over the whole cache (a transposed copy, or packing) for a
-// handful of products.
+// The keys and values prepared for the forward's products: float32, K^T [B, H, d, Lk] once per call and the values
+// as they are; reduced precision, one head's keys packed as panels and values as blocks (`pack_rows`) into a
+// thread's own `HeadPacks`, by that thread, just before its first query block of the head (`pack_head`). Packing
+// every head first, in a pass of its own, cost a second parallel region and left the packed heads to be read back
+// from memory (2 MB a head at 8,192 tokens); query blocks vary fastest in the tasks, so a thread packs each of its
+// heads once (and a head split between two threads twice). A call with few queries (`kDirectQueries`, decoding)
+// prepares nothing: it reads the keys and values row by row where they lie, because preparing them costs a pass over
+// the whole cache (a transposed copy, or packing) for a handful of products.
 template <typename T>
 struct ForwardOperands {
   // The rows of a [B, H, L, d] tensor as they lie (unit stride: `rows_usable`), read once from the tensor: a decoding
@@ -727,33 +786,44 @@ struct ForwardOperands {
     }
   };
 
+  // Reduced precision: one head's keys and values packed, a thread's own (empty for float32 and decoding).
+  struct HeadPacks {
+    Buffer<T> keys, values;
+    int64_t bh = -1;  // the head they hold
+  };
+
   const Problem& p;
   const Rows key_rows, value_rows;
   const bool direct;
-  at::Tensor keys, values;
+  at::Tensor keys;  // float32: K^T
 
   ForwardOperands(const Problem& p, const at::Tensor& key, const at::Tensor& value)
       : p(p), key_rows(key), value_rows(value), direct(p.Lq <= kDirectQueries) {
-    if (direct) return;
-    if constexpr (std::is_same_v<T, float>) {
-      keys = key.transpose(2, 3).contiguous();
-    } else {
-      keys = at::empty({p.B * p.H * panels_size(p.Lk, p.d)}, key.options());
-      values = at::empty({p.B * p.H * blocks_size(p.Lk, p.d)}, value.options());
-      at::parallel_for(0, p.B * p.H, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t bh = begin; bh < end; ++bh) {
-          pack_rows(key_rows(bh, 0), key_rows.row_stride, p.Lk, p.d, p.kv_block,
-                    keys.data_ptr<T>() + bh * panels_size(p.Lk, p.d), static_cast<T*>(nullptr));
-          pack_rows(value_rows(bh, 0), value_rows.row_stride, p.Lk, p.d, p.kv_block, static_cast<T*>(nullptr),
-                    values.data_ptr<T>() + bh * blocks_size(p.Lk, p.d));
-        }
-      });
-    }
+    if constexpr (std::is_same_v<T, float>)
+      if (!direct) keys = key.transpose(2, 3).contiguous();
   }
 
-  // scores[qb, :] = Q[qb, d] K[n : n + kb]^T of head `bh`.
-  void scores(int64_t bh, int64_t qb, const T* queries, int64_t ld_queries, int64_t n, int64_t kb, float* out,
-              int64_t ld_out) const {
+  HeadPacks head_packs() const {
+    HeadPacks packs;
+    if (!std::is_same_v<T, float> && !direct) {
+      packs.keys.resize(panels_size(p.Lk, p.d));
+      packs.values.resize(blocks_size(p.Lk, p.d));
+    }
+    return packs;
+  }
+
+  // Packs head `bh` into `packs` unless they hold it (or nothing is packed here).
+  void pack_head(int64_t bh, HeadPacks& packs) const {
+    if (packs.keys.empty() || packs.bh == bh) return;
+    pack_rows(key_rows(bh, 0), key_rows.row_stride, p.Lk, p.d, p.kv_block, packs.keys.data(), static_cast<T*>(nullptr));
+    pack_rows(value_rows(bh, 0), value_rows.row_stride, p.Lk, p.d, p.kv_block, static_cast<T*>(nullptr),
+              packs.values.data());
+    packs.bh = bh;
+  }
+
+  // scores[qb, :] = Q[qb, d] K[n : n + kb]^T of head `bh` (reduced precision: the head `packs` hold).
+  void scores(int64_t bh, const HeadPacks& packs, int64_t qb, const T* queries, int64_t ld_queries, int64_t n,
+              int64_t kb, float* out, int64_t ld_out) const {
     if (direct) {
       for (int64_t r = 0; r < qb; ++r) {
         const T* q = queries + r * ld_queries;
@@ -769,14 +839,13 @@ struct ForwardOperands {
     } else if constexpr (std::is_same_v<T, float>) {
       gemm(qb, kb, p.d, queries, ld_queries, keys.data_ptr<float>() + bh * p.d * p.Lk + n, p.Lk, out, ld_out, false);
     } else {
-      row_panels(keys.data_ptr<T>() + bh * panels_size(p.Lk, p.d), p.Lk, p.d, p.kv_block)
-          .multiply(qb, queries, ld_queries, n, kb, out, ld_out, false);
+      row_panels(packs.keys.data(), p.Lk, p.d, p.kv_block).multiply(qb, queries, ld_queries, n, kb, out, ld_out, false);
     }
   }
 
-  // acc[qb, :d] += probs[qb, kb] V[n : n + kb] of head `bh`.
-  void weighted_values(int64_t bh, int64_t qb, const T* probs, int64_t ld_probs, int64_t n, int64_t kb, float* acc,
-                       int64_t ld_acc) const {
+  // acc[qb, :d] += probs[qb, kb] V[n : n + kb] of head `bh` (reduced precision: the head `packs` hold).
+  void weighted_values(int64_t bh, const HeadPacks& packs, int64_t qb, const T* probs, int64_t ld_probs, int64_t n,
+                       int64_t kb, float* acc, int64_t ld_acc) const {
     if (direct) {
       for (int64_t r = 0; r < qb; ++r) {
         float* a = acc + r * ld_acc;
@@ -791,8 +860,7 @@ struct ForwardOperands {
     } else if constexpr (std::is_same_v<T, float>) {
       gemm(qb, p.d, kb, probs, ld_probs, value_rows(bh, n), value_rows.row_stride, acc, ld_acc, true);
     } else {
-      row_block(values.data_ptr<T>() + bh * blocks_size(p.Lk, p.d), p.Lk, p.d, p.kv_block, n)
-          .multiply(qb, probs, ld_probs, 0, p.d, acc, ld_acc, true);
+      row_block(packs.values.data(), p.Lk, p.d, p.kv_block, n).multiply(qb, probs, ld_probs, 0, p.d, acc, ld_acc, true);
     }
   }
 };
@@ -821,9 +889,11 @@ void forward_impl(const Problem& p, const at::Tensor& query, const at::Tensor& k
     Buffer<T> probs(reduced ? p.q_block * ld_probs : 0);
     Buffer<T> rounded_bucket(reduced ? p.q_block * even(R) : 0);
     std::vector<uint32_t> row_keys(p.q_block);
+    auto packs = operands.head_packs();
     for (int64_t task = begin; task < end; ++task) {
       if (p.interruption->check()) break;
       const int64_t b = task / (H * num_q_blocks), h = task / num_q_blocks % H, bh = b * H + h;
+      operands.pack_head(bh, packs);
       const int64_t m = task % num_q_blocks * p.q_block, qb = std::min(p.q_block, Lq - m);
       const T* qm = q + b * query.stride(0) + h * query.stride(1) + m * qs;
       table.terms(qb, qm, qs, qt.data());  // q . T[p]
@@ -838,7 +908,7 @@ void forward_impl(const Problem& p, const at::Tensor& query, const at::Tensor& k
       for (int64_t n = 0; n < keys; n += p.kv_block) {
         const int64_t kb = std::min(p.kv_block, keys - n);
         const int64_t ld = reduced ? ld_scores : kb;
-        operands.scores(bh, qb, qm, qs, n, kb, scores.data(), ld);
+        operands.scores(bh, packs, qb, qm, qs, n, kb, scores.data(), ld);
         // The probabilities the value product takes (reduced: their own buffer, as wide as the packed key block).
         const int64_t value_keys = reduced ? std::min(p.kv_block, Lk - n) : kb;
         for (int64_t r = 0; r < qb; ++r) {
@@ -904,7 +974,7 @@ void forward_impl(const Problem& p, const at::Tensor& query, const at::Tensor& k
           row_sum[r] = row_sum[r] * correction + sum;
           row_max[r] = new_max;
         }
-        operands.weighted_values(bh, qb, reduced ? probs.data() : reinterpret_cast<T*>(scores.data()),
+        operands.weighted_values(bh, packs, qb, reduced ? probs.data() : reinterpret_cast<T*>(scores.data()),
                                  reduced ? ld_probs : kb, n, kb, acc.data(), ld_acc);
       }
       table.add_value_term(qb, bucket.data(), rounded_bucket.data(), acc.data(), ld_acc);
