@@ -4,9 +4,10 @@
 
 Builds the kernel source as it is at the git revision `--against` beside the working tree's (the package's own build),
 checks whether the two compute the same bits (forward and backward, a few shapes, masks and block sizes), then times
-one attention layer's forward (batch 1, 12 heads, head size 64, K = 64, `[batch, heads, length, head size]` views
-of `[batch, length, heads, head size]` as the models pass them) round robin: SDPA, the revision's kernel, the working
-tree's, for `--seconds` per length. On a shared machine the times of separate processes swing by more than most
+one attention layer (batch 1, 12 heads, head size 64, K = 64, `[batch, heads, length, head size]` views of `[batch,
+length, heads, head size]` as the models pass them) round robin: SDPA, the revision's kernel, the working tree's, for
+`--seconds` per length. `--pass forward` (the default) times the forward; `--pass training` a forward and its
+backward (SDPA through autograd, the kernels' two calls as the op makes them). On a shared machine the times of separate processes swing by more than most
 changes (docs/performance.md); within one process, round robin, a slow spell hits all three alike. Prints the
 machine, the medians and the ratios to SDPA; writes nothing.
 """
@@ -85,6 +86,7 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--seconds", type=float, default=20.0, help="of round robin per length (default 20)")
+    parser.add_argument("--pass", dest="timed_pass", choices=["forward", "training"], default="forward")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     new = fused_attention.fused_kernel()
@@ -100,13 +102,22 @@ def main():
     for length in args.lengths:
         torch.manual_seed(0)
         query, key, value = (torch.randn(1, length, HEADS, HEAD_SIZE).to(dtype).transpose(1, 2) for _ in range(3))
-        calls = {
-            "SDPA": lambda: torch.nn.functional.scaled_dot_product_attention(query, key, value),
-            args.against: lambda: old.forward(query, key, value, table, problem, 0, 0),
-            "working tree": lambda: new.forward(query, key, value, table, problem, 0, 0),
-        }
+        grad = torch.randn(1, length, HEADS, HEAD_SIZE).to(dtype).transpose(1, 2)
+        leaves = [x.detach().requires_grad_() for x in (query, key, value)]
+
+        def sdpa():
+            if args.timed_pass == "forward":
+                return torch.nn.functional.scaled_dot_product_attention(query, key, value)
+            torch.nn.functional.scaled_dot_product_attention(*leaves).backward(grad)
+
+        def kernel_pass(kernel):
+            output, lse = kernel.forward(query, key, value, table, problem, 0, 0)
+            if args.timed_pass == "training":
+                kernel.backward(grad, query, key, value, output.transpose(1, 2), lse, table, problem, 0, 0)
+
+        calls = {"SDPA": sdpa, args.against: lambda: kernel_pass(old), "working tree": lambda: kernel_pass(new)}
         times = {name: [] for name in calls}
-        with torch.no_grad():
+        with torch.inference_mode(args.timed_pass == "forward"):
             for call in calls.values():  # warm-up
                 call()
             started = time.perf_counter()
@@ -116,7 +127,7 @@ def main():
                     call()
                     times[name].append(time.perf_counter() - start)
         sdpa = statistics.median(times["SDPA"])
-        print(f"{length} tokens, {len(times['SDPA'])} rounds: " + ", ".join(
+        print(f"{length} tokens, {args.timed_pass}, {len(times['SDPA'])} rounds: " + ", ".join(
             f"{name} {1e3 * statistics.median(values):.2f} ms ({statistics.median(values) / sdpa:.3f}x SDPA)"
             for name, values in times.items()))
 

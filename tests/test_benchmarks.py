@@ -116,7 +116,7 @@ def test_the_kernel_ab_tells_the_same_bits_from_a_bit_off(dtype):
 
 @pytest.mark.slow
 def test_the_kernel_ab_builds_a_revisions_kernel_and_times_it_beside_the_working_trees(capsys, monkeypatch):
-    """Against HEAD: its kernel built under a name of its own, the bits compared, one line of times per length."""
+    """Against HEAD: its kernel built under a name of its own, the bits compared, one line of times per length and pass."""
     import subprocess
 
     from benchmarks import kernel_ab
@@ -124,15 +124,18 @@ def test_the_kernel_ab_builds_a_revisions_kernel_and_times_it_beside_the_working
 
     if fused_attention.fused_kernel() is None:
         pytest.skip("the compiled kernel is unavailable here")
-    monkeypatch.setattr(sys, "argv", ["kernel_ab.py", "--against", "HEAD", "--lengths", "64", "--seconds", "0.05",
-                                      "--dtype", "float32"])
-    kernel_ab.main()
+    for timed_pass in ("forward", "training"):
+        monkeypatch.setattr(sys, "argv", ["kernel_ab.py", "--against", "HEAD", "--lengths", "64", "--seconds", "0.05",
+                                          "--dtype", "float32", "--pass", timed_pass])
+        kernel_ab.main()
     printed = capsys.readouterr().out
     unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "nezha_hf/csrc/fused_attention.cpp"],
                                cwd=ROOT).returncode == 0
     if unchanged:  # as in CI's clean clone: the same source built twice computes the same bits
         assert "HEAD against the working tree, float32: the same bits in every case checked" in printed
-    assert re.search(r"^64 tokens, \d+ rounds: SDPA [\d.]+ ms \(1\.000x SDPA\), HEAD [\d.]+ ms", printed, re.M)
+    for timed_pass in ("forward", "training"):
+        assert re.search(rf"^64 tokens, {timed_pass}, \d+ rounds: SDPA [\d.]+ ms \(1\.000x SDPA\), HEAD [\d.]+ ms",
+                         printed, re.M)
 
 
 # --- the GPU check's setup: a checkout on PYTHONPATH, never pip-installed -------------------------------------------
