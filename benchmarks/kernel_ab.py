@@ -17,7 +17,6 @@ import hashlib
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,8 +38,6 @@ SAME_BITS_CASES = [(601, 64, 64, False, (0, 0)), (37, 64, 8, True, (0, 0)), (130
 
 def build_revision(revision: str):
     """The kernel as its source is at `revision`, built under its own name (the hash of that source)."""
-    from torch.utils.cpp_extension import load
-
     relative = fused_attention.KERNEL_SOURCE.relative_to(REPO).as_posix()
     try:
         source = subprocess.run(["git", "show", f"{revision}:{relative}"], cwd=REPO, capture_output=True, check=True).stdout
@@ -49,15 +46,8 @@ def build_revision(revision: str):
     name = f"nezha_hf_kernel_ab_{hashlib.sha1(source).hexdigest()[:12]}"
     directory = fused_attention.build_directory().with_name(name)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / fused_attention.KERNEL_SOURCE.name
-    if not path.is_file() or path.read_bytes() != source:
-        with tempfile.NamedTemporaryFile(dir=directory, delete=False) as staging:
-            staging.write(source)
-        Path(staging.name).replace(path)
-    cflags, ldflags = fused_attention.kernel_flags(fused_attention.compiler_family(fused_attention.compiler()) or "gcc")
-    with fused_attention._environment_ninja_first():
-        return load(name=name, sources=[str(path)], build_directory=str(directory), extra_cflags=cflags,
-                    extra_ldflags=ldflags)
+    family = fused_attention.compiler_family(fused_attention.compiler()) or "gcc"
+    return fused_attention.compile_kernel(directory, source, family)
 
 
 def same_bits(old, new, dtype: torch.dtype) -> list[str]:

@@ -149,16 +149,28 @@ def lock_timeout() -> float:
     return value
 
 
-def _source_in(directory: Path) -> Path:
-    """The kernel source, copied into the build folder (atomically, and only when it differs, so that ninja's
-    record of what it built stays valid)."""
+def _source_in(directory: Path, source: bytes) -> Path:
+    """`source`, the kernel's C++ text, copied into the build folder (atomically, and only when it differs, so that
+    ninja's record of what it built stays valid)."""
     copy = directory / KERNEL_SOURCE.name
-    source = KERNEL_SOURCE.read_bytes()
     if not copy.is_file() or copy.read_bytes() != source:
         staging = directory / f".{KERNEL_SOURCE.name}.{os.getpid()}"
         staging.write_bytes(source)
         os.replace(staging, copy)
     return copy
+
+
+def compile_kernel(directory: Path, source: bytes, family: str):
+    """Builds the kernel's C++ text `source` into `directory` (an existing folder; the module is named after it)
+    with the flags of `kernel_flags(family)` and this environment's ninja, and loads it. `fused_kernel()` calls it
+    under its build lock; `benchmarks/kernel_ab.py` builds another revision's source with it."""
+    from torch.utils.cpp_extension import load
+
+    copy = _source_in(directory, source)
+    cflags, ldflags = kernel_flags(family)
+    with _environment_ninja_first():
+        return load(name=directory.name, sources=[str(copy)], build_directory=str(directory), extra_cflags=cflags,
+                    extra_ldflags=ldflags)
 
 
 @contextlib.contextmanager
@@ -222,10 +234,8 @@ def _load_kernel():
                        f"found, so {WITHOUT_KERNEL}.")
         return None
     from filelock import FileLock, Timeout
-    from torch.utils.cpp_extension import load
 
     directory = build_directory()
-    cflags, ldflags = kernel_flags(family)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         # One build at a time, through a lock the system releases if its holder dies: while it is held, an older
@@ -234,13 +244,10 @@ def _load_kernel():
             if TORCH_WAITS_WHILE_ITS_LOCK_FILE_EXISTS and (directory / "lock").exists():
                 logger.warning(f"Removing {directory / 'lock'}, left by a build that was killed.")
                 (directory / "lock").unlink(missing_ok=True)
-            source = _source_in(directory)
             if not (directory / f"{directory.name}.so").is_file():  # a pause of a minute deserves a word
                 logger.warning(f"Compiling NEZHA's attention kernel into {directory}: once per environment, about a "
                                "minute on 2 cores.")
-            with _environment_ninja_first():
-                return load(name=directory.name, sources=[str(source)], build_directory=str(directory),
-                            extra_cflags=cflags, extra_ldflags=ldflags)
+            return compile_kernel(directory, KERNEL_SOURCE.read_bytes(), family)
     except Timeout:
         reason = (f"another process has been building it for {lock_timeout():.0f} s ({directory / 'nezha_build.lock'}"
                   f" is held; {LOCK_TIMEOUT_VARIABLE} sets the wait)")

@@ -219,6 +219,12 @@ void pack(const T* source, int64_t row, int64_t column, int64_t K, int64_t N, in
             std::memcpy(panel + k * padded + 2 * c, columns + c * column + k, 2 * sizeof(T));
       }
     } else {
+#if NEZHA_AVX512_PACKING
+      // Lane 2 i of `low_lanes` picks first[c + i], lane 2 i + 1 second[c + i]; `high_lanes` the same for c + 16 + i.
+      const __m512i low_lanes = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                                 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+      const __m512i high_lanes = _mm512_add_epi16(low_lanes, _mm512_set1_epi16(16));
+#endif
       for (int64_t k = 0; k + 1 < K; k += 2) {
         const T* first = columns + k * row;
         const T* second = first + row;
@@ -231,10 +237,6 @@ void pack(const T* source, int64_t row, int64_t column, int64_t K, int64_t N, in
 #if NEZHA_AVX512_PACKING
         if (sizeof(T) == 2 && column == 1)  // 32 columns of both rows at a time, interleaved in registers
           for (; c < width; c += 32) {
-            // Lane 2 i of `low` is first[c + i], lane 2 i + 1 second[c + i]; `high` the same for c + 16 + i.
-            static const __m512i low_lanes = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                                              39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-            static const __m512i high_lanes = _mm512_add_epi16(low_lanes, _mm512_set1_epi16(16));
             const int64_t count = std::min<int64_t>(32, width - c);
             const __m512i a = _mm512_maskz_loadu_epi16(first_halves(count), first + c);
             const __m512i b = _mm512_maskz_loadu_epi16(first_halves(count), second + c);
