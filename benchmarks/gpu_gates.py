@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 # Triton 3.9 warns unless told; floating-point contraction (fused multiply-adds) on, as Triton 3.6 on the GPU machine.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -297,8 +298,15 @@ def _configs(module, launch: dict) -> list[dict]:
 
 def compile_launches(launches: list[dict], extra_configs: dict | None = None) -> dict:
     """Every NEZHA launch with each of its tuned configurations (plus `extra_configs[kernel]`, a planted one), and
-    the yardstick with each configuration of the NEZHA kernel it is measured against."""
+    the yardstick with each configuration of the NEZHA kernel it is measured against. Compiled afresh, in a cache of
+    their own: Triton's cache keys kernels by their source, so a cached kernel of another checkout would name that
+    checkout's file in its SASS, and no loop would be told a band's."""
     os.environ.pop("TRITON_INTERPRET", None)
+    with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, TRITON_CACHE_DIR=cache):
+        return _compile_launches(launches, extra_configs)
+
+
+def _compile_launches(launches: list[dict], extra_configs: dict | None) -> dict:
     import triton
 
     modules = {"nezha": _load("nezha_gates_kernels", KERNELS_FILE),
