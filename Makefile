@@ -145,7 +145,7 @@ gpu-prepare:
 # The GPU check rehearsed on this machine: Triton's interpreter, tiny sizes, the wheel installed as on the GPU machine;
 # with one variant (the forward pinned to 2 warps), so that the variants' path runs too.
 gpu-rehearse: $(VENV)/.test gpu-prepare
-	$(PY) benchmarks/gpu_check.py --rehearse --variant 'narrow NEZHA_CHECK_BLOCKS=forward=16x16x2x1'
+	$(PY) benchmarks/gpu_check.py --rehearse --variant 'narrow NEZHA_CHECK_BLOCKS=forward=16x32x2x1'
 
 # The GPU gates (benchmarks/gpu_gates.py, docs/performance.md): NEZHA's Triton kernels compiled for an H100 on this
 # CPU and counted, failing where a gate is missed; the counts go to gpu-gates/gates.json, which the GPU check prints

@@ -246,10 +246,26 @@ def _arguments(query, key, value, table, problem: AttentionProblem, switches: Sw
         Offset=offset if switches.offset_on_device else None, offset=0 if switches.offset_on_device else int(offset),
         **_strides(query, "q", "m"), **_strides(key, "k", "n"), **_strides(value, "v", "n"),
         heads=heads, Lq=queries, Lk=keys, D=size, K=(table.shape[0] - 1) // 2, scale_log2=problem.scaling * LOG2E,
-        seed=int(problem.seed) if dropout > 0 else 0, threshold=math.ceil(dropout * 2**24),
-        keep_scale=1 / (1 - dropout) if dropout < 1 else 0.0,
+        seed=int(problem.seed) if dropout > 0 else 0, **_dropout_draws(dropout),
         LQ_CLASS=kernels.length_class(queries), LK_CLASS=kernels.length_class(keys), **switches.constexprs(kernels),
     )
+
+
+def _dropout_draws(dropout: float) -> dict:
+    """The kernels' `threshold` and `keep_scale` for a dropout rate: a pair is dropped when its 8-bit draw is below
+    `threshold = round(256 p)` (FlashAttention-2's 8-bit draws), so the rate runs as `threshold / 256`, and kept
+    pairs are scaled by `256 / (256 - threshold)` (the expectation stays the output without dropout). A rate that
+    rounds to 0 or 1 but is not one is the next engine's (`TritonKernelFailed`), never dropped silently or wholly."""
+    threshold = math.floor(dropout * 256 + 0.5)
+    if dropout == 0 or dropout == 1:
+        return dict(threshold=threshold, keep_scale=1.0 if dropout == 0 else 0.0)
+    if threshold in (0, 256):
+        raise TritonKernelFailed(f"the Triton kernels draw dropout in steps of 1/256, and a rate of {dropout} rounds to "
+                                 f"{threshold // 256}")
+    if threshold != dropout * 256:
+        logger.warning_once(f"NEZHA attention: the Triton kernels draw dropout in steps of 1/256 (FlashAttention-2's "
+                            f"8-bit draws): a rate of {dropout} runs as {threshold}/256 = {threshold / 256:.4f}.")
+    return dict(threshold=threshold, keep_scale=256 / (256 - threshold))
 
 
 # Tables compared with the sinusoid: (id, dtype) -> (a weak reference to the table, its version, whether it is).

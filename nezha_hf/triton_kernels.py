@@ -32,11 +32,16 @@ right tail, band and left tail tiles) and one per query block for `dQ`, both rec
 decoding step (a block of at most 16 queries) splits its keys over several programs per head (FlashDecoding): each
 writes its partial maximum, sum and output, and `nezha_merge_kernel` merges them by their log-sum-exps.
 
-Dropout: query `i` and key `j` of head `h` (`batch x heads` flattened) are kept when output `j mod 4` of Philox4x32-10,
-keyed by the 64-bit seed, on the 32-bit counter words `(i, j div 4, h, 0)`, shifted right by 8, is at least
-`ceil(p 2^24)` (kept with probability `1 - ceil(p 2^24) / 2^24`, then scaled by `1 / (1 - p)`). One draw serves four
-keys; each counter word stays below 2^32 for any call of fewer than 2^31 queries, keys and heads, so masks never
-repeat within a call. The backward kernels draw the same numbers, so no mask is stored.
+Dropout (FlashAttention-2's rule: Philox4x32 with 7 rounds, 8-bit draws, 16 per call): query `i` and key `j` of head
+`h` (`batch x heads` flattened) are dropped when their byte is below `threshold = round(256 p)` (the rate runs as
+`threshold / 256`; kept pairs are scaled by `256 / (256 - threshold)`, once per output sum). Their byte is byte
+`2 (k mod 2) + e` of output `2 (i div 8 mod 2) + k div 2` of Philox4x32-7, keyed by the 64-bit seed, on the 32-bit
+counter words `(8 (i div 16) + i mod 8, 4 (j div 32) + (j mod 8) div 2, h, 0)`, where `k = (j div 8) mod 4` and
+`e = j mod 2`: one call serves the 16 pairs of queries `i, i + 8` and keys `32a + 2c + {0, 1, 8, 9, 16, 17, 24, 25}`,
+which are the pairs one thread holds of a Hopper product's tile (wgmma's accumulator layout), so that the forward
+and `dQ` draw without exchanging numbers between threads (`dK`, `dV`, whose products are transposed, exchange them
+through shared memory). Each counter word stays below 2^32 for any call of fewer than 2^31 queries, keys and heads,
+so masks never repeat within a call. The backward kernels draw the same numbers, so no mask is stored.
 
 Every product accumulates in float32. float32 inputs multiply in IEEE float32 (`input_precision="ieee"`, never TF32)
 everywhere, the table's too, whatever `torch.backends.cuda.matmul.allow_tf32` says; bfloat16 and float16 inputs
@@ -61,6 +66,7 @@ INTERPRETING = triton.knobs.runtime.interpret  # what Triton decided when it was
 LEFT, BAND, RIGHT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 LN2 = tl.constexpr(0.6931471805599453)  # scores are kept in base 2 (`exp2`), FlashAttention-2's way
 LOG2E = tl.constexpr(1.4426950408889634)
+PHILOX_ROUNDS = tl.constexpr(7)  # dropout's Philox4x32 rounds: FlashAttention-2's (Random123's default is 10)
 
 DECODING_BLOCK_M = 16  # the query block of a decoding step (the smallest `tl.dot` takes)
 STATISTICS_BLOCK_M = 16 if INTERPRETING else 64  # the query block of `nezha_row_statistics_kernel`
@@ -77,7 +83,7 @@ def _config(block_m: int, block_n: int, stages: int = 1, warps: int = 4) -> "tri
 # float32, whose IEEE products run on the CUDA cores, has smaller blocks of its own. Under the interpreter one small
 # block, so that tests cross block edges.
 if INTERPRETING:
-    FORWARD_CONFIGS = KEY_VALUE_GRAD_CONFIGS = QUERY_GRAD_CONFIGS = [_config(16, 16)]
+    FORWARD_CONFIGS = KEY_VALUE_GRAD_CONFIGS = QUERY_GRAD_CONFIGS = [_config(16, 32)]  # dropout's draws: 32 keys
     FLOAT32_CONFIGS = []
 else:
     FLOAT32_CONFIGS = [_config(16, 32, 2, 4), _config(32, 32, 2, 8), _config(32, 16, 2, 4)]
@@ -114,6 +120,8 @@ def _configs_for(configs, named_args, **kwargs):
     calls only the larger blocks."""
     named = {**named_args, **kwargs}  # the launches name their arguments
     own = [config for config in configs if (config in FLOAT32_CONFIGS) == bool(named["IEEE"])] or configs
+    if named["DROPOUT"]:  # `_kept` draws for 16 queries and 32 keys at a time
+        own = [config for config in own if config.kwargs["BLOCK_N"] % 32 == 0]
     fitting = [config for config in own if config.kwargs["BLOCK_M"] <= named["LQ_CLASS"]]
     wide = [config for config in fitting if config.kwargs["BLOCK_M"] > DECODING_BLOCK_M]
     return wide or fitting or own[:1]
@@ -282,15 +290,27 @@ def _scores(q, k, Table, first, K, D: tl.constexpr, offs_d, offs_m, offs_n, offs
 
 
 @triton.jit
+def _byte_pairs(word):
+    """The four bytes of 32-bit words, `[..., e, k]` for byte `2k + e`."""
+    return tl.join(tl.join(word & 0xFF, (word >> 8) & 0xFF), tl.join((word >> 16) & 0xFF, word >> 24))
+
+
+@triton.jit
 def _kept(seed, head, offs_m, n0, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Which pairs of the tile at keys `n0 ...` dropout keeps (the module docstring's rule): one Philox draw per query
-    and four keys, its four outputs for keys `4g .. 4g + 3`."""
-    zeros = tl.zeros([BLOCK_M, BLOCK_N // 4], tl.int32)
-    queries = zeros + offs_m[:, None]
-    groups = zeros + (n0 // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
-    r0, r1, r2, r3 = tl.philox(seed, queries, groups, zeros + head, zeros)
-    random = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK_M, BLOCK_N])  # key 4g + t: output t
-    return (random >> 8).to(tl.int32) >= threshold
+    """Which pairs of the tile at queries `offs_m` and keys `n0 ...` dropout keeps (the module docstring's rule): one
+    Philox call per pair of queries `(i, i + 8)` and 8 keys `32a + 8k + 2c + e` (`k < 4`, `e < 2`), the pairs a
+    thread holds of a Hopper product's tile, so that the draws need no exchange between threads."""
+    pair_of = offs_m // 16 * 8 + offs_m % 8  # query 16u + 8h + v: pair 8u + v
+    pairs = tl.reshape(tl.max(tl.reshape(pair_of, [BLOCK_M // 16, 2, 8]), 1), [BLOCK_M // 2])
+    zeros = tl.zeros([BLOCK_M // 2, BLOCK_N // 8], tl.int32)
+    groups = n0 // 8 + tl.arange(0, BLOCK_N // 8)  # key 32a + 8k + 2c + e: group 4a + c
+    r0, r1, r2, r3 = tl.philox(seed, zeros + pairs[:, None], zeros + groups[None, :], zeros + head, zeros,
+                               PHILOX_ROUNDS)
+    shape: tl.constexpr = [BLOCK_M // 16, 8, BLOCK_N // 32, 4]  # (u, v, a, c)
+    draws = tl.join(tl.join(_byte_pairs(tl.reshape(r0, shape)), _byte_pairs(tl.reshape(r1, shape))),
+                    tl.join(_byte_pairs(tl.reshape(r2, shape)), _byte_pairs(tl.reshape(r3, shape))))
+    draws = tl.permute(draws, (0, 7, 1, 2, 6, 5, 3, 4))  # (u, v, a, c, e, k mod 2, k div 2, h) -> (u, h, v, a, k, e)
+    return tl.reshape(draws, [BLOCK_M, BLOCK_N]).to(tl.int32) >= threshold  # output 2h + k div 2, byte 2(k mod 2) + e
 
 
 @triton.jit
@@ -364,7 +384,7 @@ def _forward_tile(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyVa
                      KIND, HAS_VALID, CAUSAL, HAS_SOURCE, EDGE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     p, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum, key_term, scale_log2)
     if DROPOUT:
-        p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p * keep_scale, 0.0)
+        p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p, 0.0)  # `keep_scale` at the end
     acc = _product_into(acc * rescale[:, None], p.to(OPERAND), v, WIDEN, IEEE)
     if KIND == BAND:
         acc = _add_times_window(acc, p.to(OPERAND), Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
@@ -449,7 +469,7 @@ def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, 
         scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
     p, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum, 0.0, scale_log2)
     if DROPOUT:
-        p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p * keep_scale, 0.0)
+        p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p, 0.0)  # `keep_scale` at the end
     acc = _product_into(acc * rescale[:, None], p.to(OPERAND), v, WIDEN, IEEE)
     left_p = tl.where(left, p, 0.0)
     right_p = tl.where(right, p, 0.0)
@@ -557,6 +577,8 @@ def nezha_forward_kernel(
         offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
         threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     acc += mass[:, None] * last_row[None, :]
+    if DROPOUT:
+        acc *= keep_scale  # dropout's `1 / (1 - p)`, once per output rather than per pair
 
     if SPLIT:
         slot = (head * splits + split).to(tl.int64) * Lq + offs_m
@@ -674,12 +696,14 @@ def _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND: tl.constexpr, DROP
 
 @triton.jit
 def _gradient_of_scores(p, grad_p, keep, row_dot, output_term, keep_scale, DROPOUT: tl.constexpr):
-    """`(P~, dS)` of a tile from its probabilities `p` and `dP` before dropout (both per pair, any orientation;
+    """`(kept, dS)` of a tile from its probabilities `p` and `dP` before dropout (both per pair, any orientation;
     `row_dot` and `output_term` broadcast to them): `dS = P (z (dP + output_term) - D)` for dropout's factor `z`
-    (kept: `1 / (1 - p)`, else 0), `P (dP - D)` without (the output term already in `D`)."""
+    (kept: `keep_scale = 1 / (1 - p)`, else 0), `P (dP - D)` without (the output term already in `D`), and `kept`
+    the probabilities dropout keeps (0 where it drops). With dropout both come without `keep_scale`, which the kernels
+    apply once to the gradients they sum (a multiply per output, not per pair)."""
     if DROPOUT:
-        kept = tl.where(keep, p * keep_scale, 0.0)
-        grad_s = p * (tl.where(keep, (grad_p + output_term) * keep_scale, 0.0) - row_dot)
+        kept = tl.where(keep, p, 0.0)
+        grad_s = p * (tl.where(keep, grad_p + output_term, 0.0) - row_dot / keep_scale)
     else:
         kept = p
         grad_s = p * (grad_p - row_dot)
@@ -881,6 +905,8 @@ def nezha_key_value_grad_kernel(
         IEEE, BLOCK_M, BLOCK_N)
     out = head.to(tl.int64) * Lk * D + offs_n[:, None] * D + offs_d[None, :]
     key_mask = (offs_n < Lk)[:, None] & _columns(offs_d, D)[None, :]
+    if DROPOUT:  # `_gradient_of_scores`: dS and the kept probabilities without dropout's `keep_scale`
+        grad_k, grad_v = grad_k * keep_scale, grad_v * keep_scale
     tl.store(DK + out, (grad_k * scale).to(DK.dtype.element_ty), mask=key_mask)
     tl.store(DV + out, grad_v.to(DV.dtype.element_ty), mask=key_mask)
 
@@ -1067,5 +1093,7 @@ def nezha_query_grad_kernel(
         Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
         keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_q += mass[:, None] * _table_row(Table, 2 * K, D, offs_d)[None, :]
+    if DROPOUT:
+        grad_q *= keep_scale  # `_gradient_of_scores`: dS without dropout's `keep_scale`
     tl.store(DQ + head.to(tl.int64) * Lq * D + offs_m[:, None] * D + offs_d[None, :],
              (grad_q * scale).to(DQ.dtype.element_ty), mask=(offs_m < Lq)[:, None] & _columns(offs_d, D)[None, :])

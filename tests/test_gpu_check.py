@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT))  # the benchmarks are scripts of the repository, n
 from test_benchmarks import triton_unusable, unmeasured_machine  # noqa: E402, F401 - fixtures
 
 GATES_36 = ROOT / "benchmarks" / "results" / "gpu-gates" / "gates.json"
-INTERPRETER_BLOCKS = "16x16, 4 warps, 1 stages"  # the kernels' one configuration under the interpreter
+INTERPRETER_BLOCKS = "16x32, 4 warps, 1 stages"  # the kernels' one configuration under the interpreter
 
 
 @pytest.fixture
@@ -75,15 +75,17 @@ def test_blocks_pinned_by_the_environment_switch_reach_the_autotuner_and_bad_one
     from benchmarks.gpu_ops import CheckFailed
     from nezha_hf import triton_kernels
 
-    assert gpu_attention.pin_blocks("forward=16x16x2x1, dQ=16x16x8x2") == {
-        "forward": "16x16, 2 warps, 1 stages", "dQ": "16x16, 8 warps, 2 stages"}
+    assert gpu_attention.pin_blocks("forward=16x32x2x1, dQ=16x32x8x2") == {
+        "forward": "16x32, 2 warps, 1 stages", "dQ": "16x32, 8 warps, 2 stages"}
     assert [(c.kwargs, c.num_warps, c.num_stages) for c in triton_kernels.nezha_forward_kernel.configs] == [
-        ({"BLOCK_M": 16, "BLOCK_N": 16}, 2, 1)]
+        ({"BLOCK_M": 16, "BLOCK_N": 32}, 2, 1)]
     assert len(triton_kernels.nezha_key_value_grad_kernel.configs) >= 1  # not named: left as tuned
     assert gpu_attention.pin_blocks("") == {} and gpu_attention.pin_blocks(None) == {}
     for text, why in (("forward=16x16", "'forward=16x16' is not KERNEL=MxNxWARPSxSTAGES"),
                       ("backward=16x16x4x1", "'backward' is none of forward, dK/dV, dQ"),
-                      ("forward=16x32x4x1", "the forward's key block 32 does not divide the decoding split's "
+                      ("dQ=16x16x4x1", "'dQ=16x16x4x1': dropout draws for 16 queries and 32 keys at a time, so "
+                                       "blocks are whole multiples of 16 x 32"),
+                      ("forward=16x64x4x1", "the forward's key block 64 does not divide the decoding split's "
                                             f"{triton_kernels.SPLIT_GRANULE} keys")):
         with pytest.raises(CheckFailed) as refused:
             gpu_attention.pin_blocks(text)
@@ -94,11 +96,11 @@ def test_blocks_pinned_by_the_environment_switch_reach_the_autotuner_and_bad_one
 def test_a_pinned_block_is_what_the_timed_row_ran(unmeasured_machine, pinnable, monkeypatch, tmp_path):
     from benchmarks import gpu_attention
 
-    monkeypatch.setenv("NEZHA_CHECK_BLOCKS", "forward=16x16x2x1")
+    monkeypatch.setenv("NEZHA_CHECK_BLOCKS", "forward=16x32x2x1")
     assert gpu_attention.main(["--rehearse", "--dtypes", "bfloat16", "--lengths", "32", "--cache", "0", "--cases",
                                "forward", "--yardstick", "--results", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "gpu-attention.json").read_text())["rows"]
-    assert row["configs"] == {"forward": "16x16, 2 warps, 1 stages"} and row["yardstick_ms"] > 0
+    assert row["configs"] == {"forward": "16x32, 2 warps, 1 stages"} and row["yardstick_ms"] > 0
 
 
 def test_a_variant_is_a_name_and_environment_settings():
@@ -121,20 +123,20 @@ def test_the_gpu_check_runs_each_variant_in_a_fresh_process_and_one_that_fails_a
     monkeypatch.setattr(gpu_check, "CARRIED", tmp_path / "nothing-carried")
     results = tmp_path / "out"
     assert gpu_check.main(["--rehearse", "--only", "variants", "--variant", "bad NEZHA_CHECK_BLOCKS=forward=1x1",
-                           "--variant", "narrow NEZHA_CHECK_BLOCKS=forward=16x16x2x1", "--results", str(results),
+                           "--variant", "narrow NEZHA_CHECK_BLOCKS=forward=16x32x2x1", "--results", str(results),
                            "--gates", str(tmp_path / "no-gates.json")]) == 1
     summary = (results / "summary.md").read_text()
     assert "| variant bad | FAILED (exit 1, " in summary and "| variant narrow | passed (" in summary
     assert "| environment |" not in summary and "| correctness |" not in summary and "| attention op |" not in summary
     assert "Gate counts: none (no-gates.json not found" in summary
     log = (results / "gpu-check.log").read_text()
-    assert "=== variant narrow (NEZHA_CHECK_BLOCKS=forward=16x16x2x1)" in log
+    assert "=== variant narrow (NEZHA_CHECK_BLOCKS=forward=16x32x2x1)" in log
     assert "NEZHA_CHECK_BLOCKS: 'forward=1x1' is not KERNEL=MxNxWARPSxSTAGES" in log
     with tarfile.open(results / "results.tar.gz") as archive:
         assert "gpu-attention-narrow.json" in archive.getnames()
         rows = json.load(archive.extractfile("gpu-attention-narrow.json"))["rows"]
     assert [row["case"] for row in rows] == ["forward", "forward+backward"]
-    assert rows[0]["configs"] == {"forward": "16x16, 2 warps, 1 stages"} and rows[0]["yardstick_ms"] > 0
+    assert rows[0]["configs"] == {"forward": "16x32, 2 warps, 1 stages"} and rows[0]["yardstick_ms"] > 0
     assert "Variant narrow:" in summary
 
 

@@ -131,22 +131,33 @@ def dropout_mask(batch, heads, length, dropout, seed):
     return out != 0, out.double(), probabilities
 
 
-def test_dropout_keeps_one_minus_p_of_the_entries_scaled_by_its_inverse():
-    dropout = 0.3
-    kept, out, probabilities = dropout_mask(2, 2, 40, dropout, seed=11)
-    rate = kept.double().mean().item()
-    draws = kept.numel()
-    assert abs(rate - (1 - dropout)) < 4 * math.sqrt(dropout * (1 - dropout) / draws), rate
-    # Kept entries are scaled by 1 / (1 - p), so the expectation over masks is the output without dropout.
-    torch.testing.assert_close(out[kept], (probabilities / (1 - dropout))[kept], atol=1e-6, rtol=0)
+def test_dropout_keeps_one_minus_p_of_the_entries_scaled_by_its_inverse(caplog):
+    """The rate runs in steps of 1/256 (8-bit draws; said once, in a warning): 0.3 runs as 77/256, and kept entries
+    are scaled by 256/179, so the expectation over masks is the output without dropout."""
+    dropout, steps = 0.3, 77
+    with caplog.at_level("WARNING"):
+        kept, out, probabilities = dropout_mask(2, 2, 40, dropout, seed=11)
+    assert "a rate of 0.3 runs as 77/256" in caplog.text
+    rate, draws = kept.double().mean().item(), kept.numel()
+    assert abs(rate - (1 - steps / 256)) < 4 * math.sqrt(dropout * (1 - dropout) / draws), rate
+    torch.testing.assert_close(out[kept], (probabilities * 256 / (256 - steps))[kept], atol=1e-6, rtol=0)
     other, _, _ = dropout_mask(2, 2, 40, dropout, seed=12)
     assert not torch.equal(kept, other), "two seeds drew the same mask"
+
+
+@pytest.mark.parametrize("dropout", [0.001, 0.999])
+def test_a_dropout_rate_that_rounds_to_none_or_all_is_the_next_engines(dropout):
+    """A rate within half a step (1/512) of 0 or 1, but not 0 or 1, is neither dropped nor run as 0 or 1: the Triton
+    engine hands the call on (`TritonKernelFailed`), so that `relative_attention` gives it to the exact engines."""
+    q, k, v = inputs(1, 1, 8, 8, 8)
+    with pytest.raises(ta.TritonKernelFailed, match="steps of 1/256"):
+        run(q.float(), k.float(), v.float(), 4, dropout=dropout)
 
 
 def test_dropout_backward_redraws_the_forward_mask():
     """The mask read off the kernel's output for a seed, given to the reference, gives the kernel's output and
     gradients for that seed: the backward used the forward's mask."""
-    dropout, seed, length = 0.2, 5, 38  # head size = length (even: the table pairs sin and cos)
+    dropout, seed, length = 0.25, 5, 38  # a whole number of 1/256 steps; head size = length (even: sin and cos)
     kept, _, _ = dropout_mask(1, 2, length, dropout, seed)
     q, k, v = inputs(1, 2, length, length, length, seed=3)
     compare(q, k, v, 4, RelativeAttentionMask(), None, keep=kept.double(), dropout=dropout, seed=seed)
@@ -268,23 +279,25 @@ def test_on_the_cpu_only_by_name_under_the_interpreter(monkeypatch):
 def test_tuning_is_keyed_on_length_classes_and_a_decoding_step_gets_small_blocks(monkeypatch):
     """A decoding loop's key length grows by one per step: keyed on the length itself, the forward would be tuned
     again at every step. A decoding step is tuned over blocks of 16 queries, a long call over the larger blocks, a
-    float32 call over float32's own blocks."""
+    float32 call over float32's own blocks; with dropout, only blocks of whole 32 keys (its draws' groups)."""
     from nezha_hf import triton_kernels as tk
 
     assert [tk.length_class(n) for n in (1, 16, 17, 1000, 1024, 1025)] == [16, 16, 32, 1024, 1024, 2048]
-    float32 = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})
-    monkeypatch.setattr(tk, "FLOAT32_CONFIGS", [float32])
-    configs = [*(triton.Config({"BLOCK_M": block_m, "BLOCK_N": 128}) for block_m in (16, 64, 128)), float32]
+    float32 = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}), triton.Config({"BLOCK_M": 32, "BLOCK_N": 16})]
+    monkeypatch.setattr(tk, "FLOAT32_CONFIGS", float32)
+    configs = [*(triton.Config({"BLOCK_M": block_m, "BLOCK_N": 128}) for block_m in (16, 64, 128)), *float32]
 
-    def tuned(queries, named=True, ieee=False):  # the launches name their arguments: they may come either way
-        arguments = {"LQ_CLASS": queries, "IEEE": ieee}
+    def tuned(queries, named=True, ieee=False, dropout=False):  # the launches name their arguments, or not
+        arguments = {"LQ_CLASS": queries, "IEEE": ieee, "DROPOUT": dropout}
         pruned = tk._configs_for(configs, arguments) if named else tk._configs_for(configs, {}, **arguments)
         return [(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]) for config in pruned]
 
     for named in (True, False):
         assert tuned(16, named) == tuned(32, named) == [(16, 128)]
         assert tuned(64, named) == [(64, 128)] and tuned(4096, named) == [(64, 128), (128, 128)]
-        assert tuned(16, named, ieee=True) == tuned(4096, named, ieee=True) == [(16, 32)]
+        assert tuned(16, named, ieee=True) == [(16, 32)] and tuned(4096, named, ieee=True) == [(32, 16)]
+        assert tuned(4096, named, ieee=True, dropout=True) == [(16, 32)]
+        assert tuned(4096, named, dropout=True) == [(64, 128), (128, 128)]
 
 
 # --- tiles by class, dropout's counters, launches, failures, float32, decoding (issue 47) ---------------------------
@@ -323,15 +336,15 @@ def test_every_tile_class_against_the_reference(kind, K):
     compare(q, k, v, K, mask, allowed, table=table)
 
 
-def philox4x32(key: int, counters):
-    """Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011) in numpy: the four 32-bit
-    outputs for four 32-bit counter words and a 64-bit key (low word first)."""
+def philox4x32(key: int, counters, rounds: int = 10):
+    """Philox4x32 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011) in numpy: the four 32-bit
+    outputs for four 32-bit counter words and a 64-bit key (low word first), after `rounds` rounds."""
     import numpy as np
 
     low = np.uint64(0xFFFFFFFF)
     c0, c1, c2, c3 = (np.asarray(word, dtype=np.uint64) for word in counters)
     k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64(key >> 32)
-    for _ in range(10):
+    for _ in range(rounds):
         product0, product1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
         c0, c1, c2, c3 = ((product1 >> np.uint64(32)) ^ c1 ^ k0, product1 & low,
                           (product0 >> np.uint64(32)) ^ c3 ^ k1, product0 & low)
@@ -339,13 +352,14 @@ def philox4x32(key: int, counters):
     return c0, c1, c2, c3
 
 
-@pytest.mark.parametrize("queries, keys", [(40, 40), (1, 150)], ids=["square", "decoding"])
+@pytest.mark.parametrize("queries, keys", [(40, 70), (1, 150)], ids=["square", "decoding"])
 def test_dropout_keeps_by_philox_on_32_bit_counters(queries, keys):
-    """One Philox draw gives four keys their numbers: query i and key j of head h are kept when output j mod 4 of
-    Philox4x32-10, keyed by the seed, on the counter (i, j div 4, h, 0), shifted right by 8, is at least
-    ceil(p 2^24). Every counter word stays below 2^32 for any realistic size (queries, keys / 4 and batch x heads
-    each under 2^32), so nothing overflows. The mask is read off the kernel's output (one-hot values, a zero table);
-    the decoding call splits its keys over several programs and must draw the same numbers."""
+    """FlashAttention-2's rule, as the kernels' docstring gives it: query i and key j of head h are dropped when byte
+    2 (k mod 2) + e of output 2 (i div 8 mod 2) + k div 2 of Philox4x32-7, keyed by the seed, on the counter
+    (8 (i div 16) + i mod 8, 4 (j div 32) + (j mod 8) div 2, h, 0) is below round(256 p), for k = (j div 8) mod 4 and
+    e = j mod 2. Every counter word stays below 2^32 for any realistic size, so nothing overflows. The mask is read off
+    the kernel's output (one-hot values, a zero table); the decoding call splits its keys over several programs and
+    must draw the same numbers."""
     import numpy as np
 
     batch, heads, dropout, seed = 2, 2, 0.3, (5 << 40) + 12345  # a seed with both 32-bit halves set
@@ -353,10 +367,11 @@ def test_dropout_keeps_by_philox_on_32_bit_counters(queries, keys):
     values = torch.eye(keys).expand(batch, heads, keys, keys).contiguous()
     kept = run(q, k, values, 4, dropout=dropout, seed=seed, table=torch.zeros(9, keys)) != 0
     i, j, head = np.meshgrid(np.arange(queries), np.arange(keys), np.arange(batch * heads), indexing="ij")
-    outputs = philox4x32(seed, (i, j // 4, head, np.zeros_like(i)))
-    chosen = np.choose(j % 4, outputs) >> np.uint64(8)
-    expected = torch.from_numpy(chosen >= math.ceil(dropout * 2**24)).permute(2, 0, 1).reshape(batch, heads, queries,
-                                                                                                 keys)
+    eighth, odd = (j // 8) % 4, j % 2
+    outputs = philox4x32(seed, (8 * (i // 16) + i % 8, 4 * (j // 32) + (j % 8) // 2, head, np.zeros_like(i)), rounds=7)
+    word = np.choose(2 * ((i // 8) % 2) + eighth // 2, outputs)
+    draw = (word >> (8 * (2 * (eighth % 2) + odd)).astype(np.uint64)) & np.uint64(0xFF)
+    expected = torch.from_numpy(draw >= round(256 * dropout)).permute(2, 0, 1).reshape(batch, heads, queries, keys)
     assert torch.equal(kept, expected)
 
 

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from benchmarks.machine import cpu_flags, machine_kind  # noqa: E402
 REPORT = Path(__file__).with_name("last-run.txt")
-IGNORED = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build", "demo-output", "benchmarks")
+IGNORED = shutil.ignore_patterns(".git", ".venv*", "__pycache__", "*.egg-info", "build", "demo-output")
 
 
 def run_tests(copy: Path, tests: list[str], timeout: float, environment: dict) -> tuple[str, str, float]:
