@@ -104,7 +104,7 @@ class Switches:
         offset = torch.zeros((), dtype=torch.int64, device=device) if self.offset_on_device else 0
         mask = RelativeAttentionMask(flags if self.padding else None, self.causal, flags if self.source_keys else None,
                                      offset)
-        dropout = 0.1 if self.dropout else 0.0
+        dropout = 0.125 if self.dropout else 0.0  # a whole number of the kernels' 1/256 steps: no warning of its own
         return AttentionProblem(mask, self.head_size**-0.5, dropout, torch.zeros((), dtype=torch.int64))
 
 
