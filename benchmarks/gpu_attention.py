@@ -66,7 +66,8 @@ PINNING = "NEZHA_CHECK_BLOCKS"  # the environment switch of `pin_blocks`
 def pin_blocks(text: str | None) -> dict[str, str]:
     """Pin NEZHA's autotuned kernels to the configurations `text` names (`NEZHA_CHECK_BLOCKS`, e.g.
     `forward=128x64x8x3,dQ=128x32x8x2`: BLOCK_M x BLOCK_N x warps x stages), for this process; returns them by
-    kernel. A malformed entry, blocks that are not whole multiples of 16 x 32 (`triton_kernels._kept`), or a forward
+    kernel. A malformed entry, blocks that are not whole multiples of dropout's
+    (`triton_kernels.DROPOUT_QUERIES` x `DROPOUT_KEYS`), or a forward
     key block that does not divide the decoding split's granule, raises `CheckFailed` in one line."""
     import triton
 
@@ -81,9 +82,10 @@ def pin_blocks(text: str | None) -> dict[str, str]:
             raise CheckFailed(f"{PINNING}: {entry!r} is not KERNEL=MxNxWARPSxSTAGES") from None
         if name not in KERNELS:
             raise CheckFailed(f"{PINNING}: {name!r} is none of {', '.join(KERNELS)}")
-        if block_n % 32 or block_m % 16:
-            raise CheckFailed(f"{PINNING}: {entry!r}: dropout draws for 16 queries and 32 keys at a time, so blocks "
-                              f"are whole multiples of 16 x 32")
+        queries, keys = triton_kernels.DROPOUT_QUERIES, triton_kernels.DROPOUT_KEYS
+        if block_m % queries or block_n % keys:
+            raise CheckFailed(f"{PINNING}: {entry!r}: dropout draws for {queries} queries and {keys} keys at a time, "
+                              f"so blocks are whole multiples of {queries} x {keys}")
         if name == "forward" and triton_kernels.SPLIT_GRANULE % block_n:
             raise CheckFailed(f"{PINNING}: the forward's key block {block_n} does not divide the decoding split's "
                               f"{triton_kernels.SPLIT_GRANULE} keys")

@@ -69,6 +69,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 PHILOX_ROUNDS = tl.constexpr(7)  # dropout's Philox4x32 rounds: FlashAttention-2's (Random123's default is 10)
 
 DECODING_BLOCK_M = 16  # the query block of a decoding step (the smallest `tl.dot` takes)
+DROPOUT_QUERIES, DROPOUT_KEYS = 16, 32  # a dropout call's blocks are whole multiples of these (`_kept`'s Philox calls)
 STATISTICS_BLOCK_M = 16 if INTERPRETING else 64  # the query block of `nezha_row_statistics_kernel`
 
 
@@ -120,8 +121,9 @@ def _configs_for(configs, named_args, **kwargs):
     calls only the larger blocks."""
     named = {**named_args, **kwargs}  # the launches name their arguments
     own = [config for config in configs if (config in FLOAT32_CONFIGS) == bool(named["IEEE"])] or configs
-    if named["DROPOUT"]:  # `_kept` draws for 16 queries and 32 keys at a time
-        own = [config for config in own if config.kwargs["BLOCK_N"] % 32 == 0]
+    if named["DROPOUT"]:
+        own = [config for config in own
+               if config.kwargs["BLOCK_M"] % DROPOUT_QUERIES == 0 and config.kwargs["BLOCK_N"] % DROPOUT_KEYS == 0]
     fitting = [config for config in own if config.kwargs["BLOCK_M"] <= named["LQ_CLASS"]]
     wide = [config for config in fitting if config.kwargs["BLOCK_M"] > DECODING_BLOCK_M]
     return wide or fitting or own[:1]
