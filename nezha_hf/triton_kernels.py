@@ -675,24 +675,26 @@ def nezha_row_statistics_kernel(Q, DO, O, Table, Sinusoid, Lse, RowLse, RowDot, 
 
 
 @triton.jit
-def _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                      MASK_ROWS: tl.constexpr):
-    """`(lse, row_dot, output_term)` of the queries `offs_m` for a tile class (`nezha_row_statistics_kernel`): +inf
-    and 0 past the queries (masked only where `MASK_ROWS`: a block that may end past the last query); `output_term`
-    is 0 but for a tail's with dropout, when `row_dot` is `D_i` itself."""
-    rows = offs_m < Lq
+def _class_statistics(RowLse, RowDot, head, m0, Lq, KIND: tl.constexpr, DROPOUT: tl.constexpr,
+                      MASK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """`(lse, row_dot, output_term)` of the block of queries at `m0` for a tile class
+    (`nezha_row_statistics_kernel`): +inf and 0 past the queries (masked only where `MASK_ROWS`: a block that may end
+    past the last query); `output_term` is 0 but for a tail's with dropout, when `row_dot` is `D_i` itself. The
+    block's first query moves the (64-bit) base, so that each load's pointers are one base and constant offsets."""
+    block = tl.arange(0, BLOCK_M)
+    rows = m0 + block < Lq
     head_rows = head.to(tl.int64) * 3 * Lq  # a scalar: the loop adds only the queries' offsets
-    lse_of, dot_of = RowLse + head_rows + KIND * Lq, RowDot + head_rows + KIND * Lq
+    lse_of, dot_of = RowLse + head_rows + (KIND * Lq + m0), RowDot + head_rows + (KIND * Lq + m0)
     if MASK_ROWS:
-        lse = tl.load(lse_of + offs_m, mask=rows, other=float("inf"))
-        row_dot = tl.load(dot_of + offs_m, mask=rows, other=0.0)
+        lse = tl.load(lse_of + block, mask=rows, other=float("inf"))
+        row_dot = tl.load(dot_of + block, mask=rows, other=0.0)
     else:
-        lse = tl.load(lse_of + offs_m)
-        row_dot = tl.load(dot_of + offs_m)
+        lse = tl.load(lse_of + block)
+        row_dot = tl.load(dot_of + block)
     output_term = tl.zeros_like(row_dot)
     if DROPOUT and KIND != BAND:
         output_term = row_dot
-        row_dot = tl.load(RowDot + head_rows + BAND * Lq + offs_m, mask=rows, other=0.0)
+        row_dot = tl.load(RowDot + head_rows + (BAND * Lq + m0) + block, mask=rows, other=0.0)
     return lse, row_dot, output_term
 
 
@@ -753,7 +755,7 @@ def _key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTer
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q = _rows(Qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, MASK_ROWS)
         do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, MASK_ROWS)
-        lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT, MASK_ROWS)
+        lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, m0, Lq, KIND, DROPOUT, MASK_ROWS, BLOCK_M)
         scores = _product(k, tl.trans(q), WIDEN, IEEE)
         grad_p = _product(v, tl.trans(do), WIDEN, IEEE)
         if KIND == BAND:
@@ -838,7 +840,7 @@ def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTe
     do = _rows(DOh, offs_m, offs_d, stride_om, stride_od, Lq, D, MASK_ROWS)
     rotated_q = _turned(RotQ, head, offs_m, offs_d, Lq, D, MASK_ROWS)
     rotated_do = _turned(RotDO, head, offs_m, offs_d, Lq, D, MASK_ROWS)
-    lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT, MASK_ROWS)
+    lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, m0, Lq, BAND, DROPOUT, MASK_ROWS, BLOCK_M)
     left_key, right_key, left_out, right_out = _band_terms(RowTerms, head, offs_m, Lq, MASK_ROWS)
     reference = m0 // ROTATION * ROTATION
     sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
@@ -914,34 +916,32 @@ def nezha_key_value_grad_kernel(
 
 
 @triton.jit
-def _query_loop(grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, hi,
-                m0, offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+def _query_tile(grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0,
+                offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
                 scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
                 CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
                 IEEE: tl.constexpr, EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`_query_tiles` over the key blocks `lo .. hi` (`EDGE`: they may end past the last key)."""
+    """The tile of `_query_tiles` at key block `n0`: `(grad_q, mass)` updated (`EDGE`: the block may end past the
+    last key)."""
     OPERAND = Vh.dtype.element_ty
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, EDGE,
-                                  BLOCK_N)
-        first = _window_start(n0, m0, offset, K, BLOCK_M)
-        scores = _scores(q, k, Table, first, K, D, offs_d, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row,
-                         KIND, HAS_VALID, CAUSAL, HAS_SOURCE, EDGE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-        p = tl.exp2(scores * scale_log2 - lse[:, None])
-        grad_p = _product(do, tl.trans(v), WIDEN, IEEE)
-        if KIND == BAND:
-            grad_p += _by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-        keep = None
-        if DROPOUT:
-            keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
-        _, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[:, None], output_term[:, None], keep_scale, DROPOUT)
-        if KIND == BAND:
-            grad_q = _add_times_window(grad_q, grad_s.to(OPERAND), Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M,
-                                       BLOCK_N)
-        else:
-            mass += tl.sum(grad_s, 1)
-        grad_q = _product_into(grad_q, grad_s.to(OPERAND), k, WIDEN, IEEE)
-    return grad_q, mass
+    offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, EDGE, BLOCK_N)
+    first = _window_start(n0, m0, offset, K, BLOCK_M)
+    scores = _scores(q, k, Table, first, K, D, offs_d, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row,
+                     KIND, HAS_VALID, CAUSAL, HAS_SOURCE, EDGE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    p = tl.exp2(scores * scale_log2 - lse[:, None])
+    grad_p = _product(do, tl.trans(v), WIDEN, IEEE)
+    if KIND == BAND:
+        grad_p += _by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+    keep = None
+    if DROPOUT:
+        keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
+    _, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[:, None], output_term[:, None], keep_scale, DROPOUT)
+    if KIND == BAND:
+        grad_q = _add_times_window(grad_q, grad_s.to(OPERAND), Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M,
+                                   BLOCK_N)
+    else:
+        mass += tl.sum(grad_s, 1)
+    return _product_into(grad_q, grad_s.to(OPERAND), k, WIDEN, IEEE), mass
 
 
 @triton.jit
@@ -952,20 +952,27 @@ def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSo
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """`(grad_q, mass)`: `sum_j dS_ij (k_j + T[r])` (unscaled) of a query block over the key blocks `lo .. hi` of one
     class, the band's table part added tile by tile, a tail's gathered in `mass` (for its row) as the forward's value
-    term is. A tail's whole blocks run without a key mask, the one that may end past the last key after them."""
-    lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, offs_m, Lq, KIND, DROPOUT, True)
+    term is. A tail's whole blocks run in a loop without a key mask, the one block that may end past the last key is
+    one masked tile after it (as the forward's, `_forward_tiles`)."""
+    lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, m0, Lq, KIND, DROPOUT, True, BLOCK_M)
     mass = tl.zeros([BLOCK_M], tl.float32)
-    edge = lo
+    edge = hi
     if KIND != BAND:
         edge = tl.maximum(tl.minimum(hi, Lk // BLOCK_N * BLOCK_N), lo)
-        grad_q, mass = _query_loop(
-            grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, edge,
-            m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-            threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
-    return _query_loop(grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row,
-                       edge, hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                       scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
-                       WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
+    for n0 in range(lo, edge, BLOCK_N):
+        grad_q, mass = _query_tile(
+            grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0,
+            offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+            threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, KIND == BAND, BLOCK_M,
+            BLOCK_N)
+    if KIND != BAND:
+        if edge < hi:  # the last block, ending past the last key (`hi - edge < BLOCK_N`)
+            grad_q, mass = _query_tile(
+                grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, edge,
+                m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
+                head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
+                BLOCK_N)
+    return grad_q, mass
 
 
 @triton.jit
@@ -1021,7 +1028,7 @@ def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, 
     mask, the one that may end past the last key after it (as the tails', `_forward_tiles`)."""
     rotated_q = _turned(RotQ, head, offs_m, offs_d, Lq, D, True)
     rotated_do = _turned(RotDO, head, offs_m, offs_d, Lq, D, True)
-    lse, row_dot, _ = _class_statistics(RowLse, RowDot, head, offs_m, Lq, BAND, DROPOUT, True)
+    lse, row_dot, _ = _class_statistics(RowLse, RowDot, head, m0, Lq, BAND, DROPOUT, True, BLOCK_M)
     left_key, right_key, left_out, right_out = _band_terms(RowTerms, head, offs_m, Lq, True)
     reference = m0 // ROTATION * ROTATION
     spread = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
