@@ -28,7 +28,7 @@ for a whole row, is folded into the row's running maximum, and only the block th
 masked, so that a tail tile is a plain FlashAttention-2 tile (`make gpu-gates` compares their instructions). The
 backward is FlashAttention-2's: a kernel of row statistics (the log-sum-exp and `D_i = dO_i . O_i` per tile class, a
 tail's terms folded in), one kernel per key block for `dK`, `dV` computing `S^T = K Q^T` (its query loop runs over
-right tail, band and left tail tiles) and one per query block for `dQ`, both recomputing the probabilities. A
+left tail, band and right tail tiles) and one per query block for `dQ`, both recomputing the probabilities. A
 decoding step (a block of at most 16 queries) splits its keys over several programs per head (FlashDecoding): each
 writes its partial maximum, sum and output, and `nezha_merge_kernel` merges them by their log-sum-exps.
 
@@ -45,7 +45,8 @@ so masks never repeat within a call. The backward kernels draw the same numbers,
 
 Every product accumulates in float32. float32 inputs multiply in IEEE float32 (`input_precision="ieee"`, never TF32)
 everywhere, the table's too, whatever `torch.backends.cuda.matmul.allow_tf32` says; bfloat16 and float16 inputs
-multiply in their type (probabilities and the table rounded to it), tail key terms and masses in float32.
+multiply in their type (probabilities and the table rounded to it), tail key terms and masses in float32 (dQ's tail
+masses sum `dS` rounded to the type, by a product, as its product with the keys takes it: `_add_row_sums`).
 
 Imported only where Triton is installed and a kernel can run (`triton_attention.py` checks).
 """
@@ -71,6 +72,7 @@ PHILOX_ROUNDS = tl.constexpr(7)  # dropout's Philox4x32 rounds: FlashAttention-2
 DECODING_BLOCK_M = 16  # the query block of a decoding step (the smallest `tl.dot` takes)
 DROPOUT_QUERIES, DROPOUT_KEYS = 16, 32  # a dropout call's blocks are whole multiples of these (`_kept`'s Philox calls)
 STATISTICS_BLOCK_M = 16 if INTERPRETING else 64  # the query block of `nezha_row_statistics_kernel`
+MASS_COLUMNS = tl.constexpr(16)  # the columns of dQ's tail masses (`_add_row_sums`): the narrowest product
 
 
 def _config(block_m: int, block_n: int, stages: int = 1, warps: int = 4) -> "triton.Config":
@@ -869,7 +871,7 @@ def nezha_key_value_grad_kernel(
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One block of keys of one head: `dK = scale sum_i dS_ij q_i` and `dV = sum_i P~_ij dO_i` (`[batch, heads, keys,
-    d]` contiguous), over the query blocks that see any of its keys: right tail, band, then left tail tiles
+    d]` contiguous), over the query blocks that see any of its keys: left tail, band, then right tail tiles
     (`_program` numbers the programs). `ROTATE`: the band by rotation, as the forward's (`_rotated_key_value_tile`)."""
     block, head, b, h, offset = _program(tl.cdiv(Lk, BLOCK_N), heads, Offset, offset, OFFSET_IN_MEMORY)
     n0 = block * BLOCK_N
@@ -892,10 +894,12 @@ def nezha_key_value_grad_kernel(
 
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    # The classes' order is only the sums' order; left tail first compiles to fewer instructions in 5 of the 6 tuned
+    # (configuration, dropout) kernels, ptxas's register choices (docs/performance.md).
     grad_k, grad_v = _key_value_tiles(
         grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
-        key_row, lo, right_hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
-        scale_log2, seed, head, threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
+        key_row, left_lo, hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
+        scale_log2, seed, head, threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
         IEEE, BLOCK_M, BLOCK_N)
     grad_k, grad_v = _key_value_tiles(
         grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
@@ -904,8 +908,8 @@ def nezha_key_value_grad_kernel(
         WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_k, grad_v = _key_value_tiles(
         grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
-        key_row, left_lo, hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
-        scale_log2, seed, head, threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
+        key_row, lo, right_hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
+        scale_log2, seed, head, threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
         IEEE, BLOCK_M, BLOCK_N)
     out = head.to(tl.int64) * Lk * D + offs_n[:, None] * D + offs_d[None, :]
     key_mask = (offs_n < Lk)[:, None] & _columns(offs_d, D)[None, :]
@@ -913,6 +917,19 @@ def nezha_key_value_grad_kernel(
         grad_k, grad_v = grad_k * keep_scale, grad_v * keep_scale
     tl.store(DK + out, (grad_k * scale).to(DK.dtype.element_ty), mask=key_mask)
     tl.store(DV + out, grad_v.to(DV.dtype.element_ty), mask=key_mask)
+
+
+@triton.jit
+def _add_row_sums(sums, x, WIDEN: tl.constexpr, IEEE: tl.constexpr):
+    """`sums` (`[rows, MASS_COLUMNS]` float32) plus the row sums of `x` (`[rows, n]`, in the products' operand type)
+    in its column 0, the others staying 0. bfloat16 and float16 sum as a product with a column of ones: a small wgmma
+    per tile instead of a sum across each row's threads (a multiply-add per pair and the shuffles), `x` rounded as
+    the product with the keys takes it. float32, whose IEEE products run on the CUDA cores, by the sum itself."""
+    first = tl.arange(0, MASS_COLUMNS)[None, :] == 0
+    if IEEE:
+        return sums + tl.where(first, tl.sum(x, 1)[:, None], 0.0)
+    ones = tl.where(first, 1.0, 0.0) + tl.zeros([x.shape[1], MASS_COLUMNS], tl.float32)
+    return _product_into(sums, x, ones.to(x.dtype), WIDEN, IEEE)
 
 
 @triton.jit
@@ -940,7 +957,7 @@ def _query_tile(grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, K
         grad_q = _add_times_window(grad_q, grad_s.to(OPERAND), Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M,
                                    BLOCK_N)
     else:
-        mass += tl.sum(grad_s, 1)
+        mass = _add_row_sums(mass, grad_s.to(OPERAND), WIDEN, IEEE)
     return _product_into(grad_q, grad_s.to(OPERAND), k, WIDEN, IEEE), mass
 
 
@@ -955,7 +972,7 @@ def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSo
     term is. A tail's whole blocks run in a loop without a key mask, the one block that may end past the last key is
     one masked tile after it (as the forward's, `_forward_tiles`)."""
     lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, m0, Lq, KIND, DROPOUT, True, BLOCK_M)
-    mass = tl.zeros([BLOCK_M], tl.float32)
+    mass = tl.zeros([BLOCK_M, MASS_COLUMNS], tl.float32)
     edge = hi
     if KIND != BAND:
         edge = tl.maximum(tl.minimum(hi, Lk // BLOCK_N * BLOCK_N), lo)
@@ -972,7 +989,7 @@ def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSo
                 m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
                 head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
                 BLOCK_N)
-    return grad_q, mass
+    return grad_q, tl.sum(mass, 1)
 
 
 @triton.jit

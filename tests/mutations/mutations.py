@@ -357,6 +357,8 @@ MUTATIONS = [
     Mutation("triton: the backward reads each query's log-sum-exp from the next query", "nezha_hf/triton_kernels.py",
              "lse_of, dot_of = RowLse + head_rows + (KIND * Lq + m0),",
              "lse_of, dot_of = RowLse + head_rows + (KIND * Lq + m0 + 1),", TRITON_TESTS),
+    Mutation("triton: dQ's tail masses are summed into every column of their product", "nezha_hf/triton_kernels.py",
+             "ones = tl.where(first, 1.0, 0.0)", "ones = tl.where(first, 1.0, 1.0)", TRITON_TESTS),
     Mutation("triton: the rotated query-gradient band draws dropout for another head", "nezha_hf/triton_kernels.py",
              "        keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)\n    grad_s =",
              "        keep = _kept(seed, head + 1, offs_m, n0, threshold, BLOCK_M, BLOCK_N)\n    grad_s =", TRITON_TESTS),
