@@ -18,7 +18,9 @@ and a probability adds `p_ij T[r]` to the output. A (query block, key block) til
   `E[t]` turned by the angle `s w`, so with `s = i - m0` and `t = j - offset - m0 + K` a pair's key term is
   `q~_i . E[t_j]`, `q~` the block's queries turned once, pairwise, by `s w`, and the value term is `sum_j p_ij
   E[t_j]` turned back once after the band: one more product each way per tile, clipped pairs (`|j - i| >= K`) taking
-  the tails' rows (`_rotated_band`; three_regions.py uses the same identity on the CPU).
+  the tails' rows (`_rotated_band`; three_regions.py uses the same identity on the CPU). `K` is a compile-time
+  constant: where `2K > BLOCK_M + BLOCK_N - 2`, a tile's distances span less than `2K`, so a band tile holds clipped
+  pairs of one side only, told by one compare per pair (`_clipped_pairs`; the forward's and `dQ`'s tiles).
 
 The key loop of a query block runs over the left tail tiles, the band tiles and the right tail tiles in three loops
 (FlashAttention-2's stages, a constexpr class each), from the first key block any query of the block sees to the
@@ -444,6 +446,45 @@ def _sinusoid_rows(Sinusoid, rows, D, offs_d):
 
 
 @triton.jit
+def _reaches_right(n0, m0, offset, K, BLOCK_N: tl.constexpr):
+    """Whether the band tile at query block `m0`, key block `n0` reaches the right of the band: its largest distance
+    `j - i` is `K` or more (`_clipped`)."""
+    return n0 - offset - m0 + BLOCK_N - 1 >= K
+
+
+@triton.jit
+def _clipped_pairs(distance, right_side, K):
+    """The clipped pairs of a band tile that holds those of one side only (`ONE_SIDED`: `2K > BLOCK_M + BLOCK_N - 2`,
+    so that a tile's distances `j - i` span less than `2K`): `j - i >= K` if it reaches the right of the band
+    (`right_side`, `_reaches_right`), else `j - i <= -K`. One compare per pair, one predicate held, where both sides
+    take two."""
+    return tl.where(right_side, distance, -distance) >= K
+
+
+@triton.jit
+def _clipped(term, distance, left_row, right_row, clip, right_side, K, ONE_SIDED: tl.constexpr):
+    """A rotated band tile's table term with its clipped pairs' replaced (`distance = j - i`): the row's `left_row`
+    (`x_i . T[0]`) where `j - i <= -K`, `right_row` where `j - i >= K`; where `ONE_SIDED`, the pairs `clip` of the
+    side `right_side` (`_clipped_pairs`)."""
+    if ONE_SIDED:
+        return tl.where(clip, tl.where(right_side, right_row, left_row), term)
+    return tl.where(distance >= K, right_row, tl.where(distance <= -K, left_row, term))
+
+
+@triton.jit
+def _split_clipped(x, distance, clip, right_side, K, ONE_SIDED: tl.constexpr):
+    """`(inside, left, right)` of a rotated band tile's per-pair `x` (`[BLOCK_M, BLOCK_N]`): `x` with its clipped pairs
+    zeroed, and the row sums of `x` over the pairs clipped left (`j - i <= -K`) and right (`j - i >= K`); where
+    `ONE_SIDED`, the pairs `clip` of the side `right_side`."""
+    if ONE_SIDED:
+        clipped = tl.where(clip, x, 0.0)
+        total = tl.sum(clipped, 1)
+        return x - clipped, tl.where(right_side, 0.0, total), tl.where(right_side, total, 0.0)
+    left, right = tl.where(distance <= -K, x, 0.0), tl.where(distance >= K, x, 0.0)
+    return x - left - right, tl.sum(left, 1), tl.sum(right, 1)
+
+
+@triton.jit
 def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, rotated, left_raw, right_raw, Kh, Vh,
                        Sinusoid, KeyValid, KeyIsSource, key_row, n0, m0, offs_m, offset, Lk, K, D: tl.constexpr,
                        offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
@@ -461,9 +502,13 @@ def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, 
     sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - m0 + K, 0), 2 * K + BLOCK_M - 1), D,
                               offs_d)
     distance = offs_n[None, :] - (offset + offs_m)[:, None]
-    left, right = distance <= -K, distance >= K
-    term = _product(rotated, tl.trans(sinusoid), WIDEN, IEEE)
-    term = tl.where(right, right_raw[:, None], tl.where(left, left_raw[:, None], term))
+    right_side = _reaches_right(n0, m0, offset, K, BLOCK_N)
+    ONE_SIDED: tl.constexpr = 2 * K > BLOCK_M + BLOCK_N - 2
+    clip = None
+    if ONE_SIDED:
+        clip = _clipped_pairs(distance, right_side, K)
+    term = _clipped(_product(rotated, tl.trans(sinusoid), WIDEN, IEEE), distance, left_raw[:, None],
+                    right_raw[:, None], clip, right_side, K, ONE_SIDED)
     scores = _product_into(term, q, tl.trans(k), WIDEN, IEEE)
     if HAS_VALID or CAUSAL:
         visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
@@ -475,11 +520,10 @@ def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, 
     if DROPOUT:
         p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p, 0.0)  # `keep_scale` at the end
     acc = _product_into(acc * rescale[:, None], p.to(OPERAND), v, WIDEN, IEEE)
-    left_p = tl.where(left, p, 0.0)
-    right_p = tl.where(right, p, 0.0)
-    spread = _product_into(spread * rescale[:, None], (p - left_p - right_p).to(OPERAND), sinusoid, WIDEN, IEEE)
-    left_mass = left_mass * rescale + tl.sum(left_p, 1)
-    right_mass = right_mass * rescale + tl.sum(right_p, 1)
+    inside, left, right = _split_clipped(p, distance, clip, right_side, K, ONE_SIDED)
+    spread = _product_into(spread * rescale[:, None], inside.to(OPERAND), sinusoid, WIDEN, IEEE)
+    left_mass = left_mass * rescale + left
+    right_mass = right_mass * rescale + right
     return acc, spread, left_mass, right_mass, row_max, row_sum
 
 
@@ -528,8 +572,8 @@ def nezha_forward_kernel(
     Q, Kx, V, Table, Sinusoid, Out, Lse, Partial, PartialStats, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D: tl.constexpr, K, offset, scale_log2, seed, threshold, keep_scale, splits, key_chunk, LQ_CLASS,
-    LK_CLASS,
+    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale_log2, seed, threshold, keep_scale, splits,
+    key_chunk, LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, SPLIT: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -628,8 +672,8 @@ def nezha_merge_kernel(Partial, PartialStats, Out, Lse, stride_ob, stride_oh, st
 @triton.jit
 def nezha_row_statistics_kernel(Q, DO, O, Table, Sinusoid, Lse, RowLse, RowDot, RowTerms, RotQ, RotDO, stride_qb,
                                 stride_qh, stride_qm, stride_qd, stride_ob, stride_oh, stride_om, stride_od, stride_yb,
-                                stride_yh, stride_ym, stride_yd, heads, Lq, D: tl.constexpr, K, scale_log2,
-                                DROPOUT: tl.constexpr, ROTATE: tl.constexpr, BLOCK_D: tl.constexpr,
+                                stride_yh, stride_ym, stride_yd, heads, Lq, D: tl.constexpr, K: tl.constexpr,
+                                scale_log2, DROPOUT: tl.constexpr, ROTATE: tl.constexpr, BLOCK_D: tl.constexpr,
                                 BLOCK_M: tl.constexpr):
     """The backward's statistics of one block of queries of one head, one row per tile class (`[heads, 3, Lq]`
     float32, the class's index): `RowLse`, the forward's log-sum-exp in base 2 (+inf for a row that saw nothing, so
@@ -819,13 +863,6 @@ def _turned(Turned, head, offs_m, offs_d, Lq, D: tl.constexpr, MASK_ROWS: tl.con
 
 
 @triton.jit
-def _clipped(term, distance, left_row, right_row, K):
-    """A rotated band tile's table term with its clipped pairs' replaced (`distance = j - i`): the row's `left_row`
-    (`x_i . T[0]`) where `j - i <= -K`, `right_row` where `j - i >= K`."""
-    return tl.where(distance >= K, right_row, tl.where(distance <= -K, left_row, term))
-
-
-@triton.jit
 def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
                             KeyIsSource, key_row, m0, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d,
                             stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, keep_scale,
@@ -849,9 +886,11 @@ def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTe
                                                    2 * K + ROTATION - 1), D, offs_d)
     distance = (offs_n - offset)[:, None] - offs_m[None, :]
     scores = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_q), WIDEN, IEEE), distance,
-                                    left_key[None, :], right_key[None, :], K), k, tl.trans(q), WIDEN, IEEE)
+                                    left_key[None, :], right_key[None, :], None, None, K, False), k, tl.trans(q),
+                           WIDEN, IEEE)
     grad_p = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_do), WIDEN, IEEE), distance,
-                                    left_out[None, :], right_out[None, :], K), v, tl.trans(do), WIDEN, IEEE)
+                                    left_out[None, :], right_out[None, :], None, None, K, False), v, tl.trans(do),
+                           WIDEN, IEEE)
     return _key_value_products(grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, offs_n, n0,
                                offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold,
                                keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M,
@@ -865,7 +904,8 @@ def nezha_key_value_grad_kernel(
     Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D: tl.constexpr, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
+    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS,
+    LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -995,7 +1035,7 @@ def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSo
 @triton.jit
 def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q, rotated_do, lse, row_dot, left_key,
                         right_key, left_out, right_out, reference, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, n0,
-                        offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                        m0, offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
                         scale_log2, seed, head, threshold, keep_scale, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
                         HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
                         EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -1006,9 +1046,14 @@ def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q,
     sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
                                                    2 * K + ROTATION - 1), D, offs_d)
     distance = (offs_n - offset)[None, :] - offs_m[:, None]
-    left, right = distance <= -K, distance >= K
+    right_side = _reaches_right(n0, m0, offset, K, BLOCK_N)
+    ONE_SIDED: tl.constexpr = 2 * K > BLOCK_M + BLOCK_N - 2
+    clip = None
+    if ONE_SIDED:
+        clip = _clipped_pairs(distance, right_side, K)
     scores = _product_into(_clipped(_product(rotated_q, tl.trans(sinusoid), WIDEN, IEEE), distance,
-                                    left_key[:, None], right_key[:, None], K), q, tl.trans(k), WIDEN, IEEE)
+                                    left_key[:, None], right_key[:, None], clip, right_side, K, ONE_SIDED), q,
+                           tl.trans(k), WIDEN, IEEE)
     if HAS_VALID or CAUSAL:
         visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
                            HAS_SOURCE, EDGE)
@@ -1017,16 +1062,16 @@ def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q,
         scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
     p = tl.exp2(scores * scale_log2 - lse[:, None])
     grad_p = _product_into(_clipped(_product(rotated_do, tl.trans(sinusoid), WIDEN, IEEE), distance,
-                                    left_out[:, None], right_out[:, None], K), do, tl.trans(v), WIDEN, IEEE)
+                                    left_out[:, None], right_out[:, None], clip, right_side, K, ONE_SIDED), do,
+                           tl.trans(v), WIDEN, IEEE)
     keep = None
     if DROPOUT:
         keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
     grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[:, None], 0.0, keep_scale, DROPOUT)[1]
-    left_s = tl.where(left, grad_s, 0.0)
-    right_s = tl.where(right, grad_s, 0.0)
-    spread = _product_into(spread, (grad_s - left_s - right_s).to(OPERAND), sinusoid, WIDEN, IEEE)
+    inside, left, right = _split_clipped(grad_s, distance, clip, right_side, K, ONE_SIDED)
+    spread = _product_into(spread, inside.to(OPERAND), sinusoid, WIDEN, IEEE)
     grad_q = _product_into(grad_q, grad_s.to(OPERAND), k, WIDEN, IEEE)
-    return grad_q, spread, left_mass + tl.sum(left_s, 1), right_mass + tl.sum(right_s, 1)
+    return grad_q, spread, left_mass + left, right_mass + right
 
 
 @triton.jit
@@ -1055,13 +1100,13 @@ def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, 
     for n0 in range(lo, edge, BLOCK_N):
         grad_q, spread, left_mass, right_mass = _rotated_query_tile(
             grad_q, spread, left_mass, right_mass, q, do, rotated_q, rotated_do, lse, row_dot, left_key, right_key,
-            left_out, right_out, reference, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, n0, offs_m, offset, Lk,
-            K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold, keep_scale,
-            HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
+            left_out, right_out, reference, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, n0, m0, offs_m, offset,
+            Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
+            keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
     if edge < hi:  # the last block, ending past the last key (`hi - edge < BLOCK_N`)
         grad_q, spread, left_mass, right_mass = _rotated_query_tile(
             grad_q, spread, left_mass, right_mass, q, do, rotated_q, rotated_do, lse, row_dot, left_key, right_key,
-            left_out, right_out, reference, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, edge, offs_m, offset,
+            left_out, right_out, reference, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, edge, m0, offs_m, offset,
             Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
             keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
     angles = _sinusoid_rows(Sinusoid, offs_m % ROTATION, D, offs_d).to(tl.float32)
@@ -1076,7 +1121,8 @@ def nezha_query_grad_kernel(
     Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D: tl.constexpr, K, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS, LK_CLASS,
+    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS,
+    LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

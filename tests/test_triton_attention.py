@@ -730,22 +730,30 @@ def test_band_by_rotation_matches_the_formula(queries, keys, K, dtype, atol, mon
         assert rotate and all(rotate)
 
 
+# The interpreter's blocks are 16 x 32: with K = 6 a band tile holds pairs clipped on both sides, with K = 30 (2K more
+# than 16 + 32 - 2) on one side only, which the kernels take with one compare per pair (`_clipped_pairs`).
+ROTATED_BANDS = pytest.mark.parametrize("K, length", [(6, 45), (30, 110)], ids=["both-sides", "one-side"])
+
+
+@ROTATED_BANDS
 @pytest.mark.parametrize("mask_kind", ["none", "unilm-prefix"])
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
-def test_backward_band_by_rotation_matches_the_window(mask_kind, dropout, monkeypatch):
+def test_backward_band_by_rotation_matches_the_window(mask_kind, dropout, K, length, monkeypatch):
     """The backward's band by rotation (dQ's and dK/dV's tiles: queries and output gradients turned pairwise, dQ's
     table term turned back) gives the gradients the table's window gives (forced for the second call), with dropout
-    (the same pairs dropped), a ragged last block and pairs clipped inside band tiles (K = 6 below the block)."""
+    (the same pairs dropped), a ragged last block and pairs clipped inside band tiles, on both sides of a tile
+    (K = 6 below the block) or on one (`ROTATED_BANDS`)."""
     from nezha_hf import triton_kernels as tk
 
     backward = [forward_launches(monkeypatch, kernel) for kernel in BACKWARD_KERNELS]
-    q, k, v, grad = (t.to(torch.float16) for t in [*inputs(1, 2, 45, 45, 16, seed=7), inputs(1, 2, 45, 1, 16, 8)[0]])
-    valid = torch.ones(1, 45, dtype=torch.bool)
-    valid[0, 40:] = False
-    source = torch.zeros(1, 45, dtype=torch.bool)
+    q, k, v, grad = (t.to(torch.float16) for t in [*inputs(1, 2, length, length, 16, seed=7),
+                                                   inputs(1, 2, length, 1, 16, 8)[0]])
+    valid = torch.ones(1, length, dtype=torch.bool)
+    valid[0, length - 5:] = False
+    source = torch.zeros(1, length, dtype=torch.bool)
     source[0, :12] = True
     mask, _ = MASKS[mask_kind](valid, source)
-    table = ra.sinusoid_relative_table(6, 16).to(torch.float16)
+    table = ra.sinusoid_relative_table(K, 16).to(torch.float16)
     problem = AttentionProblem(mask, 16**-0.5, dropout, torch.tensor(11))
     output, lse = ta.triton_forward(q, k, v, table, problem)
     rotated = ta.triton_backward(grad, q, k, v, table, problem, output.transpose(1, 2), lse)
@@ -760,12 +768,13 @@ def test_backward_band_by_rotation_matches_the_window(mask_kind, dropout, monkey
                                    msg=lambda text, name=name: f"d{name}: {text}")
 
 
-def test_band_by_rotation_with_dropout_keeps_the_windows_mask(monkeypatch):
-    """With dropout, the rotated band drops the same pairs the table's window does: the two paths agree (the table's
-    window forced for the second call)."""
+@ROTATED_BANDS
+def test_band_by_rotation_with_dropout_keeps_the_windows_mask(K, length, monkeypatch):
+    """With dropout, the rotated band drops the same pairs the table's window does, and takes the same clipped pairs
+    on both sides of a tile or one: the two paths agree (the table's window forced for the second call)."""
     launches = forward_launches(monkeypatch)
-    q, k, v = (t.to(torch.float16) for t in inputs(1, 2, 40, 40, 16, seed=5))
-    table = ra.sinusoid_relative_table(6, 16).to(torch.float16)
+    q, k, v = (t.to(torch.float16) for t in inputs(1, 2, length, length, 16, seed=5))
+    table = ra.sinusoid_relative_table(K, 16).to(torch.float16)
     problem = AttentionProblem(RelativeAttentionMask(), 16**-0.5, 0.3, torch.tensor(11))
     rotated, _ = ta.triton_forward(q, k, v, table, problem)
     monkeypatch.setattr(ta, "_rotation", lambda *args: dict(ROTATE=False, Sinusoid=None))
