@@ -20,7 +20,7 @@ and a probability adds `p_ij T[r]` to the output. A (query block, key block) til
   E[t_j]` turned back once after the band: one more product each way per tile, clipped pairs (`|j - i| >= K`) taking
   the tails' rows (`_rotated_band`; three_regions.py uses the same identity on the CPU). `K` is a compile-time
   constant: where `2K > BLOCK_M + BLOCK_N - 2`, a tile's distances span less than `2K`, so a band tile holds clipped
-  pairs of one side only, told by one compare per pair (`_clipped_pairs`; the forward's and `dQ`'s tiles).
+  pairs of one side only, told by one compare per pair (`_one_sided_clip`; the forward's and `dQ`'s tiles).
 
 The key loop of a query block runs over the left tail tiles, the band tiles and the right tail tiles in three loops
 (FlashAttention-2's stages, a constexpr class each), from the first key block any query of the block sees to the
@@ -446,26 +446,21 @@ def _sinusoid_rows(Sinusoid, rows, D, offs_d):
 
 
 @triton.jit
-def _reaches_right(n0, m0, offset, K, BLOCK_N: tl.constexpr):
-    """Whether the band tile at query block `m0`, key block `n0` reaches the right of the band: its largest distance
-    `j - i` is `K` or more (`_clipped`)."""
-    return n0 - offset - m0 + BLOCK_N - 1 >= K
-
-
-@triton.jit
-def _clipped_pairs(distance, right_side, K):
-    """The clipped pairs of a band tile that holds those of one side only (`ONE_SIDED`: `2K > BLOCK_M + BLOCK_N - 2`,
-    so that a tile's distances `j - i` span less than `2K`): `j - i >= K` if it reaches the right of the band
-    (`right_side`, `_reaches_right`), else `j - i <= -K`. One compare per pair, one predicate held, where both sides
-    take two."""
-    return tl.where(right_side, distance, -distance) >= K
+def _one_sided_clip(distance, n0, m0, offset, K, BLOCK_N: tl.constexpr):
+    """`(clip, right_side)` of the rotated band tile at query block `m0`, key block `n0` (`distance = j - i` per pair),
+    for blocks where `2K > BLOCK_M + BLOCK_N - 2` (`ONE_SIDED`): a tile's distances then span less than `2K`, so it
+    holds clipped pairs of one side only, `right_side` when its largest distance reaches `K`, and `clip` is them
+    (`j - i >= K`, else `j - i <= -K`): one compare per pair, one predicate held, where both sides take two. Unused
+    (and so not computed) where not `ONE_SIDED`."""
+    right_side = n0 - offset - m0 + BLOCK_N - 1 >= K
+    return tl.where(right_side, distance, -distance) >= K, right_side
 
 
 @triton.jit
 def _clipped(term, distance, left_row, right_row, clip, right_side, K, ONE_SIDED: tl.constexpr):
     """A rotated band tile's table term with its clipped pairs' replaced (`distance = j - i`): the row's `left_row`
     (`x_i . T[0]`) where `j - i <= -K`, `right_row` where `j - i >= K`; where `ONE_SIDED`, the pairs `clip` of the
-    side `right_side` (`_clipped_pairs`)."""
+    side `right_side` (`_one_sided_clip`)."""
     if ONE_SIDED:
         return tl.where(clip, tl.where(right_side, right_row, left_row), term)
     return tl.where(distance >= K, right_row, tl.where(distance <= -K, left_row, term))
@@ -475,7 +470,7 @@ def _clipped(term, distance, left_row, right_row, clip, right_side, K, ONE_SIDED
 def _split_clipped(x, distance, clip, right_side, K, ONE_SIDED: tl.constexpr):
     """`(inside, left, right)` of a rotated band tile's per-pair `x` (`[BLOCK_M, BLOCK_N]`): `x` with its clipped pairs
     zeroed, and the row sums of `x` over the pairs clipped left (`j - i <= -K`) and right (`j - i >= K`); where
-    `ONE_SIDED`, the pairs `clip` of the side `right_side`."""
+    `ONE_SIDED`, the pairs `clip` of the side `right_side` (`_one_sided_clip`)."""
     if ONE_SIDED:
         clipped = tl.where(clip, x, 0.0)
         total = tl.sum(clipped, 1)
@@ -502,11 +497,8 @@ def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, 
     sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - m0 + K, 0), 2 * K + BLOCK_M - 1), D,
                               offs_d)
     distance = offs_n[None, :] - (offset + offs_m)[:, None]
-    right_side = _reaches_right(n0, m0, offset, K, BLOCK_N)
     ONE_SIDED: tl.constexpr = 2 * K > BLOCK_M + BLOCK_N - 2
-    clip = None
-    if ONE_SIDED:
-        clip = _clipped_pairs(distance, right_side, K)
+    clip, right_side = _one_sided_clip(distance, n0, m0, offset, K, BLOCK_N)
     term = _clipped(_product(rotated, tl.trans(sinusoid), WIDEN, IEEE), distance, left_raw[:, None],
                     right_raw[:, None], clip, right_side, K, ONE_SIDED)
     scores = _product_into(term, q, tl.trans(k), WIDEN, IEEE)
@@ -885,6 +877,7 @@ def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTe
     sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
                                                    2 * K + ROTATION - 1), D, offs_d)
     distance = (offs_n - offset)[:, None] - offs_m[None, :]
+    # Both sides always: one-sided (`_one_sided_clip`), this transposed tile compiled larger (docs/performance.md).
     scores = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_q), WIDEN, IEEE), distance,
                                     left_key[None, :], right_key[None, :], None, None, K, False), k, tl.trans(q),
                            WIDEN, IEEE)
@@ -1046,11 +1039,8 @@ def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q,
     sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
                                                    2 * K + ROTATION - 1), D, offs_d)
     distance = (offs_n - offset)[None, :] - offs_m[:, None]
-    right_side = _reaches_right(n0, m0, offset, K, BLOCK_N)
     ONE_SIDED: tl.constexpr = 2 * K > BLOCK_M + BLOCK_N - 2
-    clip = None
-    if ONE_SIDED:
-        clip = _clipped_pairs(distance, right_side, K)
+    clip, right_side = _one_sided_clip(distance, n0, m0, offset, K, BLOCK_N)
     scores = _product_into(_clipped(_product(rotated_q, tl.trans(sinusoid), WIDEN, IEEE), distance,
                                     left_key[:, None], right_key[:, None], clip, right_side, K, ONE_SIDED), q,
                            tl.trans(k), WIDEN, IEEE)

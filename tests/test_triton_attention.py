@@ -731,7 +731,7 @@ def test_band_by_rotation_matches_the_formula(queries, keys, K, dtype, atol, mon
 
 
 # The interpreter's blocks are 16 x 32: with K = 6 a band tile holds pairs clipped on both sides, with K = 30 (2K more
-# than 16 + 32 - 2) on one side only, which the kernels take with one compare per pair (`_clipped_pairs`).
+# than 16 + 32 - 2) on one side only, which the kernels take with one compare per pair (`_one_sided_clip`).
 ROTATED_BANDS = pytest.mark.parametrize("K, length", [(6, 45), (30, 110)], ids=["both-sides", "one-side"])
 
 
