@@ -19,8 +19,9 @@ and a probability adds `p_ij T[r]` to the output. A (query block, key block) til
   `q~_i . E[t_j]`, `q~` the block's queries turned once, pairwise, by `s w`, and the value term is `sum_j p_ij
   E[t_j]` turned back once after the band: one more product each way per tile, clipped pairs (`|j - i| >= K`) taking
   the tails' rows (`_rotated_band`; three_regions.py uses the same identity on the CPU). `K` is a compile-time
-  constant: where `2K > BLOCK_M + BLOCK_N - 2`, a tile's distances span less than `2K`, so a band tile holds clipped
-  pairs of one side only, told by one compare per pair (`_one_sided_clip`; the forward's and `dQ`'s tiles).
+  constant: where `2K >= BLOCK_N`, a row's distances in a tile span at most `2K`, so its clipped pairs lie on one
+  side, told by one compare per pair against a threshold per row (`_clip_masks`; the forward's and `dQ`'s tiles),
+  computed again after the products rather than kept (ptxas would pack the predicates into registers).
 
 The key loop of a query block runs over the left tail tiles, the band tiles and the right tail tiles in three loops
 (FlashAttention-2's stages, a constexpr class each), from the first key block any query of the block sees to the
@@ -162,6 +163,15 @@ def _rows(base, offs, offs_d, stride_row, stride_d, rows, D: tl.constexpr, MASK_
 
 
 @triton.jit
+def _whole_rows(base, first, offs_d, stride_row, stride_d, D: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows `first .. first + BLOCK - 1` of a matrix at `base`, all inside it: pointers made once for the block's
+    shape and moved by the scalar `first * stride_row`, so that a loop over blocks hoists them and each load's address
+    is one 64-bit multiply-add, as the yardstick's (pointers of `first + i` per row take two instructions each)."""
+    pointers = base + tl.arange(0, BLOCK)[:, None] * stride_row + offs_d[None, :] * stride_d
+    return tl.load(pointers + first * stride_row, mask=_columns(offs_d, D)[None, :], other=0.0)
+
+
+@triton.jit
 def _product(a, b, WIDEN: tl.constexpr, IEEE: tl.constexpr):
     """`a @ b` accumulated in float32: float32 operands in IEEE float32, others in their type (widened to float32
     under the interpreter)."""
@@ -245,8 +255,13 @@ def _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, L
                EDGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """`(offs_n, k, v)` of the key block at `n0` (`EDGE`: it may end past the last key)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    return (offs_n, _rows(Kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D, EDGE),
-            _rows(Vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D, EDGE))
+    if EDGE:
+        k = _rows(Kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D, True)
+        v = _rows(Vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D, True)
+    else:
+        k = _whole_rows(Kh, n0, offs_d, stride_kn, stride_kd, D, BLOCK_N)
+        v = _whole_rows(Vh, n0, offs_d, stride_vn, stride_vd, D, BLOCK_N)
+    return offs_n, k, v
 
 
 @triton.jit
@@ -363,7 +378,8 @@ def _program(blocks, heads, Offset, offset, OFFSET_IN_MEMORY: tl.constexpr):
 
 @triton.jit
 def _softmax_step(scores, row_max, row_sum, key_term, scale_log2):
-    """One tile of the online softmax: `(p, rescale, new_max, row_sum)` from the tile's scores before the scale.
+    """One tile of the online softmax: `(p, rescale, new_max, row_sum, p_sum)` from the tile's scores before the
+    scale (`p_sum` the tile's part of the new `row_sum`).
     `key_term` is a tail's key term per row in base 2 (`q_i . T[row] * scale * log2(e)`; 0 for the band), folded into
     the maximum: a pair's exponent is then one multiply-add, `scores * scale_log2 - (max - key_term)`, as in plain
     FlashAttention-2 (`scale_log2` > 0). A row that has seen nothing yet stays at 0."""
@@ -371,7 +387,8 @@ def _softmax_step(scores, row_max, row_sum, key_term, scale_log2):
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
     rescale = tl.exp2(row_max - shift)
     p = tl.exp2(scores * scale_log2 - (shift - key_term)[:, None])
-    return p, rescale, new_max, row_sum * rescale + tl.sum(p, 1)
+    p_sum = tl.sum(p, 1)
+    return p, rescale, new_max, row_sum * rescale + p_sum, p_sum
 
 
 @triton.jit
@@ -388,7 +405,7 @@ def _forward_tile(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyVa
     first = _window_start(n0, m0, offset, K, BLOCK_M)
     scores = _scores(q, k, Table, first, K, D, offs_d, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row,
                      KIND, HAS_VALID, CAUSAL, HAS_SOURCE, EDGE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    p, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum, key_term, scale_log2)
+    p, rescale, row_max, row_sum, _ = _softmax_step(scores, row_max, row_sum, key_term, scale_log2)
     if DROPOUT:
         p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p, 0.0)  # `keep_scale` at the end
     acc = _product_into(acc * rescale[:, None], p.to(OPERAND), v, WIDEN, IEEE)
@@ -446,37 +463,67 @@ def _sinusoid_rows(Sinusoid, rows, D, offs_d):
 
 
 @triton.jit
-def _one_sided_clip(distance, n0, m0, offset, K, BLOCK_N: tl.constexpr):
-    """`(clip, right_side)` of the rotated band tile at query block `m0`, key block `n0` (`distance = j - i` per pair),
-    for blocks where `2K > BLOCK_M + BLOCK_N - 2` (`ONE_SIDED`): a tile's distances then span less than `2K`, so it
-    holds clipped pairs of one side only, `right_side` when its largest distance reaches `K`, and `clip` is them
-    (`j - i >= K`, else `j - i <= -K`): one compare per pair, one predicate held, where both sides take two. Unused
-    (and so not computed) where not `ONE_SIDED`."""
-    right_side = n0 - offset - m0 + BLOCK_N - 1 >= K
-    return tl.where(right_side, distance, -distance) >= K, right_side
+def _clip_masks(rows, first, K, COLUMNS: tl.constexpr, ONE_SIDED: tl.constexpr, AGAIN: tl.constexpr):
+    """`(clip, right)`: which pairs of a rotated band tile (queries at positions `rows` by the `COLUMNS` keys from
+    `first`; `distance = j - i`) are clipped. Where `ONE_SIDED` (`2K >= COLUMNS`: a row's distances span at most `2K`,
+    so its clipped pairs lie on one side), `clip` is them, by one compare per pair with a threshold per row, and
+    `right` per row whether they are `distance >= K` ones; otherwise `clip` the pairs `distance <= -K` and `right`
+    those `distance >= K`. `AGAIN` (1, 2): the same masks by two other compares, in float (exact: the thresholds and
+    distances are small integers), for a tile's second and third use after its products: identical compares would be
+    merged with the first, whose predicates ptxas then keeps packed in registers across the products (three
+    instructions per pair, against one to compare again)."""
+    columns = tl.arange(0, COLUMNS)[None, :]
+    if ONE_SIDED:
+        right = first + COLUMNS - 1 - rows >= K  # the row's largest distance is at its last key
+        threshold = tl.where(right, rows - first + K, rows - first - K + 1)[:, None]
+        if AGAIN == 2:
+            clip = (columns.to(tl.float32) > threshold.to(tl.float32) - 0.5) == right[:, None]
+        elif AGAIN == 1:
+            clip = (columns.to(tl.float32) >= threshold.to(tl.float32)) == right[:, None]
+        else:
+            clip = (columns >= threshold) == right[:, None]
+    else:
+        distance = (first - rows)[:, None] + columns
+        if AGAIN == 2:
+            distance = distance.to(tl.float32) + 0.5
+            clip, right = distance < 1 - K, distance > K
+        elif AGAIN == 1:
+            distance = distance.to(tl.float32)
+            clip, right = distance <= -K, distance >= K
+        else:
+            clip, right = distance <= -K, distance >= K
+    return clip, right
 
 
 @triton.jit
-def _clipped(term, distance, left_row, right_row, clip, right_side, K, ONE_SIDED: tl.constexpr):
-    """A rotated band tile's table term with its clipped pairs' replaced (`distance = j - i`): the row's `left_row`
-    (`x_i . T[0]`) where `j - i <= -K`, `right_row` where `j - i >= K`; where `ONE_SIDED`, the pairs `clip` of the
-    side `right_side` (`_one_sided_clip`)."""
+def _clipped(term, left_row, right_row, clip, right, ONE_SIDED: tl.constexpr):
+    """A rotated band tile's table term with its clipped pairs' replaced (`_clip_masks`): the row's `left_row`
+    (`x_i . T[0]`) where `distance <= -K`, `right_row` where `distance >= K` (both broadcast to the tile)."""
     if ONE_SIDED:
-        return tl.where(clip, tl.where(right_side, right_row, left_row), term)
-    return tl.where(distance >= K, right_row, tl.where(distance <= -K, left_row, term))
+        term = tl.where(clip, tl.where(right[:, None], right_row, left_row), term)
+    else:
+        term = tl.where(right, right_row, tl.where(clip, left_row, term))
+    return term
 
 
 @triton.jit
-def _split_clipped(x, distance, clip, right_side, K, ONE_SIDED: tl.constexpr):
-    """`(inside, left, right)` of a rotated band tile's per-pair `x` (`[BLOCK_M, BLOCK_N]`): `x` with its clipped pairs
-    zeroed, and the row sums of `x` over the pairs clipped left (`j - i <= -K`) and right (`j - i >= K`); where
-    `ONE_SIDED`, the pairs `clip` of the side `right_side` (`_one_sided_clip`)."""
+def _split_clipped(x, x_sum, clip, right, ONE_SIDED: tl.constexpr):
+    """`(inside, left, right)` of a rotated band tile's per-pair `x` (`[BLOCK_M, BLOCK_N]`, `_clip_masks`): `x` with
+    its clipped pairs zeroed, and the row sums of `x` over the pairs clipped left (`distance <= -K`) and right
+    (`distance >= K`). Given `x`'s row sums (`x_sum`, or None), a one-sided row's clipped sum is `x_sum` less the
+    inside's (float32: an error of float32's rounding of `x_sum`), saving a pass over the tile."""
     if ONE_SIDED:
-        clipped = tl.where(clip, x, 0.0)
-        total = tl.sum(clipped, 1)
-        return x - clipped, tl.where(right_side, 0.0, total), tl.where(right_side, total, 0.0)
-    left, right = tl.where(distance <= -K, x, 0.0), tl.where(distance >= K, x, 0.0)
-    return x - left - right, tl.sum(left, 1), tl.sum(right, 1)
+        if x_sum is None:
+            clipped = tl.where(clip, x, 0.0)
+            inside, total = x - clipped, tl.sum(clipped, 1)
+        else:
+            inside = tl.where(clip, 0.0, x)
+            total = x_sum - tl.sum(inside, 1)
+        left_sum, right_sum = tl.where(right, 0.0, total), tl.where(right, total, 0.0)
+    else:
+        left_part, right_part = tl.where(clip, x, 0.0), tl.where(right, x, 0.0)
+        inside, left_sum, right_sum = x - left_part - right_part, tl.sum(left_part, 1), tl.sum(right_part, 1)
+    return inside, left_sum, right_sum
 
 
 @triton.jit
@@ -484,35 +531,36 @@ def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, 
                        Sinusoid, KeyValid, KeyIsSource, key_row, n0, m0, offs_m, offset, Lk, K, D: tl.constexpr,
                        offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
                        keep_scale, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
-                       DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, EDGE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A band tile without gathers (the table the exact sinusoid, `ROTATE`): with `s = i - m0` and `t = j - offset -
     m0 + K`, a pair inside the band (`|j - i| < K`) has `T[t - s]`, so its key term is `rotated_i . E[t_j]` (one
     product with the sinusoid's rows of the tile's keys, `rotated` the block's queries turned by `s`) and its value
     term gathers in `spread = sum_j p_ij E[t_j]`, turned back once after the band. A clipped pair takes its row's
     constant (`left_raw`, `right_raw`: `q_i . T[0]`, `q_i . T[2K]`) and its probability the row's `left_mass` or
-    `right_mass`, as a tail's does."""
+    `right_mass`, as a tail's does (`EDGE`: the block may end past the last key)."""
     OPERAND = Vh.dtype.element_ty
-    offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, True, BLOCK_N)
+    offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, EDGE, BLOCK_N)
     sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - m0 + K, 0), 2 * K + BLOCK_M - 1), D,
                               offs_d)
-    distance = offs_n[None, :] - (offset + offs_m)[:, None]
-    ONE_SIDED: tl.constexpr = 2 * K > BLOCK_M + BLOCK_N - 2
-    clip, right_side = _one_sided_clip(distance, n0, m0, offset, K, BLOCK_N)
-    term = _clipped(_product(rotated, tl.trans(sinusoid), WIDEN, IEEE), distance, left_raw[:, None],
-                    right_raw[:, None], clip, right_side, K, ONE_SIDED)
+    ONE_SIDED: tl.constexpr = 2 * K >= BLOCK_N
+    clip, right = _clip_masks(offset + offs_m, n0, K, BLOCK_N, ONE_SIDED, 0)
+    term = _clipped(_product(rotated, tl.trans(sinusoid), WIDEN, IEEE), left_raw[:, None], right_raw[:, None], clip,
+                    right, ONE_SIDED)
     scores = _product_into(term, q, tl.trans(k), WIDEN, IEEE)
     if HAS_VALID or CAUSAL:
         visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
-                           HAS_SOURCE, True)
+                           HAS_SOURCE, EDGE)
         scores = tl.where(visible, scores, float("-inf"))
-    else:  # keys past the last one: a bias per column, not a mask per pair
+    elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
         scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
-    p, rescale, row_max, row_sum = _softmax_step(scores, row_max, row_sum, 0.0, scale_log2)
+    p, rescale, row_max, row_sum, p_sum = _softmax_step(scores, row_max, row_sum, 0.0, scale_log2)
     if DROPOUT:
         p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p, 0.0)  # `keep_scale` at the end
+        p_sum = None  # the kept probabilities' sum is not the softmax's
     acc = _product_into(acc * rescale[:, None], p.to(OPERAND), v, WIDEN, IEEE)
-    inside, left, right = _split_clipped(p, distance, clip, right_side, K, ONE_SIDED)
+    clip, right = _clip_masks(offset + offs_m, n0, K, BLOCK_N, ONE_SIDED, 1)
+    inside, left, right = _split_clipped(p, p_sum, clip, right, ONE_SIDED)
     spread = _product_into(spread * rescale[:, None], inside.to(OPERAND), sinusoid, WIDEN, IEEE)
     left_mass = left_mass * rescale + left
     right_mass = right_mass * rescale + right
@@ -526,19 +574,27 @@ def _rotated_band(acc, row_max, row_sum, q, first_row, last_row, Kh, Vh, Sinusoi
                   HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """The band's key blocks `lo .. hi` by rotation (`_rotated_band_tile`): `(acc, row_max, row_sum)`, the band's
-    value term added to `acc` after the loop."""
+    value term added to `acc` after the loop. Whole blocks run in a loop without a key mask, the one that may end past
+    the last key after it (as the tails', `_forward_tiles`)."""
     angles = _sinusoid_rows(Sinusoid, tl.arange(0, BLOCK_M), D, offs_d).to(tl.float32)
     rotated = _rotate_pairs(q.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(q.dtype)
     left_raw, right_raw = _row_term(q, first_row), _row_term(q, last_row)
     spread = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     left_mass = tl.zeros([BLOCK_M], tl.float32)
     right_mass = tl.zeros([BLOCK_M], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
+    edge = tl.maximum(tl.minimum(hi, Lk // BLOCK_N * BLOCK_N), lo)
+    for n0 in range(lo, edge, BLOCK_N):
         acc, spread, left_mass, right_mass, row_max, row_sum = _rotated_band_tile(
             acc, spread, left_mass, right_mass, row_max, row_sum, q, rotated, left_raw, right_raw, Kh, Vh, Sinusoid,
             KeyValid, KeyIsSource, key_row, n0, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn,
             stride_vd, scale_log2, seed, head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN,
-            IEEE, BLOCK_M, BLOCK_N)
+            IEEE, False, BLOCK_M, BLOCK_N)
+    if edge < hi:  # the last block, ending past the last key (`hi - edge < BLOCK_N`)
+        acc, spread, left_mass, right_mass, row_max, row_sum = _rotated_band_tile(
+            acc, spread, left_mass, right_mass, row_max, row_sum, q, rotated, left_raw, right_raw, Kh, Vh, Sinusoid,
+            KeyValid, KeyIsSource, key_row, edge, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd,
+            stride_vn, stride_vd, scale_log2, seed, head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE,
+            DROPOUT, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
     acc += _rotate_pairs(spread, angles, True, BLOCK_M, BLOCK_D)
     acc += left_mass[:, None] * first_row[None, :] + right_mass[:, None] * last_row[None, :]
     return acc, row_max, row_sum
@@ -877,13 +933,13 @@ def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTe
     sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
                                                    2 * K + ROTATION - 1), D, offs_d)
     distance = (offs_n - offset)[:, None] - offs_m[None, :]
-    # Both sides always: one-sided (`_one_sided_clip`), this transposed tile compiled larger (docs/performance.md).
-    scores = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_q), WIDEN, IEEE), distance,
-                                    left_key[None, :], right_key[None, :], None, None, K, False), k, tl.trans(q),
-                           WIDEN, IEEE)
-    grad_p = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_do), WIDEN, IEEE), distance,
-                                    left_out[None, :], right_out[None, :], None, None, K, False), v, tl.trans(do),
-                           WIDEN, IEEE)
+    # Both sides per pair: with one side per row (`_clip_masks`) this transposed tile compiled larger
+    # (docs/performance.md).
+    clip, right = distance <= -K, distance >= K
+    scores = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_q), WIDEN, IEEE), left_key[None, :],
+                                    right_key[None, :], clip, right, False), k, tl.trans(q), WIDEN, IEEE)
+    grad_p = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_do), WIDEN, IEEE), left_out[None, :],
+                                    right_out[None, :], clip, right, False), v, tl.trans(do), WIDEN, IEEE)
     return _key_value_products(grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, offs_n, n0,
                                offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold,
                                keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M,
@@ -1038,12 +1094,10 @@ def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q,
     offs_n, k, v = _key_block(Kh, Vh, n0, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, Lk, D, EDGE, BLOCK_N)
     sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
                                                    2 * K + ROTATION - 1), D, offs_d)
-    distance = (offs_n - offset)[None, :] - offs_m[:, None]
-    ONE_SIDED: tl.constexpr = 2 * K > BLOCK_M + BLOCK_N - 2
-    clip, right_side = _one_sided_clip(distance, n0, m0, offset, K, BLOCK_N)
-    scores = _product_into(_clipped(_product(rotated_q, tl.trans(sinusoid), WIDEN, IEEE), distance,
-                                    left_key[:, None], right_key[:, None], clip, right_side, K, ONE_SIDED), q,
-                           tl.trans(k), WIDEN, IEEE)
+    ONE_SIDED: tl.constexpr = 2 * K >= BLOCK_N
+    clip, right = _clip_masks(offset + offs_m, n0, K, BLOCK_N, ONE_SIDED, 0)
+    scores = _product_into(_clipped(_product(rotated_q, tl.trans(sinusoid), WIDEN, IEEE), left_key[:, None],
+                                    right_key[:, None], clip, right, ONE_SIDED), q, tl.trans(k), WIDEN, IEEE)
     if HAS_VALID or CAUSAL:
         visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
                            HAS_SOURCE, EDGE)
@@ -1051,14 +1105,15 @@ def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q,
     elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
         scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
     p = tl.exp2(scores * scale_log2 - lse[:, None])
-    grad_p = _product_into(_clipped(_product(rotated_do, tl.trans(sinusoid), WIDEN, IEEE), distance,
-                                    left_out[:, None], right_out[:, None], clip, right_side, K, ONE_SIDED), do,
-                           tl.trans(v), WIDEN, IEEE)
+    clip, right = _clip_masks(offset + offs_m, n0, K, BLOCK_N, ONE_SIDED, 1)
+    grad_p = _product_into(_clipped(_product(rotated_do, tl.trans(sinusoid), WIDEN, IEEE), left_out[:, None],
+                                    right_out[:, None], clip, right, ONE_SIDED), do, tl.trans(v), WIDEN, IEEE)
     keep = None
     if DROPOUT:
         keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
     grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[:, None], 0.0, keep_scale, DROPOUT)[1]
-    inside, left, right = _split_clipped(grad_s, distance, clip, right_side, K, ONE_SIDED)
+    clip, right = _clip_masks(offset + offs_m, n0, K, BLOCK_N, ONE_SIDED, 2)
+    inside, left, right = _split_clipped(grad_s, None, clip, right, ONE_SIDED)
     spread = _product_into(spread, inside.to(OPERAND), sinusoid, WIDEN, IEEE)
     grad_q = _product_into(grad_q, grad_s.to(OPERAND), k, WIDEN, IEEE)
     return grad_q, spread, left_mass + left, right_mass + right

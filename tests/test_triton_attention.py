@@ -706,8 +706,8 @@ BACKWARD_KERNELS = ("nezha_key_value_grad_kernel", "nezha_query_grad_kernel")
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 4e-2), (torch.float16, 5e-3)], ids=["bfloat16", "float16"])
-@pytest.mark.parametrize("queries, keys, K", [(70, 70, 3), (70, 70, 20), (21, 70, 5), (1, 150, 20)],
-                         ids=["K=3", "K=20", "continuing-a-cache", "decoding-split"])
+@pytest.mark.parametrize("queries, keys, K", [(70, 70, 3), (70, 70, 20), (21, 70, 5), (21, 70, 20), (1, 150, 20)],
+                         ids=["K=3", "K=20", "continuing-a-cache", "continuing-a-cache-K=20", "decoding-split"])
 def test_band_by_rotation_matches_the_formula(queries, keys, K, dtype, atol, monkeypatch):
     """bfloat16 / float16 with NEZHA's own table (the exact sinusoid): the forward's band tiles go by rotation
     (queries turned pairwise, the value term turned back; `ROTATE`), pairs clipped inside a band tile (K below the
@@ -730,8 +730,9 @@ def test_band_by_rotation_matches_the_formula(queries, keys, K, dtype, atol, mon
         assert rotate and all(rotate)
 
 
-# The interpreter's blocks are 16 x 32: with K = 6 a band tile holds pairs clipped on both sides, with K = 30 (2K more
-# than 16 + 32 - 2) on one side only, which the kernels take with one compare per pair (`_one_sided_clip`).
+# The interpreter's blocks are 16 x 32: with K = 6 a band tile's rows hold pairs clipped on both sides, with K = 30
+# (2K at least the 32 keys) each row on one side only, the sides differing between a tile's rows, which the kernels
+# take with one compare per pair against a threshold per row (`_clip_masks`).
 ROTATED_BANDS = pytest.mark.parametrize("K, length", [(6, 45), (30, 110)], ids=["both-sides", "one-side"])
 
 
