@@ -335,6 +335,13 @@ def _kept(seed, head, offs_m, n0, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
+def _whole_blocks_end(lo, hi, length, BLOCK: tl.constexpr):
+    """Where the blocks of `BLOCK` from `lo` to `hi` stop lying wholly inside `length` rows: a loop runs them unmasked
+    up to it, and the one block from it to `hi` (if any) is the masked tile after the loop."""
+    return tl.maximum(tl.minimum(hi, length // BLOCK * BLOCK), lo)
+
+
+@triton.jit
 def _class_bounds(lo, hi, before, after, BLOCK: tl.constexpr):
     """Blocks of `BLOCK` from `lo` to `hi` split at `(first, second, hi)`: the blocks before `first` lie wholly before
     position `before`, those from `second` wholly at or after `after`, the rest between (`hi` no less than `lo`)."""
@@ -427,7 +434,7 @@ def _forward_tiles(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyV
     it (not a loop: the loop's tile stays the plain FlashAttention-2 tile)."""
     edge = hi
     if KIND != BAND:
-        edge = tl.maximum(tl.minimum(hi, Lk // BLOCK_N * BLOCK_N), lo)
+        edge = _whole_blocks_end(lo, hi, Lk, BLOCK_N)
     for n0 in range(lo, edge, BLOCK_N):
         acc, row_max, row_sum, mass = _forward_tile(
             acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0, offs_m,
@@ -582,7 +589,7 @@ def _rotated_band(acc, row_max, row_sum, q, first_row, last_row, Kh, Vh, Sinusoi
     spread = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     left_mass = tl.zeros([BLOCK_M], tl.float32)
     right_mass = tl.zeros([BLOCK_M], tl.float32)
-    edge = tl.maximum(tl.minimum(hi, Lk // BLOCK_N * BLOCK_N), lo)
+    edge = _whole_blocks_end(lo, hi, Lk, BLOCK_N)
     for n0 in range(lo, edge, BLOCK_N):
         acc, spread, left_mass, right_mass, row_max, row_sum = _rotated_band_tile(
             acc, spread, left_mass, right_mass, row_max, row_sum, q, rotated, left_raw, right_raw, Kh, Vh, Sinusoid,
@@ -875,7 +882,7 @@ def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTe
     (wgmma on Hopper) and nothing is transposed between products. Keys past the last one need no mask: their rows
     are never stored. Whole query blocks run in a loop without a query mask, the one that may end past the last
     query after it (as the forward's tails)."""
-    edge = tl.maximum(tl.minimum(hi, Lq // BLOCK_M * BLOCK_M), lo)
+    edge = _whole_blocks_end(lo, hi, Lq, BLOCK_M)
     for m0 in range(lo, edge, BLOCK_M):
         grad_k, grad_v = _key_value_tile(
             grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
@@ -1064,7 +1071,7 @@ def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSo
     mass = tl.zeros([BLOCK_M, MASS_COLUMNS], tl.float32)
     edge = hi
     if KIND != BAND:
-        edge = tl.maximum(tl.minimum(hi, Lk // BLOCK_N * BLOCK_N), lo)
+        edge = _whole_blocks_end(lo, hi, Lk, BLOCK_N)
     for n0 in range(lo, edge, BLOCK_N):
         grad_q, mass = _query_tile(
             grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0,
@@ -1141,7 +1148,7 @@ def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, 
     spread = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     left_mass = tl.zeros([BLOCK_M], tl.float32)
     right_mass = tl.zeros([BLOCK_M], tl.float32)
-    edge = tl.maximum(tl.minimum(hi, Lk // BLOCK_N * BLOCK_N), lo)
+    edge = _whole_blocks_end(lo, hi, Lk, BLOCK_N)
     for n0 in range(lo, edge, BLOCK_N):
         grad_q, spread, left_mass, right_mass = _rotated_query_tile(
             grad_q, spread, left_mass, right_mass, q, do, rotated_q, rotated_do, lse, row_dot, left_key, right_key,
