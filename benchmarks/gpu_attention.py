@@ -45,7 +45,7 @@ rehearsing(sys.argv)  # before anything imports Triton
 
 import torch  # noqa: E402
 
-from benchmarks import gpu_ops  # noqa: E402
+from benchmarks import gpu_gates, gpu_ops  # noqa: E402
 from benchmarks.gpu_ops import DTYPES, CheckFailed  # noqa: E402
 from benchmarks.machine import describe, results_directory, summary  # noqa: E402
 
@@ -65,7 +65,8 @@ PINNING = "NEZHA_CHECK_BLOCKS"  # the environment switch of `pin_blocks`
 
 def pin_blocks(text: str | None) -> dict[str, str]:
     """Pin NEZHA's autotuned kernels to the configurations `text` names (`NEZHA_CHECK_BLOCKS`, e.g.
-    `forward=128x64x8x3,dQ=128x32x8x2`: BLOCK_M x BLOCK_N x warps x stages), for this process; returns them by
+    `forward=128x64x8x3x128,dQ=128x32x8x2`: BLOCK_M x BLOCK_N x warps x stages, and registers a thread where
+    capped), for this process; returns them by
     kernel. A malformed entry, blocks that are not whole multiples of dropout's
     (`triton_kernels.DROPOUT_QUERIES` x `DROPOUT_KEYS`), or a forward
     key block that does not divide the decoding split's granule, raises `CheckFailed` in one line."""
@@ -77,9 +78,11 @@ def pin_blocks(text: str | None) -> dict[str, str]:
     for entry in filter(None, (text or "").replace(" ", "").split(",")):
         name, _, numbers = entry.partition("=")
         try:
-            block_m, block_n, warps, stages = (int(number) for number in numbers.split("x"))
+            block_m, block_n, warps, stages, *registers = (int(number) for number in numbers.split("x"))
+            if len(registers) > 1:
+                raise ValueError
         except ValueError:
-            raise CheckFailed(f"{PINNING}: {entry!r} is not KERNEL=MxNxWARPSxSTAGES") from None
+            raise CheckFailed(f"{PINNING}: {entry!r} is not KERNEL=MxNxWARPSxSTAGES[xREGISTERS]") from None
         if name not in KERNELS:
             raise CheckFailed(f"{PINNING}: {name!r} is none of {', '.join(KERNELS)}")
         queries, keys = triton_kernels.DROPOUT_QUERIES, triton_kernels.DROPOUT_KEYS
@@ -92,15 +95,15 @@ def pin_blocks(text: str | None) -> dict[str, str]:
         kernel = getattr(triton_kernels, KERNELS[name])
         # One configuration: the autotuner launches it without pruning or benchmarking.
         kernel.configs = [triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps,
-                                        num_stages=stages)]
+                                        num_stages=stages, maxnreg=registers[0] if registers else None)]
         pinned[name] = config_name(kernel.configs[0])
     return pinned
 
 
 def config_name(config) -> str:
-    """A Triton configuration as `benchmarks/gpu_gates.py` names it (`128x64, 8 warps, 3 stages`)."""
-    blocks = f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']}"
-    return f"{blocks}, {config.num_warps} warps, {config.num_stages} stages"
+    """A Triton configuration as `benchmarks/gpu_gates.py` names it (`128x64, 8 warps, 3 stages, 128 registers`)."""
+    return gpu_gates.config_name({**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages,
+                                  "maxnreg": config.maxnreg})
 
 
 def chosen_configs(train: bool) -> dict:

@@ -182,8 +182,11 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def _config_name(config: dict) -> str:
-    return f"{config['BLOCK_M']}x{config['BLOCK_N']}, {config['num_warps']} warps, {config['num_stages']} stages"
+def config_name(config: dict) -> str:
+    """A configuration (`BLOCK_M`, `BLOCK_N`, `num_warps`, `num_stages`, and `maxnreg` where capped) in words, as the
+    counts and the GPU check's rows name it: `128x64, 8 warps, 3 stages, 128 registers`."""
+    name = f"{config['BLOCK_M']}x{config['BLOCK_N']}, {config['num_warps']} warps, {config['num_stages']} stages"
+    return name + (f", {config['maxnreg']} registers" if config.get("maxnreg") else "")
 
 
 def _band_lines(module) -> set[int]:
@@ -281,7 +284,7 @@ def compile_and_count(launch: dict, config: dict, module, band_lines: set[int]) 
     for loop in loops:
         loop["per_pair"] = loop["instructions"] * warps / pairs
     return {"kernel": launch["kernel"], "case": launch["case"], "config": config,
-            "config_name": _config_name(config), "registers": registers, "stack": stack, "shared": shared,
+            "config_name": config_name(config), "registers": registers, "stack": stack, "shared": shared,
             "blocks_per_sm": blocks, "wgmma": len(re.findall(r"\bHGMMA\b", sass)),
             "mma_sync": len(re.findall(r"\bHMMA\b", sass)), "loops": loops,
             "duplicated_products": duplicated_products(compiled.asm["ttgir"])}
@@ -293,7 +296,8 @@ def _configs(module, launch: dict) -> list[dict]:
     prune = getattr(kernel, "early_config_prune", None)
     arguments = {name: value for name, value in launch["arguments"].items()}
     configs = prune(kernel.configs, {}, **arguments) if prune else kernel.configs
-    return [{**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages} for config in configs]
+    return [{**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages,
+             **({"maxnreg": config.maxnreg} if config.maxnreg else {})} for config in configs]
 
 
 def compile_launches(launches: list[dict], extra_configs: dict | None = None) -> dict:
@@ -317,10 +321,11 @@ def _compile_launches(launches: list[dict], extra_configs: dict | None) -> dict:
         if launch["module"] != "nezha" or launch["kernel"] not in YARDSTICK_OF:
             continue  # the decoding step's merge kernel is not launched by this call
         configs = _configs(modules["nezha"], launch) + list((extra_configs or {}).get(launch["kernel"], []))
-        configs_of[YARDSTICK_OF[launch["kernel"]]] = configs
+        measured = configs_of.setdefault(YARDSTICK_OF[launch["kernel"]], [])  # every case's (dropout tunes fewer)
+        measured += [config for config in configs if config not in measured]
         for config in configs:
             rows.append(compile_and_count(launch, config, modules["nezha"], band_lines))
-            print(f"compiled {SHORT[launch['kernel']]} ({launch['case']}), {_config_name(config)}", file=sys.stderr,
+            print(f"compiled {SHORT[launch['kernel']]} ({launch['case']}), {config_name(config)}", file=sys.stderr,
                   flush=True)
     for launch in launches:
         if launch["module"] == "yardstick":
@@ -347,6 +352,7 @@ def gate_failures(rows: list[dict]) -> list[str]:
     """Each gate a row misses, in words (the module docstring lists the gates)."""
     failures = []
     key = {(row["kernel"], row["case"], row["config_name"]): row for row in rows}
+    plain_kernels = {row["kernel"] for row in rows if row["case"] == "bfloat16"}
     for row in rows:
         name = f"{SHORT[row['kernel']]} ({row['case']}), {row['config_name']}"
         if row["kernel"].startswith("yardstick"):
@@ -364,6 +370,13 @@ def gate_failures(rows: list[dict]) -> list[str]:
             failures.append(f"{name}: {row['blocks_per_sm']} block(s) per multiprocessor, the forward needs "
                             f"{FORWARD_BLOCKS_PER_SM}")
         yardstick = key.get((YARDSTICK_OF[row["kernel"]], "bfloat16", row["config_name"]))
+        plain = key.get((row["kernel"], "bfloat16", row["config_name"]))
+        missing = [what for what, counted, needed in (
+            ("the yardstick", yardstick, True),
+            ("the case without dropout", plain, row["kernel"] in plain_kernels))  # unless `--case` left it out
+            if needed and not (counted and _tail(counted))]
+        if missing:  # a gate that compares with nothing would pass unchecked
+            failures.append(f"{name}: no counts of {' or '.join(missing)} at this configuration to compare with")
         if row["case"] == "bfloat16" and tail and yardstick and _tail(yardstick):
             ratio = tail["per_pair"] / _tail(yardstick)["per_pair"]
             if ratio > TAIL_PER_PAIR_LIMIT:
@@ -372,7 +385,6 @@ def gate_failures(rows: list[dict]) -> list[str]:
         if tail and band and band["instructions"] > BAND_TILE_LIMIT * tail["instructions"]:
             failures.append(f"{name}: a band tile is {band['instructions'] / tail['instructions']:.2f} tail tiles "
                             f"(at most {BAND_TILE_LIMIT})")
-        plain = key.get((row["kernel"], "bfloat16", row["config_name"]))
         if row["case"] != "bfloat16" and tail and plain and _tail(plain):
             added = tail["per_pair"] - _tail(plain)["per_pair"]
             if added > DROPOUT_PER_PAIR_LIMIT:
@@ -403,9 +415,9 @@ def main(argv=None) -> int:
     parser.add_argument("--triton-python", help="compile with this Python's Triton (default: this one's)")
     parser.add_argument("--output", type=Path, help="write every count as JSON here")
     parser.add_argument("--compile-only", type=Path, help=argparse.SUPPRESS)  # a --triton-python worker's input
-    parser.add_argument("--plant", action="append", default=[], metavar="KERNEL:M,N,WARPS,STAGES",
-                        help="add a configuration to a NEZHA kernel's tuned ones (to see a gate fail), e.g. "
-                             "nezha_forward_kernel:64,64,8,3")
+    parser.add_argument("--plant", action="append", default=[], metavar="KERNEL:M,N,WARPS,STAGES[,REGISTERS]",
+                        help="add a configuration to a NEZHA kernel's tuned ones (to see a gate fail, or to try one; "
+                             "REGISTERS caps a thread's, Triton's maxnreg), e.g. nezha_forward_kernel:64,64,8,3")
     parser.add_argument("--only", nargs="+", choices=[SHORT[name] for name in YARDSTICK_OF],
                         help="compile these kernels only (and their yardsticks)")
     parser.add_argument("--case", choices=["bfloat16", "bfloat16, dropout"], help="compile this case only")
@@ -413,8 +425,9 @@ def main(argv=None) -> int:
     planted = {}
     for text in args.plant:
         kernel, numbers = text.split(":")
-        m, n, warps, stages = (int(x) for x in numbers.split(","))
-        planted.setdefault(kernel, []).append({"BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages})
+        m, n, warps, stages, *registers = (int(x) for x in numbers.split(","))
+        planted.setdefault(kernel, []).append({"BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages,
+                                               **({"maxnreg": registers[0]} if registers else {})})
     if args.compile_only:
         job = json.loads(args.compile_only.read_text())
         print(json.dumps(compile_launches(job["launches"], job["planted"])))

@@ -78,14 +78,20 @@ STATISTICS_BLOCK_M = 16 if INTERPRETING else 64  # the query block of `nezha_row
 MASS_COLUMNS = tl.constexpr(16)  # the columns of dQ's tail masses (`_add_row_sums`): the narrowest product
 
 
-def _config(block_m: int, block_n: int, stages: int = 1, warps: int = 4) -> "triton.Config":
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_stages=stages, num_warps=warps)
+def _config(block_m: int, block_n: int, stages: int = 1, warps: int = 4, registers: int | None = None
+            ) -> "triton.Config":
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_stages=stages, num_warps=warps,
+                         maxnreg=registers)
 
 
 # FlashAttention-2's Triton sets, and the decoding step's block of 16 queries. No block of 64 rows (the products' rows:
 # queries in the forward and `dQ`, keys in `dK`, `dV`) runs on 8 warps: a Hopper wgmma gives each warp group of 4 warps
 # 64 rows, so the second group would compute the same products again (Triton's tutorial filters such sets out;
 # `make gpu-gates` checks).
+# The forward's 128-row block is held to 128 registers a thread, so that two blocks of 8 warps share a multiprocessor
+# (FlashAttention-2's overlap of one block's softmax with the other's products): at that cap its tail loops do not
+# spill, its band loop does; under dropout the tail loops would spill too, so dropout's forward goes without it
+# (`_configs_for`). `make gpu-gates` checks both.
 # float32, whose IEEE products run on the CUDA cores, has smaller blocks of its own. Under the interpreter one small
 # block, so that tests cross block edges.
 if INTERPRETING:
@@ -94,7 +100,7 @@ if INTERPRETING:
 else:
     FLOAT32_CONFIGS = [_config(16, 32, 2, 4), _config(32, 32, 2, 8), _config(32, 16, 2, 4)]
     FORWARD_CONFIGS = [
-        _config(64, 64, 3, 4), _config(128, 64, 3, 8),
+        _config(64, 64, 3, 4), _config(128, 64, 3, 8, registers=128),
         *(_config(DECODING_BLOCK_M, block_n, 2, 4) for block_n in (64, 128)),
         *FLOAT32_CONFIGS[:2],
     ]
@@ -126,9 +132,9 @@ def _configs_for(configs, named_args, **kwargs):
     calls only the larger blocks."""
     named = {**named_args, **kwargs}  # the launches name their arguments
     own = [config for config in configs if (config in FLOAT32_CONFIGS) == bool(named["IEEE"])] or configs
-    if named["DROPOUT"]:
-        own = [config for config in own
-               if config.kwargs["BLOCK_M"] % DROPOUT_QUERIES == 0 and config.kwargs["BLOCK_N"] % DROPOUT_KEYS == 0]
+    if named["DROPOUT"]:  # whole multiples of dropout's draws, and no register cap (it spills the draws)
+        own = [config for config in own if config.maxnreg is None
+               and config.kwargs["BLOCK_M"] % DROPOUT_QUERIES == 0 and config.kwargs["BLOCK_N"] % DROPOUT_KEYS == 0]
     fitting = [config for config in own if config.kwargs["BLOCK_M"] <= named["LQ_CLASS"]]
     wide = [config for config in fitting if config.kwargs["BLOCK_M"] > DECODING_BLOCK_M]
     return wide or fitting or own[:1]
@@ -475,28 +481,22 @@ def _clip_masks(rows, first, K, COLUMNS: tl.constexpr, ONE_SIDED: tl.constexpr, 
     `first`; `distance = j - i`) are clipped. Where `ONE_SIDED` (`2K >= COLUMNS`: a row's distances span at most `2K`,
     so its clipped pairs lie on one side), `clip` is them, by one compare per pair with a threshold per row, and
     `right` per row whether they are `distance >= K` ones; otherwise `clip` the pairs `distance <= -K` and `right`
-    those `distance >= K`. `AGAIN` (1, 2): the same masks by two other compares, in float (exact: the thresholds and
-    distances are small integers), for a tile's second and third use after its products: identical compares would be
-    merged with the first, whose predicates ptxas then keeps packed in registers across the products (three
-    instructions per pair, against one to compare again)."""
+    those `distance >= K`. `AGAIN`: the same masks by other compares (`x > t - 1` for `x >= t`), for a tile's use
+    after its products: the compilers cannot prove them equal (the subtraction may wrap), so they compare again, one
+    instruction per pair, where a merged compare's predicates would be kept packed in registers across the products
+    (three instructions per pair)."""
     columns = tl.arange(0, COLUMNS)[None, :]
     if ONE_SIDED:
         right = first + COLUMNS - 1 - rows >= K  # the row's largest distance is at its last key
         threshold = tl.where(right, rows - first + K, rows - first - K + 1)[:, None]
-        if AGAIN == 2:
-            clip = (columns.to(tl.float32) > threshold.to(tl.float32) - 0.5) == right[:, None]
-        elif AGAIN == 1:
-            clip = (columns.to(tl.float32) >= threshold.to(tl.float32)) == right[:, None]
+        if AGAIN:
+            clip = (columns > threshold - 1) == right[:, None]
         else:
             clip = (columns >= threshold) == right[:, None]
     else:
         distance = (first - rows)[:, None] + columns
-        if AGAIN == 2:
-            distance = distance.to(tl.float32) + 0.5
-            clip, right = distance < 1 - K, distance > K
-        elif AGAIN == 1:
-            distance = distance.to(tl.float32)
-            clip, right = distance <= -K, distance >= K
+        if AGAIN:
+            clip, right = distance < 1 - K, distance > K - 1
         else:
             clip, right = distance <= -K, distance >= K
     return clip, right
@@ -551,7 +551,7 @@ def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, 
     sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - m0 + K, 0), 2 * K + BLOCK_M - 1), D,
                               offs_d)
     ONE_SIDED: tl.constexpr = 2 * K >= BLOCK_N
-    clip, right = _clip_masks(offset + offs_m, n0, K, BLOCK_N, ONE_SIDED, 0)
+    clip, right = _clip_masks(offset + offs_m, n0, K, BLOCK_N, ONE_SIDED, False)
     term = _clipped(_product(rotated, tl.trans(sinusoid), WIDEN, IEEE), left_raw[:, None], right_raw[:, None], clip,
                     right, ONE_SIDED)
     scores = _product_into(term, q, tl.trans(k), WIDEN, IEEE)
@@ -566,7 +566,7 @@ def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, 
         p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p, 0.0)  # `keep_scale` at the end
         p_sum = None  # the kept probabilities' sum is not the softmax's
     acc = _product_into(acc * rescale[:, None], p.to(OPERAND), v, WIDEN, IEEE)
-    clip, right = _clip_masks(offset + offs_m, n0, K, BLOCK_N, ONE_SIDED, 1)
+    clip, right = _clip_masks(offset + offs_m, n0, K, BLOCK_N, ONE_SIDED, True)
     inside, left, right = _split_clipped(p, p_sum, clip, right, ONE_SIDED)
     spread = _product_into(spread * rescale[:, None], inside.to(OPERAND), sinusoid, WIDEN, IEEE)
     left_mass = left_mass * rescale + left
@@ -1102,9 +1102,12 @@ def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q,
     sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
                                                    2 * K + ROTATION - 1), D, offs_d)
     ONE_SIDED: tl.constexpr = 2 * K >= BLOCK_N
-    clip, right = _clip_masks(offset + offs_m, n0, K, BLOCK_N, ONE_SIDED, 0)
-    scores = _product_into(_clipped(_product(rotated_q, tl.trans(sinusoid), WIDEN, IEEE), left_key[:, None],
-                                    right_key[:, None], clip, right, ONE_SIDED), q, tl.trans(k), WIDEN, IEEE)
+    key_term = _product(rotated_q, tl.trans(sinusoid), WIDEN, IEEE)
+    output_term = _product(rotated_do, tl.trans(sinusoid), WIDEN, IEEE)
+    clip, right = _clip_masks(offset + offs_m, n0, K, BLOCK_N, ONE_SIDED, False)
+    key_term = _clipped(key_term, left_key[:, None], right_key[:, None], clip, right, ONE_SIDED)
+    output_term = _clipped(output_term, left_out[:, None], right_out[:, None], clip, right, ONE_SIDED)
+    scores = _product_into(key_term, q, tl.trans(k), WIDEN, IEEE)
     if HAS_VALID or CAUSAL:
         visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
                            HAS_SOURCE, EDGE)
@@ -1112,14 +1115,12 @@ def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q,
     elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
         scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
     p = tl.exp2(scores * scale_log2 - lse[:, None])
-    clip, right = _clip_masks(offset + offs_m, n0, K, BLOCK_N, ONE_SIDED, 1)
-    grad_p = _product_into(_clipped(_product(rotated_do, tl.trans(sinusoid), WIDEN, IEEE), left_out[:, None],
-                                    right_out[:, None], clip, right, ONE_SIDED), do, tl.trans(v), WIDEN, IEEE)
+    grad_p = _product_into(output_term, do, tl.trans(v), WIDEN, IEEE)
     keep = None
     if DROPOUT:
         keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
     grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[:, None], 0.0, keep_scale, DROPOUT)[1]
-    clip, right = _clip_masks(offset + offs_m, n0, K, BLOCK_N, ONE_SIDED, 2)
+    clip, right = _clip_masks(offset + offs_m, n0, K, BLOCK_N, ONE_SIDED, True)
     inside, left, right = _split_clipped(grad_s, None, clip, right, ONE_SIDED)
     spread = _product_into(spread, inside.to(OPERAND), sinusoid, WIDEN, IEEE)
     grad_q = _product_into(grad_q, grad_s.to(OPERAND), k, WIDEN, IEEE)

@@ -16,6 +16,7 @@ from test_benchmarks import triton_unusable, unmeasured_machine  # noqa: E402, F
 
 GATES_36 = ROOT / "benchmarks" / "results" / "gpu-gates" / "gates.json"
 INTERPRETER_BLOCKS = "16x32, 4 warps, 1 stages"  # the kernels' one configuration under the interpreter
+CAPPED_FORWARD = "128x64, 8 warps, 3 stages, 128 registers"  # a tuned forward configuration, held to 128 registers
 
 
 @pytest.fixture
@@ -75,13 +76,14 @@ def test_blocks_pinned_by_the_environment_switch_reach_the_autotuner_and_bad_one
     from benchmarks.gpu_ops import CheckFailed
     from nezha_hf import triton_kernels
 
-    assert gpu_attention.pin_blocks("forward=16x32x2x1, dQ=16x32x8x2") == {
-        "forward": "16x32, 2 warps, 1 stages", "dQ": "16x32, 8 warps, 2 stages"}
-    assert [(c.kwargs, c.num_warps, c.num_stages) for c in triton_kernels.nezha_forward_kernel.configs] == [
-        ({"BLOCK_M": 16, "BLOCK_N": 32}, 2, 1)]
+    assert gpu_attention.pin_blocks("forward=16x32x2x1x128, dQ=16x32x8x2") == {
+        "forward": "16x32, 2 warps, 1 stages, 128 registers", "dQ": "16x32, 8 warps, 2 stages"}
+    assert [(c.kwargs, c.num_warps, c.num_stages, c.maxnreg)
+            for c in triton_kernels.nezha_forward_kernel.configs] == [({"BLOCK_M": 16, "BLOCK_N": 32}, 2, 1, 128)]
     assert len(triton_kernels.nezha_key_value_grad_kernel.configs) >= 1  # not named: left as tuned
     assert gpu_attention.pin_blocks("") == {} and gpu_attention.pin_blocks(None) == {}
-    for text, why in (("forward=16x16", "'forward=16x16' is not KERNEL=MxNxWARPSxSTAGES"),
+    for text, why in (("forward=16x16", "'forward=16x16' is not KERNEL=MxNxWARPSxSTAGES[xREGISTERS]"),
+                      ("forward=16x32x2x1x128x1", "'forward=16x32x2x1x128x1' is not KERNEL=MxNxWARPSxSTAGES[xREGISTERS]"),
                       ("backward=16x16x4x1", "'backward' is none of forward, dK/dV, dQ"),
                       ("dQ=16x16x4x1", "'dQ=16x16x4x1': dropout draws for 16 queries and 32 keys at a time, so "
                                        "blocks are whole multiples of 16 x 32"),
@@ -152,7 +154,7 @@ def test_the_summary_prints_the_gate_counts_of_each_configuration_timed(tmp_path
     row = {"case": "forward+backward", "dtype": "bfloat16", "queries": 2048, "keys": 2048, "dropout": 0.0,
            "target": 1.3, "met": False, "nezha_ms": 2.0, "sdpa_ms": 0.7, "ratio": 2.0 / 0.7, "sdpa_backend": "flash",
            "yardstick_ms": 0.8, "nezha_over_yardstick": 2.5, "yardstick_over_sdpa": 0.8 / 0.7,
-           "configs": {"forward": "128x64, 8 warps, 3 stages", "dK/dV": "64x128, 8 warps, 2 stages",
+           "configs": {"forward": CAPPED_FORWARD, "dK/dV": "64x128, 8 warps, 2 stages",
                        "dQ": "32x32, 8 warps, 9 stages"}}
     _attention_results(tmp_path, [row], "3.6.0")
     summary = gpu_check.summary_table(tmp_path, {"attention op": "passed (9 s)"}, GATES_36)
@@ -165,11 +167,11 @@ def test_the_summary_prints_the_gate_counts_of_each_configuration_timed(tmp_path
         return max((x for x in counts[(name, "bfloat16", config)]["loops"] if x["class"] == kind),
                    key=lambda x: x["instructions"])
 
-    forward = counts[("nezha_forward_kernel", "bfloat16", "128x64, 8 warps, 3 stages")]
-    tail, band = loop("tail", "nezha_forward_kernel", "128x64, 8 warps, 3 stages"), loop(
-        "band", "nezha_forward_kernel", "128x64, 8 warps, 3 stages")
-    plain = loop("tail", "yardstick_forward_kernel", "128x64, 8 warps, 3 stages")
-    assert (f"| forward | bfloat16 | 128x64, 8 warps, 3 stages | {forward['registers']} | {forward['stack']} | "
+    forward = counts[("nezha_forward_kernel", "bfloat16", CAPPED_FORWARD)]
+    tail, band = loop("tail", "nezha_forward_kernel", CAPPED_FORWARD), loop(
+        "band", "nezha_forward_kernel", CAPPED_FORWARD)
+    plain = loop("tail", "yardstick_forward_kernel", CAPPED_FORWARD)
+    assert (f"| forward | bfloat16 | {CAPPED_FORWARD} | {forward['registers']} | {forward['stack']} | "
             f"{forward['blocks_per_sm']} | {forward['wgmma']} / {forward['mma_sync']} | "
             f"{tail['per_pair']:.2f} ({tail['per_pair'] / plain['per_pair']:.2f}x) | "
             f"{band['instructions'] / tail['instructions']:.2f} |") in summary
@@ -222,3 +224,27 @@ def test_the_model_profile_ends_in_one_line_when_nezha_did_not_run_triton(triton
     assert capsys.readouterr().err.splitlines() == ["gpu_profile.py: NEZHA did not run the Triton engine on cpu: the "
                                                     "chunked engine ran (simulated: kernels failed)"]
     assert not list(tmp_path.iterdir())
+
+
+def test_a_gate_with_nothing_to_compare_with_fails_rather_than_passing_unchecked():
+    """The tail loop's gate compares with the yardstick at the same configuration, dropout's with the case without
+    dropout: where those counts are missing (the yardstick compiled for one case's configurations only) the row
+    fails in words, rather than passing a gate nothing checked. A run of the dropout case alone (`--case`) has no
+    case without dropout to ask for."""
+    from benchmarks import gpu_gates
+
+    rows = json.loads(GATES_36.read_text())["rows"]
+    today = gpu_gates.gate_failures(rows)
+    assert not [line for line in today if "no counts" in line]
+
+    def without(kernel, case, config):
+        return [r for r in rows if (r["kernel"], r["case"], r["config_name"]) != (kernel, case, config)]
+
+    failures = gpu_gates.gate_failures(without("yardstick_forward_kernel", "bfloat16", CAPPED_FORWARD))
+    assert f"forward (bfloat16), {CAPPED_FORWARD}: no counts of the yardstick at this configuration to compare " \
+           "with" in failures
+    failures = gpu_gates.gate_failures(without("nezha_forward_kernel", "bfloat16", "64x64, 4 warps, 3 stages"))
+    assert ("forward (bfloat16, dropout), 64x64, 4 warps, 3 stages: no counts of the case without dropout at this "
+            "configuration to compare with") in failures
+    dropout_alone = [r for r in rows if r["case"] != "bfloat16" or r["kernel"].startswith("yardstick")]
+    assert not [line for line in gpu_gates.gate_failures(dropout_alone) if "no counts" in line]

@@ -282,7 +282,8 @@ def test_on_the_cpu_only_by_name_under_the_interpreter(monkeypatch):
 def test_tuning_is_keyed_on_length_classes_and_a_decoding_step_gets_small_blocks(monkeypatch):
     """A decoding loop's key length grows by one per step: keyed on the length itself, the forward would be tuned
     again at every step. A decoding step is tuned over blocks of 16 queries, a long call over the larger blocks, a
-    float32 call over float32's own blocks; with dropout, only blocks of whole 32 keys (its draws' groups)."""
+    float32 call over float32's own blocks; with dropout, only blocks of whole 32 keys (its draws' groups) and none
+    held to a register cap."""
     from nezha_hf import triton_kernels as tk
 
     assert [tk.length_class(n) for n in (1, 16, 17, 1000, 1024, 1025)] == [16, 16, 32, 1024, 1024, 2048]
@@ -301,6 +302,10 @@ def test_tuning_is_keyed_on_length_classes_and_a_decoding_step_gets_small_blocks
         assert tuned(16, named, ieee=True) == [(16, 32)] and tuned(4096, named, ieee=True) == [(32, 16)]
         assert tuned(4096, named, ieee=True, dropout=True) == [(16, 32)]
         assert tuned(4096, named, dropout=True) == [(64, 128), (128, 128)]
+    # a configuration held to fewer registers a thread (the forward's 128-row block) is not tuned under dropout,
+    # whose draws would spill at the cap
+    configs[2] = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, maxnreg=128)
+    assert tuned(4096) == [(64, 128), (128, 128)] and tuned(4096, dropout=True) == [(64, 128)]
 
 
 # --- tiles by class, dropout's counters, launches, failures, float32, decoding (issue 47) ---------------------------
