@@ -377,7 +377,8 @@ def triton_backward(grad_output, query, key, value, table, problem: AttentionPro
             Q=query, DO=grad_output, O=output, Table=arguments["Table"], Sinusoid=rotation["Sinusoid"], Lse=lse,
             RowLse=row_lse, RowDot=row_dot, **turned,
             **_strides(query, "q", "m"), **_strides(grad_output, "o", "m"), **_strides(output, "y", "m"), heads=heads,
-            Lq=queries, D=size, K=arguments["K"], scale_log2=arguments["scale_log2"], DROPOUT=switches.dropout,
+            Lq=queries, D=size, K=arguments["K"], scale_log2=arguments["scale_log2"],
+            keep_scale=arguments["keep_scale"], DROPOUT=switches.dropout,
             ROTATE=rotation["ROTATE"], BLOCK_D=arguments["BLOCK_D"], BLOCK_M=block)
         kernels.nezha_key_value_grad_kernel[lambda meta: (_blocks(keys, meta["BLOCK_N"]) * batch * heads,)](
             DK=grad_key, DV=grad_value, **shared)

@@ -341,6 +341,46 @@ def _kept(seed, head, offs_m, n0, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
+def _bytes_at_least(word, threshold):
+    """The four bytes of 32-bit `word` against `threshold` (1 .. 255) at once, as unsigned numbers: each byte's high
+    bit set where the byte is at least `threshold`, every other bit clear (four instructions for four draws)."""
+    spread = (threshold * 0x01010101).to(tl.uint32)
+    low = (word | 0x80808080) - (spread & 0x7F7F7F7F)  # per byte 128 + (low 7 bits - threshold's): never borrows
+    # a byte's high bit against the threshold's, and where they are equal the low bits' difference's sign
+    return ((word & ~spread) | (~(word ^ spread) & low)) & 0x80808080
+
+
+@triton.jit
+def _kept_by_keys(seed, head, m0, n0, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`tl.trans(_kept(...))` of the tile at queries `m0 ...` and keys `n0 ...`: the pairs dropout keeps as `[keys,
+    queries]`, dK/dV's orientation, where a thread holds two keys of each call's eight, so that the draws must move
+    between threads. Each thread draws its calls (`_kept`'s counters) and compares their 16 bytes into one word of
+    bits; that word, not the draws, moves to the threads that use it (one exchange per tile, where the joins of
+    `_kept` exchanged every 32-bit output), and each pair tests its bit."""
+    pairs = m0 // 16 * 8 + tl.arange(0, BLOCK_M // 2)  # query 16u + 8h + v: pair 8u + v
+    zeros = tl.zeros([BLOCK_M // 2, BLOCK_N // 8], tl.int32)
+    groups = n0 // 8 + tl.arange(0, BLOCK_N // 8)  # key 32a + 16d + 8m + 2c + e: group 4a + c
+    r0, r1, r2, r3 = tl.philox(seed, zeros + pairs[:, None], zeros + groups[None, :], zeros + head, zeros,
+                               PHILOX_ROUNDS)
+    bits = ((_bytes_at_least(r0, threshold) >> 7) | (_bytes_at_least(r1, threshold) >> 6)
+            | (_bytes_at_least(r2, threshold) >> 5) | (_bytes_at_least(r3, threshold) >> 4))  # output w, byte y: 8y + w
+    # A reduction Triton does not recompute in another layout: without it, every thread that uses a call would
+    # draw it again (four times the Philox calls) rather than receive its word.
+    bits = tl.max(bits[:, :, None], 2)
+    bits = tl.permute(tl.reshape(bits, [BLOCK_M // 16, 8, BLOCK_N // 32, 4]), (2, 3, 0, 1))  # (a, c, u, v)
+    bits = tl.reshape(bits, [1, 1, 1, 1, BLOCK_N // 32, 4, BLOCK_M // 16, 8])  # (d, m, e, h, a, c, u, v)
+    d = tl.arange(0, 2)[:, None, None, None, None, None, None, None]
+    m = tl.arange(0, 2)[None, :, None, None, None, None, None, None]
+    e = tl.arange(0, 2)[None, None, :, None, None, None, None, None]
+    h = tl.arange(0, 2)[None, None, None, :, None, None, None, None]
+    # a pair's bit is 8 (2m + e) + 2h + d (output 2h + k div 2, byte 2 (k mod 2) + e, for k = 2d + m); shifted by
+    # its keys' e and d first (a thread holds one of each), by a constant per pair after
+    bits = bits >> (8 * e + d).to(tl.uint32)
+    kept = tl.permute((bits >> (16 * m + 2 * h).to(tl.uint32)) & 1, (4, 0, 1, 5, 2, 6, 3, 7))  # key, query order
+    return tl.reshape(kept, [BLOCK_N, BLOCK_M]) != 0
+
+
+@triton.jit
 def _whole_blocks_end(lo, hi, length, BLOCK: tl.constexpr):
     """Where the blocks of `BLOCK` from `lo` to `hi` stop lying wholly inside `length` rows: a loop runs them unmasked
     up to it, and the one block from it to `hi` (if any) is the masked tile after the loop."""
@@ -407,7 +447,7 @@ def _softmax_step(scores, row_max, row_sum, key_term, scale_log2):
 @triton.jit
 def _forward_tile(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0,
                   offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                  scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+                  scale_log2, seed, head, threshold, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
                   CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
                   IEEE: tl.constexpr, EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The tile at key block `n0` of one class (`_forward_tiles`): `(acc, row_max, row_sum, mass)` updated, a tail's
@@ -432,7 +472,7 @@ def _forward_tile(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyVa
 @triton.jit
 def _forward_tiles(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, hi, m0,
                    offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                   scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+                   scale_log2, seed, head, threshold, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
                    CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The online softmax over the key blocks `lo .. hi` of one class: `(acc, row_max, row_sum, mass)`. A tail's whole
@@ -445,13 +485,13 @@ def _forward_tiles(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyV
         acc, row_max, row_sum, mass = _forward_tile(
             acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0, offs_m,
             offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
-            keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, KIND == BAND, BLOCK_M, BLOCK_N)
+            KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, KIND == BAND, BLOCK_M, BLOCK_N)
     if KIND != BAND:
         if edge < hi:  # the last block, ending past the last key (`hi - edge < BLOCK_N`)
             acc, row_max, row_sum, mass = _forward_tile(
                 acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, edge, m0,
                 offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-                threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
+                threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
                 BLOCK_N)
     return acc, row_max, row_sum, mass
 
@@ -537,7 +577,7 @@ def _split_clipped(x, x_sum, clip, right, ONE_SIDED: tl.constexpr):
 def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, rotated, left_raw, right_raw, Kh, Vh,
                        Sinusoid, KeyValid, KeyIsSource, key_row, n0, m0, offs_m, offset, Lk, K, D: tl.constexpr,
                        offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
-                       keep_scale, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
+                       HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
                        DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, EDGE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A band tile without gathers (the table the exact sinusoid, `ROTATE`): with `s = i - m0` and `t = j - offset -
@@ -577,7 +617,7 @@ def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, 
 @triton.jit
 def _rotated_band(acc, row_max, row_sum, q, first_row, last_row, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, lo,
                   hi, m0, offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                  scale_log2, seed, head, threshold, keep_scale, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
+                  scale_log2, seed, head, threshold, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
                   HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """The band's key blocks `lo .. hi` by rotation (`_rotated_band_tile`): `(acc, row_max, row_sum)`, the band's
@@ -594,13 +634,13 @@ def _rotated_band(acc, row_max, row_sum, q, first_row, last_row, Kh, Vh, Sinusoi
         acc, spread, left_mass, right_mass, row_max, row_sum = _rotated_band_tile(
             acc, spread, left_mass, right_mass, row_max, row_sum, q, rotated, left_raw, right_raw, Kh, Vh, Sinusoid,
             KeyValid, KeyIsSource, key_row, n0, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn,
-            stride_vd, scale_log2, seed, head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN,
+            stride_vd, scale_log2, seed, head, threshold, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN,
             IEEE, False, BLOCK_M, BLOCK_N)
     if edge < hi:  # the last block, ending past the last key (`hi - edge < BLOCK_N`)
         acc, spread, left_mass, right_mass, row_max, row_sum = _rotated_band_tile(
             acc, spread, left_mass, right_mass, row_max, row_sum, q, rotated, left_raw, right_raw, Kh, Vh, Sinusoid,
             KeyValid, KeyIsSource, key_row, edge, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd,
-            stride_vn, stride_vd, scale_log2, seed, head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE,
+            stride_vn, stride_vd, scale_log2, seed, head, threshold, HAS_VALID, CAUSAL, HAS_SOURCE,
             DROPOUT, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
     acc += _rotate_pairs(spread, angles, True, BLOCK_M, BLOCK_D)
     acc += left_mass[:, None] * first_row[None, :] + right_mass[:, None] * last_row[None, :]
@@ -662,23 +702,23 @@ def nezha_forward_kernel(
     acc, row_max, row_sum, mass = _forward_tiles(
         acc, row_max, zeros, zeros, q, left_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo,
         band_lo, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
-        head, threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        head, threshold, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     acc += mass[:, None] * first_row[None, :]
     if ROTATE:
         acc, row_max, row_sum = _rotated_band(
             acc, row_max, row_sum, q, first_row, last_row, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, band_lo,
             band_hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2,
-            seed, head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N,
+            seed, head, threshold, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N,
             BLOCK_D)
     else:
         acc, row_max, row_sum, _ = _forward_tiles(
             acc, row_max, row_sum, zeros, q, zeros, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_lo, band_hi,
             m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-            threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+            threshold, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     acc, row_max, row_sum, mass = _forward_tiles(
         acc, row_max, row_sum, zeros, q, right_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_hi, hi, m0,
         offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-        threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        threshold, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     acc += mass[:, None] * last_row[None, :]
     if DROPOUT:
         acc *= keep_scale  # dropout's `1 / (1 - p)`, once per output rather than per pair
@@ -728,13 +768,14 @@ def nezha_merge_kernel(Partial, PartialStats, Out, Lse, stride_ob, stride_oh, st
 def nezha_row_statistics_kernel(Q, DO, O, Table, Sinusoid, Lse, RowLse, RowDot, RowTerms, RotQ, RotDO, stride_qb,
                                 stride_qh, stride_qm, stride_qd, stride_ob, stride_oh, stride_om, stride_od, stride_yb,
                                 stride_yh, stride_ym, stride_yd, heads, Lq, D: tl.constexpr, K: tl.constexpr,
-                                scale_log2, DROPOUT: tl.constexpr, ROTATE: tl.constexpr, BLOCK_D: tl.constexpr,
-                                BLOCK_M: tl.constexpr):
+                                scale_log2, keep_scale, DROPOUT: tl.constexpr, ROTATE: tl.constexpr,
+                                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """The backward's statistics of one block of queries of one head, one row per tile class (`[heads, 3, Lq]`
     float32, the class's index): `RowLse`, the forward's log-sum-exp in base 2 (+inf for a row that saw nothing, so
     that its probabilities are 0) less a tail's key term `q_i . T[row] * scale * log2(e)`; `RowDot`, `D_i = dO_i . O_i`
     (`O`: `stride_y*`) less a tail's output term `dO_i . T[row]`, or with dropout, which multiplies that term pair by
-    pair, the term itself (the band's row keeps `D_i`). A tail tile then costs a plain FlashAttention-2 tile: its
+    pair, the term itself (the band's row keeps `D_i`, divided by dropout's `keep_scale`: `_gradient_of_scores`
+    leaves that factor to the end). A tail tile then costs a plain FlashAttention-2 tile: its
     exponent one multiply-add, nothing per row recomputed in the key/value gradients' loop. `ROTATE` (the backward's
     band by rotation): also `RowTerms` (`[heads, 4, Lq]` float32: `q_i . T[0]`, `q_i . T[2K]`, `dO_i . T[0]`,
     `dO_i . T[2K]`, the terms of a band tile's clipped pairs) and the queries and output gradients turned pairwise
@@ -764,7 +805,9 @@ def nezha_row_statistics_kernel(Q, DO, O, Table, Sinusoid, Lse, RowLse, RowDot, 
                  mask=inside)
         tl.store(RotDO + turned, _rotate_pairs(do.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(do.dtype),
                  mask=inside)
-    if not DROPOUT:
+    if DROPOUT:
+        row_dot = row_dot / keep_scale
+    else:
         left, right = row_dot - left, row_dot - right
     base = head.to(tl.int64) * 3 * Lq + offs_m
     tl.store(RowLse + base + LEFT * Lq, lse - _row_term(q, first_row) * scale_log2, mask=rows)
@@ -786,6 +829,7 @@ def _class_statistics(RowLse, RowDot, head, m0, Lq, KIND: tl.constexpr, DROPOUT:
     rows = m0 + block < Lq
     head_rows = head.to(tl.int64) * 3 * Lq  # a scalar: the loop adds only the queries' offsets
     lse_of, dot_of = RowLse + head_rows + (KIND * Lq + m0), RowDot + head_rows + (KIND * Lq + m0)
+    band_dot_of = RowDot + head_rows + (BAND * Lq + m0)
     if MASK_ROWS:
         lse = tl.load(lse_of + block, mask=rows, other=float("inf"))
         row_dot = tl.load(dot_of + block, mask=rows, other=0.0)
@@ -795,20 +839,24 @@ def _class_statistics(RowLse, RowDot, head, m0, Lq, KIND: tl.constexpr, DROPOUT:
     output_term = tl.zeros_like(row_dot)
     if DROPOUT and KIND != BAND:
         output_term = row_dot
-        row_dot = tl.load(RowDot + head_rows + (BAND * Lq + m0) + block, mask=rows, other=0.0)
+        if MASK_ROWS:
+            row_dot = tl.load(band_dot_of + block, mask=rows, other=0.0)
+        else:
+            row_dot = tl.load(band_dot_of + block)
     return lse, row_dot, output_term
 
 
 @triton.jit
-def _gradient_of_scores(p, grad_p, keep, row_dot, output_term, keep_scale, DROPOUT: tl.constexpr):
+def _gradient_of_scores(p, grad_p, keep, row_dot, output_term, DROPOUT: tl.constexpr):
     """`(kept, dS)` of a tile from its probabilities `p` and `dP` before dropout (both per pair, any orientation;
     `row_dot` and `output_term` broadcast to them): `dS = P (z (dP + output_term) - D)` for dropout's factor `z`
     (kept: `keep_scale = 1 / (1 - p)`, else 0), `P (dP - D)` without (the output term already in `D`), and `kept`
     the probabilities dropout keeps (0 where it drops). With dropout both come without `keep_scale`, which the kernels
-    apply once to the gradients they sum (a multiply per output, not per pair)."""
+    apply once to the gradients they sum (a multiply per output, not per pair), and `row_dot` is `D / keep_scale`
+    (`nezha_row_statistics_kernel`)."""
     if DROPOUT:
         kept = tl.where(keep, p, 0.0)
-        grad_s = p * (tl.where(keep, grad_p + output_term, 0.0) - row_dot / keep_scale)
+        grad_s = kept * (grad_p + output_term) - p * row_dot  # `kept` used twice: selected in float32, not bfloat16
     else:
         kept = p
         grad_s = p * (grad_p - row_dot)
@@ -816,8 +864,8 @@ def _gradient_of_scores(p, grad_p, keep, row_dot, output_term, keep_scale, DROPO
 
 
 @triton.jit
-def _key_value_products(grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, offs_n, n0, offset,
-                        Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, keep_scale,
+def _key_value_products(grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, m0, offs_n, n0,
+                        offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold,
                         KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
                         DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr):
@@ -831,8 +879,8 @@ def _key_value_products(grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, out
     p = tl.exp2(scores * scale_log2 - lse[None, :])
     keep = None
     if DROPOUT:
-        keep = tl.trans(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N))
-    kept, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[None, :], output_term[None, :], keep_scale, DROPOUT)
+        keep = _kept_by_keys(seed, head, m0, n0, threshold, BLOCK_M, BLOCK_N)
+    kept, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[None, :], output_term[None, :], DROPOUT)
     grad_v = _product_into(grad_v, kept.to(OPERAND), do, WIDEN, IEEE)
     return _product_into(grad_k, grad_s.to(OPERAND), q, WIDEN, IEEE), grad_v
 
@@ -840,7 +888,7 @@ def _key_value_products(grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, out
 @triton.jit
 def _key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
                     KeyIsSource, key_row, m0, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm,
-                    stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr,
+                    stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, KIND: tl.constexpr,
                     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
                     ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, MASK_ROWS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -850,7 +898,7 @@ def _key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTer
         grad_k, grad_v = _rotated_key_value_tile(
             grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
             key_row, m0, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
-            scale_log2, seed, head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE,
+            scale_log2, seed, head, threshold, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE,
             MASK_ROWS, BLOCK_M, BLOCK_N)
     else:
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -864,8 +912,8 @@ def _key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTer
             scores += tl.trans(_by_pair(q, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
             grad_p += tl.trans(_by_pair(do, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N))
         grad_k, grad_v = _key_value_products(
-            grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, offs_n, n0, offset, Lk,
-            KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL,
+            grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, m0, offs_n, n0, offset, Lk,
+            KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, KIND, HAS_VALID, CAUSAL,
             HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     return grad_k, grad_v
 
@@ -873,8 +921,8 @@ def _key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTer
 @triton.jit
 def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
                      KeyIsSource, key_row, lo, hi, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm,
-                     stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, keep_scale,
-                     KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
+                     stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, KIND: tl.constexpr,
+                     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
                      DROPOUT: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """`dK` (unscaled) and `dV` of a key block over the query blocks `lo .. hi` of one class, as FlashAttention-2's
@@ -887,13 +935,13 @@ def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTe
         grad_k, grad_v = _key_value_tile(
             grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
             KeyIsSource, key_row, m0, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
-            stride_od, scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
+            stride_od, scale_log2, seed, head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
             ROTATE, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
     if edge < hi:  # the last block, ending past the last query (`hi - edge < BLOCK_M`)
         grad_k, grad_v = _key_value_tile(
             grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
             KeyIsSource, key_row, edge, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
-            stride_od, scale_log2, seed, head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
+            stride_od, scale_log2, seed, head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
             ROTATE, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
     return grad_k, grad_v
 
@@ -920,7 +968,7 @@ def _turned(Turned, head, offs_m, offs_d, Lq, D: tl.constexpr, MASK_ROWS: tl.con
 @triton.jit
 def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
                             KeyIsSource, key_row, m0, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d,
-                            stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, keep_scale,
+                            stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold,
                             HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
                             DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, MASK_ROWS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -947,9 +995,9 @@ def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTe
                                     right_key[None, :], clip, right, False), k, tl.trans(q), WIDEN, IEEE)
     grad_p = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_do), WIDEN, IEEE), left_out[None, :],
                                     right_out[None, :], clip, right, False), v, tl.trans(do), WIDEN, IEEE)
-    return _key_value_products(grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, offs_n, n0,
-                               offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold,
-                               keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M,
+    return _key_value_products(grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, m0, offs_n,
+                               n0, offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, BAND,
+                               HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M,
                                BLOCK_N)
 
 
@@ -995,17 +1043,17 @@ def nezha_key_value_grad_kernel(
     grad_k, grad_v = _key_value_tiles(
         grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
         key_row, left_lo, hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
-        scale_log2, seed, head, threshold, keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
+        scale_log2, seed, head, threshold, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
         IEEE, BLOCK_M, BLOCK_N)
     grad_k, grad_v = _key_value_tiles(
         grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
         key_row, right_hi, left_lo, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
-        stride_od, scale_log2, seed, head, threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE,
+        stride_od, scale_log2, seed, head, threshold, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE,
         WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_k, grad_v = _key_value_tiles(
         grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
         key_row, lo, right_hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
-        scale_log2, seed, head, threshold, keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
+        scale_log2, seed, head, threshold, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
         IEEE, BLOCK_M, BLOCK_N)
     out = head.to(tl.int64) * Lk * D + offs_n[:, None] * D + offs_d[None, :]
     key_mask = (offs_n < Lk)[:, None] & _columns(offs_d, D)[None, :]
@@ -1031,7 +1079,7 @@ def _add_row_sums(sums, x, WIDEN: tl.constexpr, IEEE: tl.constexpr):
 @triton.jit
 def _query_tile(grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0,
                 offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                scale_log2, seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
+                scale_log2, seed, head, threshold, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
                 CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
                 IEEE: tl.constexpr, EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The tile of `_query_tiles` at key block `n0`: `(grad_q, mass)` updated (`EDGE`: the block may end past the
@@ -1048,7 +1096,7 @@ def _query_tile(grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, K
     keep = None
     if DROPOUT:
         keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
-    _, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[:, None], output_term[:, None], keep_scale, DROPOUT)
+    _, grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[:, None], output_term[:, None], DROPOUT)
     if KIND == BAND:
         grad_q = _add_times_window(grad_q, grad_s.to(OPERAND), Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M,
                                    BLOCK_N)
@@ -1060,7 +1108,7 @@ def _query_tile(grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, K
 @triton.jit
 def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, lo, hi, m0, offs_m,
                  offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2,
-                 seed, head, threshold, keep_scale, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
+                 seed, head, threshold, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
                  HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """`(grad_q, mass)`: `sum_j dS_ij (k_j + T[r])` (unscaled) of a query block over the key blocks `lo .. hi` of one
@@ -1076,14 +1124,14 @@ def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSo
         grad_q, mass = _query_tile(
             grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0,
             offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-            threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, KIND == BAND, BLOCK_M,
+            threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, KIND == BAND, BLOCK_M,
             BLOCK_N)
     if KIND != BAND:
         if edge < hi:  # the last block, ending past the last key (`hi - edge < BLOCK_N`)
             grad_q, mass = _query_tile(
                 grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, edge,
                 m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
-                head, threshold, keep_scale, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
+                head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
                 BLOCK_N)
     return grad_q, tl.sum(mass, 1)
 
@@ -1092,7 +1140,7 @@ def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSo
 def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q, rotated_do, lse, row_dot, left_key,
                         right_key, left_out, right_out, reference, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, n0,
                         m0, offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                        scale_log2, seed, head, threshold, keep_scale, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
+                        scale_log2, seed, head, threshold, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
                         HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
                         EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One band tile of `_rotated_query_band` at key block `n0`: `(grad_q, spread, left_mass, right_mass)` updated
@@ -1119,7 +1167,7 @@ def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q,
     keep = None
     if DROPOUT:
         keep = _kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N)
-    grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[:, None], 0.0, keep_scale, DROPOUT)[1]
+    grad_s = _gradient_of_scores(p, grad_p, keep, row_dot[:, None], 0.0, DROPOUT)[1]
     clip, right = _clip_masks(offset + offs_m, n0, K, BLOCK_N, ONE_SIDED, True)
     inside, left, right = _split_clipped(grad_s, None, clip, right, ONE_SIDED)
     spread = _product_into(spread, inside.to(OPERAND), sinusoid, WIDEN, IEEE)
@@ -1130,7 +1178,7 @@ def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q,
 @triton.jit
 def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, KeyValid,
                         KeyIsSource, key_row, lo, hi, m0, offs_m, offset, Lq, Lk, K, D: tl.constexpr, offs_d,
-                        stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold, keep_scale,
+                        stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
                         HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
                         WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr):
@@ -1154,14 +1202,14 @@ def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, 
         grad_q, spread, left_mass, right_mass = _rotated_query_tile(
             grad_q, spread, left_mass, right_mass, q, do, rotated_q, rotated_do, lse, row_dot, left_key, right_key,
             left_out, right_out, reference, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, n0, m0, offs_m, offset,
-            Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
-            keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
+            Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold, HAS_VALID,
+            CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
     if edge < hi:  # the last block, ending past the last key (`hi - edge < BLOCK_N`)
         grad_q, spread, left_mass, right_mass = _rotated_query_tile(
             grad_q, spread, left_mass, right_mass, q, do, rotated_q, rotated_do, lse, row_dot, left_key, right_key,
             left_out, right_out, reference, Kh, Vh, Sinusoid, KeyValid, KeyIsSource, key_row, edge, m0, offs_m, offset,
-            Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
-            keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
+            Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold, HAS_VALID,
+            CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
     angles = _sinusoid_rows(Sinusoid, offs_m % ROTATION, D, offs_d).to(tl.float32)
     grad_q += _rotate_pairs(spread, angles, True, BLOCK_M, BLOCK_D)
     return (grad_q + left_mass[:, None] * _table_row(Table, 0, D, offs_d)[None, :]
@@ -1198,25 +1246,25 @@ def nezha_query_grad_kernel(
     grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     grad_q, mass = _query_tiles(
         grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, lo, band_lo, m0, offs_m, offset,
-        Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
-        keep_scale, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold, LEFT,
+        HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_q += mass[:, None] * _table_row(Table, 0, D, offs_d)[None, :]
     if ROTATE:
         grad_q = _rotated_query_band(
             grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, KeyValid, KeyIsSource,
             key_row, band_lo, band_hi,
             m0, offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
-            head, threshold, keep_scale, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N,
+            head, threshold, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N,
             BLOCK_D)
     else:
         grad_q, _ = _query_tiles(
             grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_lo, band_hi, m0,
             offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-            threshold, keep_scale, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+            threshold, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_q, mass = _query_tiles(
         grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_hi, hi, m0, offs_m, offset,
-        Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
-        keep_scale, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold, RIGHT,
+        HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_q += mass[:, None] * _table_row(Table, 2 * K, D, offs_d)[None, :]
     if DROPOUT:
         grad_q *= keep_scale  # `_gradient_of_scores`: dS without dropout's `keep_scale`

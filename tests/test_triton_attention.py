@@ -28,6 +28,7 @@ from nezha_hf import triton_attention as ta
 from nezha_hf.attention_ops import AttentionProblem, RelativeAttentionMask
 
 triton = pytest.importorskip("triton", reason="Triton is part of the dev install (`[triton]`)")
+tl = triton.language
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -375,12 +376,59 @@ def test_dropout_keeps_by_philox_on_32_bit_counters(queries, keys):
     values = torch.eye(keys).expand(batch, heads, keys, keys).contiguous()
     kept = run(q, k, values, 4, dropout=dropout, seed=seed, table=torch.zeros(9, keys)) != 0
     i, j, head = np.meshgrid(np.arange(queries), np.arange(keys), np.arange(batch * heads), indexing="ij")
+    expected = torch.from_numpy(rule_keeps(seed, head, i, j, round(256 * dropout)))
+    assert torch.equal(kept, expected.permute(2, 0, 1).reshape(batch, heads, queries, keys))
+
+
+def rule_keeps(seed: int, head, i, j, threshold: int):
+    """Whether dropout keeps query `i`, key `j` of head `head` (numpy arrays, broadcast), by the rule the test above
+    states."""
+    import numpy as np
+
     eighth, odd = (j // 8) % 4, j % 2
     outputs = philox4x32(seed, (8 * (i // 16) + i % 8, 4 * (j // 32) + (j % 8) // 2, head, np.zeros_like(i)), rounds=7)
     word = np.choose(2 * ((i // 8) % 2) + eighth // 2, outputs)
     draw = (word >> (8 * (2 * (eighth % 2) + odd)).astype(np.uint64)) & np.uint64(0xFF)
-    expected = torch.from_numpy(draw >= round(256 * dropout)).permute(2, 0, 1).reshape(batch, heads, queries, keys)
-    assert torch.equal(kept, expected)
+    return draw >= threshold
+
+
+from nezha_hf import triton_kernels as kernels  # noqa: E402 - Triton's helpers, for the kernels below
+
+
+@triton.jit
+def _bytes_compared(Out, threshold):
+    value = tl.arange(0, 256).to(tl.uint32)  # byte k of a word: (value + 61 k) mod 256
+    word = value | (value + 61) % 256 << 8 | (value + 122) % 256 << 16 | (value + 183) % 256 << 24
+    tl.store(Out + tl.arange(0, 256), kernels._bytes_at_least(word, threshold).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _keys_by_queries(Out, seed, head, m0, n0, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    kept = kernels._kept_by_keys(seed, head, m0, n0, threshold, BLOCK_M, BLOCK_N)
+    tl.store(Out + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], kept.to(tl.int8))
+
+
+def test_dk_dv_tiles_draw_the_rule_at_every_tuned_block():
+    """dK/dV's tiles hold keys by queries: their draws are compared four bytes at once (every byte value against every
+    threshold, each byte of a word on its own) and moved as bits; the mask they make is the rule's, transposed, for
+    every tuned dK/dV block (the interpreter's tests run only its block of 16 x 32) and a tile away from the start."""
+    import numpy as np
+
+    value = np.arange(256)
+    for threshold in range(1, 256):
+        out = torch.zeros(256, dtype=torch.int32)
+        _bytes_compared[(1,)](out, threshold)
+        got = out.numpy().view(np.uint32)
+        expected = sum(((value + 61 * k) % 256 >= threshold).astype(np.uint32) << (8 * k + 7) for k in range(4))
+        assert np.array_equal(got, expected), threshold
+    seed = (5 << 40) + 12345
+    for block_m, block_n in [(16, 32), (64, 128), (32, 128), (64, 64)]:
+        for m0, n0, head, threshold in [(0, 0, 0, 77), (3 * block_m, 5 * block_n, 7, 26)]:
+            out = torch.zeros(block_n, block_m, dtype=torch.int8)
+            _keys_by_queries[(1,)](out, seed, head, m0, n0, threshold, BLOCK_M=block_m, BLOCK_N=block_n)
+            j, i = np.meshgrid(n0 + np.arange(block_n), m0 + np.arange(block_m), indexing="ij")
+            expected = rule_keeps(seed, np.full_like(i, head), i, j, threshold)
+            assert np.array_equal(out.numpy() != 0, expected), (block_m, block_n, m0, n0)
 
 
 class Launches:
