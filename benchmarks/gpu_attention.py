@@ -66,7 +66,8 @@ PINNING = "NEZHA_CHECK_BLOCKS"  # the environment switch of `pin_blocks`
 def pin_blocks(text: str | None) -> dict[str, str]:
     """Pin NEZHA's autotuned kernels to the configurations `text` names (`NEZHA_CHECK_BLOCKS`, e.g.
     `forward=128x64x8x3x128,dQ=128x32x8x2`: BLOCK_M x BLOCK_N x warps x stages, and registers a thread where
-    capped), for this process; returns them by
+    capped), for this process, every case included (a capped forward runs under dropout too, which tuning never
+    does); returns them by
     kernel. A malformed entry, blocks that are not whole multiples of dropout's
     (`triton_kernels.DROPOUT_QUERIES` x `DROPOUT_KEYS`), or a forward
     key block that does not divide the decoding split's granule, raises `CheckFailed` in one line."""
@@ -79,7 +80,7 @@ def pin_blocks(text: str | None) -> dict[str, str]:
         name, _, numbers = entry.partition("=")
         try:
             block_m, block_n, warps, stages, *registers = (int(number) for number in numbers.split("x"))
-            if len(registers) > 1:
+            if len(registers) > 1 or min(registers, default=1) < 1:
                 raise ValueError
         except ValueError:
             raise CheckFailed(f"{PINNING}: {entry!r} is not KERNEL=MxNxWARPSxSTAGES[xREGISTERS]") from None

@@ -364,6 +364,9 @@ def gate_failures(rows: list[dict]) -> list[str]:
             failures.append(f"{name}: products computed twice ({', '.join(row['duplicated_products'])}): a block of "
                             "fewer rows than its warps cover")
         tail, band = _tail(row), _band(row)
+        for what, found in (("tail", tail), ("band", band)):
+            if not found:  # a gate of a loop not found would pass unchecked
+                failures.append(f"{name}: no {what} loop found in its SASS to count")
         if tail and tail["spills"]:
             failures.append(f"{name}: {tail['spills']} spill loads/stores in a tail loop")
         if row["kernel"] == "nezha_forward_kernel" and row["blocks_per_sm"] < FORWARD_BLOCKS_PER_SM:
@@ -417,7 +420,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compile-only", type=Path, help=argparse.SUPPRESS)  # a --triton-python worker's input
     parser.add_argument("--plant", action="append", default=[], metavar="KERNEL:M,N,WARPS,STAGES[,REGISTERS]",
                         help="add a configuration to a NEZHA kernel's tuned ones (to see a gate fail, or to try one; "
-                             "REGISTERS caps a thread's, Triton's maxnreg), e.g. nezha_forward_kernel:64,64,8,3")
+                             "REGISTERS caps a thread's, Triton's maxnreg), compiled for every case, even one whose "
+                             "tuning would not take it, e.g. nezha_forward_kernel:64,64,8,3")
     parser.add_argument("--only", nargs="+", choices=[SHORT[name] for name in YARDSTICK_OF],
                         help="compile these kernels only (and their yardsticks)")
     parser.add_argument("--case", choices=["bfloat16", "bfloat16, dropout"], help="compile this case only")

@@ -344,7 +344,7 @@ def _kept(seed, head, offs_m, n0, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 def _bytes_at_least(word, threshold):
     """The four bytes of 32-bit `word` against `threshold` (1 .. 255) at once, as unsigned numbers: each byte's high
     bit set where the byte is at least `threshold`, every other bit clear (four instructions for four draws)."""
-    spread = (threshold * 0x01010101).to(tl.uint32)
+    spread = tl.cast(threshold, tl.uint32) * 0x01010101  # a tensor even where the JIT made a threshold of 1 a constant
     low = (word | 0x80808080) - (spread & 0x7F7F7F7F)  # per byte 128 + (low 7 bits - threshold's): never borrows
     # a byte's high bit against the threshold's, and where they are equal the low bits' difference's sign
     return ((word & ~spread) | (~(word ^ spread) & low)) & 0x80808080
@@ -522,9 +522,10 @@ def _clip_masks(rows, first, K, COLUMNS: tl.constexpr, ONE_SIDED: tl.constexpr, 
     so its clipped pairs lie on one side), `clip` is them, by one compare per pair with a threshold per row, and
     `right` per row whether they are `distance >= K` ones; otherwise `clip` the pairs `distance <= -K` and `right`
     those `distance >= K`. `AGAIN`: the same masks by other compares (`x > t - 1` for `x >= t`), for a tile's use
-    after its products: the compilers cannot prove them equal (the subtraction may wrap), so they compare again, one
-    instruction per pair, where a merged compare's predicates would be kept packed in registers across the products
-    (three instructions per pair)."""
+    after its products: with the one-sided rows' run-time thresholds the compilers cannot prove them equal (the
+    subtraction may wrap), so they compare again, one instruction per pair, where a merged compare's predicates would
+    be kept packed in registers across the products (three instructions per pair). The two-sided form compares with
+    the constant `K`, which the compilers may merge; only a small `K` is two-sided, which no tuned block compiles."""
     columns = tl.arange(0, COLUMNS)[None, :]
     if ONE_SIDED:
         right = first + COLUMNS - 1 - rows >= K  # the row's largest distance is at its last key
@@ -823,8 +824,9 @@ def _class_statistics(RowLse, RowDot, head, m0, Lq, KIND: tl.constexpr, DROPOUT:
                       MASK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
     """`(lse, row_dot, output_term)` of the block of queries at `m0` for a tile class
     (`nezha_row_statistics_kernel`): +inf and 0 past the queries (masked only where `MASK_ROWS`: a block that may end
-    past the last query); `output_term` is 0 but for a tail's with dropout, when `row_dot` is `D_i` itself. The
-    block's first query moves the (64-bit) base, so that each load's pointers are one base and constant offsets."""
+    past the last query); `output_term` is 0 but for a tail's with dropout, and with dropout `row_dot` is `D_i /
+    keep_scale` (the band's row). The block's first query moves the (64-bit) base, so that each load's pointers are
+    one base and constant offsets."""
     block = tl.arange(0, BLOCK_M)
     rows = m0 + block < Lq
     head_rows = head.to(tl.int64) * 3 * Lq  # a scalar: the loop adds only the queries' offsets

@@ -82,8 +82,10 @@ def test_blocks_pinned_by_the_environment_switch_reach_the_autotuner_and_bad_one
             for c in triton_kernels.nezha_forward_kernel.configs] == [({"BLOCK_M": 16, "BLOCK_N": 32}, 2, 1, 128)]
     assert len(triton_kernels.nezha_key_value_grad_kernel.configs) >= 1  # not named: left as tuned
     assert gpu_attention.pin_blocks("") == {} and gpu_attention.pin_blocks(None) == {}
-    for text, why in (("forward=16x16", "'forward=16x16' is not KERNEL=MxNxWARPSxSTAGES[xREGISTERS]"),
-                      ("forward=16x32x2x1x128x1", "'forward=16x32x2x1x128x1' is not KERNEL=MxNxWARPSxSTAGES[xREGISTERS]"),
+    malformed = "is not KERNEL=MxNxWARPSxSTAGES[xREGISTERS]"
+    for text, why in (("forward=16x16", f"'forward=16x16' {malformed}"),
+                      ("forward=16x32x2x1x128x1", f"'forward=16x32x2x1x128x1' {malformed}"),
+                      ("forward=16x32x2x1x0", f"'forward=16x32x2x1x0' {malformed}"),
                       ("backward=16x16x4x1", "'backward' is none of forward, dK/dV, dQ"),
                       ("dQ=16x16x4x1", "'dQ=16x16x4x1': dropout draws for 16 queries and 32 keys at a time, so "
                                        "blocks are whole multiples of 16 x 32"),
@@ -228,9 +230,9 @@ def test_the_model_profile_ends_in_one_line_when_nezha_did_not_run_triton(triton
 
 def test_a_gate_with_nothing_to_compare_with_fails_rather_than_passing_unchecked():
     """The tail loop's gate compares with the yardstick at the same configuration, dropout's with the case without
-    dropout: where those counts are missing (the yardstick compiled for one case's configurations only) the row
-    fails in words, rather than passing a gate nothing checked. A run of the dropout case alone (`--case`) has no
-    case without dropout to ask for."""
+    dropout: where those counts are missing (the yardstick compiled for one case's configurations only), or a row's
+    own tail or band loop was not found, the row fails in words, rather than passing a gate nothing checked. A run of
+    the dropout case alone (`--case`) has no case without dropout to ask for."""
     from benchmarks import gpu_gates
 
     rows = json.loads(GATES_36.read_text())["rows"]
@@ -248,3 +250,9 @@ def test_a_gate_with_nothing_to_compare_with_fails_rather_than_passing_unchecked
             "configuration to compare with") in failures
     dropout_alone = [r for r in rows if r["case"] != "bfloat16" or r["kernel"].startswith("yardstick")]
     assert not [line for line in gpu_gates.gate_failures(dropout_alone) if "no counts" in line]
+    # a row whose band (or tail) loop was not found fails rather than skipping that loop's gates
+    bandless = json.loads(json.dumps(rows))
+    forward = next(r for r in bandless if (r["kernel"], r["case"]) == ("nezha_forward_kernel", "bfloat16"))
+    forward["loops"] = [loop for loop in forward["loops"] if loop["class"] != "band"]
+    assert (f"forward (bfloat16), {forward['config_name']}: no band loop found in its SASS to count"
+            in gpu_gates.gate_failures(bandless))

@@ -411,7 +411,8 @@ def _keys_by_queries(Out, seed, head, m0, n0, threshold, BLOCK_M: tl.constexpr, 
 def test_dk_dv_tiles_draw_the_rule_at_every_tuned_block():
     """dK/dV's tiles hold keys by queries: their draws are compared four bytes at once (every byte value against every
     threshold, each byte of a word on its own) and moved as bits; the mask they make is the rule's, transposed, for
-    every tuned dK/dV block (the interpreter's tests run only its block of 16 x 32) and a tile away from the start."""
+    every tuned dK/dV block, float32's included (the interpreter's tests run only its block of 16 x 32), and a tile
+    away from the start."""
     import numpy as np
 
     value = np.arange(256)
@@ -422,7 +423,7 @@ def test_dk_dv_tiles_draw_the_rule_at_every_tuned_block():
         expected = sum(((value + 61 * k) % 256 >= threshold).astype(np.uint32) << (8 * k + 7) for k in range(4))
         assert np.array_equal(got, expected), threshold
     seed = (5 << 40) + 12345
-    for block_m, block_n in [(16, 32), (64, 128), (32, 128), (64, 64)]:
+    for block_m, block_n in [(16, 32), (64, 128), (32, 128), (64, 64), (32, 32)]:
         for m0, n0, head, threshold in [(0, 0, 0, 77), (3 * block_m, 5 * block_n, 7, 26)]:
             out = torch.zeros(block_n, block_m, dtype=torch.int8)
             _keys_by_queries[(1,)](out, seed, head, m0, n0, threshold, BLOCK_M=block_m, BLOCK_N=block_n)
@@ -741,6 +742,36 @@ def test_a_planted_64_row_block_on_8_warps_fails_the_gpu_gates(tmp_path):
     assert twice and all("forward (bfloat16), 64x64, 8 warps, 3 stages:" in line for line in twice), done.stdout
     rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| forward | bfloat16 |")]
     assert len(rows) == 3 and all(row[-2].strip() != "-" for row in rows), done.stdout  # each has a band loop
+
+
+@pytest.mark.slow
+def test_dk_dv_draws_compile_for_a_gpu_where_the_threshold_is_one(tmp_path):
+    """Triton's JIT makes an integer argument equal to 1 a constant: a dropout rate that rounds to 1/256 gives dK/dV's
+    draws a threshold that is a Python int, not a tensor (the interpreter, which the other tests run under, passes
+    tensors). The draws compile for an H100 (sm_90) with it."""
+    script = tmp_path / "probe.py"
+    script.write_text(f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import triton, triton.language as tl
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from nezha_hf import triton_kernels as kernels
+
+@triton.jit
+def probe(Out, seed, head, m0, n0, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    kept = kernels._kept_by_keys(seed, head, m0, n0, threshold, BLOCK_M, BLOCK_N)
+    tl.store(Out + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], kept.to(tl.int8))
+
+signature = {{"Out": "*i8", "seed": "i64", "head": "i32", "m0": "i32", "n0": "i32", "threshold": "constexpr",
+             "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}}
+triton.compile(ASTSource(probe, signature, {{(5,): 1, (6,): 64, (7,): 128}}), target=GPUTarget("cuda", 90, 32),
+               options={{"num_warps": 8}})
+""")
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run([sys.executable, str(script)], env=environment, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 # --- the forward's band by rotation (issue 55) ----------------------------------------------------------------------
