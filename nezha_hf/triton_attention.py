@@ -251,6 +251,11 @@ def _arguments(query, key, value, table, problem: AttentionProblem, switches: Sw
     )
 
 
+def _keep_rate(keep_scale: float) -> float:
+    """`1 - p` of a dropout's `keep_scale` (`_dropout_draws`): 0 where every pair is dropped (`keep_scale` 0)."""
+    return 1 / keep_scale if keep_scale else 0.0
+
+
 def _dropout_draws(dropout: float) -> dict:
     """The kernels' `threshold` and `keep_scale` for a dropout rate: a pair is dropped when its 8-bit draw is below
     `threshold = round(256 p)` (FlashAttention-2's 8-bit draws), so the rate runs as `threshold / 256`, and kept
@@ -378,7 +383,7 @@ def triton_backward(grad_output, query, key, value, table, problem: AttentionPro
             RowLse=row_lse, RowDot=row_dot, **turned,
             **_strides(query, "q", "m"), **_strides(grad_output, "o", "m"), **_strides(output, "y", "m"), heads=heads,
             Lq=queries, D=size, K=arguments["K"], scale_log2=arguments["scale_log2"],
-            keep_scale=arguments["keep_scale"], DROPOUT=switches.dropout,
+            keep_rate=_keep_rate(arguments["keep_scale"]), DROPOUT=switches.dropout,
             ROTATE=rotation["ROTATE"], BLOCK_D=arguments["BLOCK_D"], BLOCK_M=block)
         kernels.nezha_key_value_grad_kernel[lambda meta: (_blocks(keys, meta["BLOCK_N"]) * batch * heads,)](
             DK=grad_key, DV=grad_value, **shared)

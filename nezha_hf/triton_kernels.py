@@ -343,7 +343,8 @@ def _kept(seed, head, offs_m, n0, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 @triton.jit
 def _bytes_at_least(word, threshold):
     """The four bytes of 32-bit `word` against `threshold` (1 .. 255) at once, as unsigned numbers: each byte's high
-    bit set where the byte is at least `threshold`, every other bit clear (four instructions for four draws)."""
+    bit set where the byte is at least `threshold`, every other bit clear (four instructions for four draws). A rate
+    of 1 (threshold 256) is outside, and needs no draws: the kernels scale every gradient by its `keep_scale`, 0."""
     spread = tl.cast(threshold, tl.uint32) * 0x01010101  # a tensor even where the JIT made a threshold of 1 a constant
     low = (word | 0x80808080) - (spread & 0x7F7F7F7F)  # per byte 128 + (low 7 bits - threshold's): never borrows
     # a byte's high bit against the threshold's, and where they are equal the low bits' difference's sign
@@ -769,14 +770,14 @@ def nezha_merge_kernel(Partial, PartialStats, Out, Lse, stride_ob, stride_oh, st
 def nezha_row_statistics_kernel(Q, DO, O, Table, Sinusoid, Lse, RowLse, RowDot, RowTerms, RotQ, RotDO, stride_qb,
                                 stride_qh, stride_qm, stride_qd, stride_ob, stride_oh, stride_om, stride_od, stride_yb,
                                 stride_yh, stride_ym, stride_yd, heads, Lq, D: tl.constexpr, K: tl.constexpr,
-                                scale_log2, keep_scale, DROPOUT: tl.constexpr, ROTATE: tl.constexpr,
+                                scale_log2, keep_rate, DROPOUT: tl.constexpr, ROTATE: tl.constexpr,
                                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """The backward's statistics of one block of queries of one head, one row per tile class (`[heads, 3, Lq]`
     float32, the class's index): `RowLse`, the forward's log-sum-exp in base 2 (+inf for a row that saw nothing, so
     that its probabilities are 0) less a tail's key term `q_i . T[row] * scale * log2(e)`; `RowDot`, `D_i = dO_i . O_i`
     (`O`: `stride_y*`) less a tail's output term `dO_i . T[row]`, or with dropout, which multiplies that term pair by
-    pair, the term itself (the band's row keeps `D_i`, divided by dropout's `keep_scale`: `_gradient_of_scores`
-    leaves that factor to the end). A tail tile then costs a plain FlashAttention-2 tile: its
+    pair, the term itself (the band's row keeps `D_i`, times dropout's `keep_rate = 1 - p`, 0 where `p = 1`:
+    `_gradient_of_scores` leaves the factor `1 / (1 - p)` to the end). A tail tile then costs a plain FlashAttention-2 tile: its
     exponent one multiply-add, nothing per row recomputed in the key/value gradients' loop. `ROTATE` (the backward's
     band by rotation): also `RowTerms` (`[heads, 4, Lq]` float32: `q_i . T[0]`, `q_i . T[2K]`, `dO_i . T[0]`,
     `dO_i . T[2K]`, the terms of a band tile's clipped pairs) and the queries and output gradients turned pairwise
@@ -807,7 +808,7 @@ def nezha_row_statistics_kernel(Q, DO, O, Table, Sinusoid, Lse, RowLse, RowDot, 
         tl.store(RotDO + turned, _rotate_pairs(do.to(tl.float32), angles, False, BLOCK_M, BLOCK_D).to(do.dtype),
                  mask=inside)
     if DROPOUT:
-        row_dot = row_dot / keep_scale
+        row_dot = row_dot * keep_rate
     else:
         left, right = row_dot - left, row_dot - right
     base = head.to(tl.int64) * 3 * Lq + offs_m
@@ -824,8 +825,8 @@ def _class_statistics(RowLse, RowDot, head, m0, Lq, KIND: tl.constexpr, DROPOUT:
                       MASK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
     """`(lse, row_dot, output_term)` of the block of queries at `m0` for a tile class
     (`nezha_row_statistics_kernel`): +inf and 0 past the queries (masked only where `MASK_ROWS`: a block that may end
-    past the last query); `output_term` is 0 but for a tail's with dropout, and with dropout `row_dot` is `D_i /
-    keep_scale` (the band's row). The block's first query moves the (64-bit) base, so that each load's pointers are
+    past the last query); `output_term` is 0 but for a tail's with dropout, and with dropout `row_dot` is `D_i (1 -
+    p)` (the band's row). The block's first query moves the (64-bit) base, so that each load's pointers are
     one base and constant offsets."""
     block = tl.arange(0, BLOCK_M)
     rows = m0 + block < Lq
@@ -854,7 +855,7 @@ def _gradient_of_scores(p, grad_p, keep, row_dot, output_term, DROPOUT: tl.const
     `row_dot` and `output_term` broadcast to them): `dS = P (z (dP + output_term) - D)` for dropout's factor `z`
     (kept: `keep_scale = 1 / (1 - p)`, else 0), `P (dP - D)` without (the output term already in `D`), and `kept`
     the probabilities dropout keeps (0 where it drops). With dropout both come without `keep_scale`, which the kernels
-    apply once to the gradients they sum (a multiply per output, not per pair), and `row_dot` is `D / keep_scale`
+    apply once to the gradients they sum (a multiply per output, not per pair), and `row_dot` is `D (1 - p)`
     (`nezha_row_statistics_kernel`)."""
     if DROPOUT:
         kept = tl.where(keep, p, 0.0)

@@ -155,6 +155,16 @@ def test_a_dropout_rate_that_rounds_to_none_or_all_is_the_next_engines(dropout):
         run(q.float(), k.float(), v.float(), 4, dropout=dropout)
 
 
+def test_dropout_of_one_drops_everything_forward_and_backward():
+    """A rate of exactly 1 runs on the kernels (every draw below 256) and drops every pair: the output and all three
+    gradients are 0, not NaN (the backward once divided `D` by `keep_scale`, which is 0 there)."""
+    q, k, v = (t.float().requires_grad_() for t in inputs(1, 2, 40, 40, 16, seed=3))
+    out = run(q, k, v, 4, dropout=1.0, seed=5)
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    for tensor in (out, *grads):
+        assert torch.equal(tensor, torch.zeros_like(tensor))
+
+
 def test_dropout_backward_redraws_the_forward_mask(caplog):
     """The mask read off the kernel's output for a seed, given to the reference, gives the kernel's output and
     gradients for that seed: the backward used the forward's mask. A rate of whole 1/256 steps warns of nothing (nor
