@@ -103,8 +103,7 @@ def pin_blocks(text: str | None) -> dict[str, str]:
 
 def config_name(config) -> str:
     """A Triton configuration as `benchmarks/gpu_gates.py` names it (`128x64, 8 warps, 3 stages, 128 registers`)."""
-    return gpu_gates.config_name({**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages,
-                                  "maxnreg": config.maxnreg})
+    return gpu_gates.config_name(gpu_gates.config_dict(config))
 
 
 def chosen_configs(train: bool) -> dict:

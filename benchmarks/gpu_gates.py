@@ -182,6 +182,13 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
+def config_dict(config) -> dict:
+    """A `triton.Config` as the counts hold it: its keyword arguments, `num_warps`, `num_stages`, and `maxnreg` where
+    capped."""
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages,
+            **({"maxnreg": config.maxnreg} if config.maxnreg else {})}
+
+
 def config_name(config: dict) -> str:
     """A configuration (`BLOCK_M`, `BLOCK_N`, `num_warps`, `num_stages`, and `maxnreg` where capped) in words, as the
     counts and the GPU check's rows name it: `128x64, 8 warps, 3 stages, 128 registers`."""
@@ -296,8 +303,7 @@ def _configs(module, launch: dict) -> list[dict]:
     prune = getattr(kernel, "early_config_prune", None)
     arguments = {name: value for name, value in launch["arguments"].items()}
     configs = prune(kernel.configs, {}, **arguments) if prune else kernel.configs
-    return [{**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages,
-             **({"maxnreg": config.maxnreg} if config.maxnreg else {})} for config in configs]
+    return [config_dict(config) for config in configs]
 
 
 def compile_launches(launches: list[dict], extra_configs: dict | None = None) -> dict:

@@ -323,16 +323,23 @@ def _byte_pairs(word):
 
 
 @triton.jit
+def _draw_words(seed, head, pairs, n0, BLOCK_N: tl.constexpr):
+    """The four 32-bit Philox outputs of a tile's dropout calls (the module docstring's rule), `[pair, group]`: one
+    call per pair of queries (`pairs`, `8u + v` for queries `16u + 8h + v`) and group of 8 keys (`4a + c` from the
+    tile's first key `n0`, for keys `32a + 8k + 2c + e`), on the counter `(pair, group, head, 0)`."""
+    zeros = tl.zeros([pairs.shape[0], BLOCK_N // 8], tl.int32)
+    groups = n0 // 8 + tl.arange(0, BLOCK_N // 8)
+    return tl.philox(seed, zeros + pairs[:, None], zeros + groups[None, :], zeros + head, zeros, PHILOX_ROUNDS)
+
+
+@triton.jit
 def _kept(seed, head, offs_m, n0, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Which pairs of the tile at queries `offs_m` and keys `n0 ...` dropout keeps (the module docstring's rule): one
     Philox call per pair of queries `(i, i + 8)` and 8 keys `32a + 8k + 2c + e` (`k < 4`, `e < 2`), the pairs a
     thread holds of a Hopper product's tile, so that the draws need no exchange between threads."""
     pair_of = offs_m // 16 * 8 + offs_m % 8  # query 16u + 8h + v: pair 8u + v
     pairs = tl.reshape(tl.max(tl.reshape(pair_of, [BLOCK_M // 16, 2, 8]), 1), [BLOCK_M // 2])
-    zeros = tl.zeros([BLOCK_M // 2, BLOCK_N // 8], tl.int32)
-    groups = n0 // 8 + tl.arange(0, BLOCK_N // 8)  # key 32a + 8k + 2c + e: group 4a + c
-    r0, r1, r2, r3 = tl.philox(seed, zeros + pairs[:, None], zeros + groups[None, :], zeros + head, zeros,
-                               PHILOX_ROUNDS)
+    r0, r1, r2, r3 = _draw_words(seed, head, pairs, n0, BLOCK_N)
     shape: tl.constexpr = [BLOCK_M // 16, 8, BLOCK_N // 32, 4]  # (u, v, a, c)
     draws = tl.join(tl.join(_byte_pairs(tl.reshape(r0, shape)), _byte_pairs(tl.reshape(r1, shape))),
                     tl.join(_byte_pairs(tl.reshape(r2, shape)), _byte_pairs(tl.reshape(r3, shape))))
@@ -359,10 +366,7 @@ def _kept_by_keys(seed, head, m0, n0, threshold, BLOCK_M: tl.constexpr, BLOCK_N:
     bits; that word, not the draws, moves to the threads that use it (one exchange per tile, where the joins of
     `_kept` exchanged every 32-bit output), and each pair tests its bit."""
     pairs = m0 // 16 * 8 + tl.arange(0, BLOCK_M // 2)  # query 16u + 8h + v: pair 8u + v
-    zeros = tl.zeros([BLOCK_M // 2, BLOCK_N // 8], tl.int32)
-    groups = n0 // 8 + tl.arange(0, BLOCK_N // 8)  # key 32a + 16d + 8m + 2c + e: group 4a + c
-    r0, r1, r2, r3 = tl.philox(seed, zeros + pairs[:, None], zeros + groups[None, :], zeros + head, zeros,
-                               PHILOX_ROUNDS)
+    r0, r1, r2, r3 = _draw_words(seed, head, pairs, n0, BLOCK_N)  # key 32a + 16d + 8m + 2c + e: group 4a + c
     bits = ((_bytes_at_least(r0, threshold) >> 7) | (_bytes_at_least(r1, threshold) >> 6)
             | (_bytes_at_least(r2, threshold) >> 5) | (_bytes_at_least(r3, threshold) >> 4))  # output w, byte y: 8y + w
     # A reduction Triton does not recompute in another layout: without it, every thread that uses a call would
@@ -777,8 +781,9 @@ def nezha_row_statistics_kernel(Q, DO, O, Table, Sinusoid, Lse, RowLse, RowDot, 
     that its probabilities are 0) less a tail's key term `q_i . T[row] * scale * log2(e)`; `RowDot`, `D_i = dO_i . O_i`
     (`O`: `stride_y*`) less a tail's output term `dO_i . T[row]`, or with dropout, which multiplies that term pair by
     pair, the term itself (the band's row keeps `D_i`, times dropout's `keep_rate = 1 - p`, 0 where `p = 1`:
-    `_gradient_of_scores` leaves the factor `1 / (1 - p)` to the end). A tail tile then costs a plain FlashAttention-2 tile: its
-    exponent one multiply-add, nothing per row recomputed in the key/value gradients' loop. `ROTATE` (the backward's
+    `_gradient_of_scores` leaves the factor `1 / (1 - p)` to the end). A tail tile then costs a plain
+    FlashAttention-2 tile: its exponent one multiply-add, nothing per row recomputed in the key/value gradients'
+    loop. `ROTATE` (the backward's
     band by rotation): also `RowTerms` (`[heads, 4, Lq]` float32: `q_i . T[0]`, `q_i . T[2K]`, `dO_i . T[0]`,
     `dO_i . T[2K]`, the terms of a band tile's clipped pairs) and the queries and output gradients turned pairwise
     by `i mod ROTATION_ROWS` (`RotQ`, `RotDO`, `[heads, Lq, D]` in their type)."""
@@ -832,7 +837,6 @@ def _class_statistics(RowLse, RowDot, head, m0, Lq, KIND: tl.constexpr, DROPOUT:
     rows = m0 + block < Lq
     head_rows = head.to(tl.int64) * 3 * Lq  # a scalar: the loop adds only the queries' offsets
     lse_of, dot_of = RowLse + head_rows + (KIND * Lq + m0), RowDot + head_rows + (KIND * Lq + m0)
-    band_dot_of = RowDot + head_rows + (BAND * Lq + m0)
     if MASK_ROWS:
         lse = tl.load(lse_of + block, mask=rows, other=float("inf"))
         row_dot = tl.load(dot_of + block, mask=rows, other=0.0)
@@ -842,6 +846,7 @@ def _class_statistics(RowLse, RowDot, head, m0, Lq, KIND: tl.constexpr, DROPOUT:
     output_term = tl.zeros_like(row_dot)
     if DROPOUT and KIND != BAND:
         output_term = row_dot
+        band_dot_of = RowDot + head_rows + (BAND * Lq + m0)
         if MASK_ROWS:
             row_dot = tl.load(band_dot_of + block, mask=rows, other=0.0)
         else:
