@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
-from safetensors import SafetensorError, safe_open
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from .distributed import (
+    CHECKPOINT_KIND,
     OPTIMIZER_DCP,
     SCHEDULER_FILE,
     DistributedCheckpointTrainer,
@@ -54,7 +54,15 @@ from .json_files import (
     String,
     read_json,
 )
-from .named_files import allowed_roots, file_in_folder
+from .named_files import allowed_roots, file_in_folder, weight_files
+from .readers import (
+    check_weights_file,
+    distributed_checkpoint_problem,
+    load_state_file,
+    manifest_problem,
+    open_regular_file,
+)
+from .regular_files import UnusableFile, kind_of
 from .safe_output import check_destination, write_text_atomically
 
 logger = logging.get_logger(__name__)
@@ -89,6 +97,8 @@ def model_folder(path, needs: str | None = "config.json") -> Path:
             pass
         raise FileNotFoundError(f"No such folder: {path}{hint}.")
     if needs is not None and not (path / needs).is_file():
+        if os.path.lexists(path / needs) and not (path / needs).is_symlink():
+            raise UnusableFile(path / needs, f"is {kind_of((path / needs).stat().st_mode)}, not a regular file")
         raise FileNotFoundError(f"{path} is not a model folder: it has no {needs}.")
     check_links(path)
     return path
@@ -182,30 +192,29 @@ def check_tokenizer(tokenizer, config, where, needs=("cls_token", "sep_token", "
 
 
 def checkpoint_problem(folder: Path) -> str | None:
-    """Why `folder` (a `checkpoint-N`) cannot be resumed from, or None if it is complete: its trainer state, its
-    weights, its optimizer state (a distributed checkpoint `optimizer/` whose every piece is whole, or Trainer's
-    `optimizer.pt`) and its scheduler, as a resume needs them all. Without the optimizer or the scheduler, a resume
-    would start them afresh without a word."""
-    state_file = folder / TRAINER_STATE
-    if not state_file.is_file():
-        return f"no {TRAINER_STATE} (the run stopped while saving it)"
+    """Why `folder` (a `checkpoint-N`) cannot be resumed from, or None if it is whole: what a resume reads loading as
+    Trainer loads it (its trainer state, its weights, its optimizer state: a distributed checkpoint `optimizer/` whose
+    every piece is whole, or Trainer's `optimizer.pt`; its scheduler), then every file as its save wrote it (its
+    manifest, `readers.manifest_problem`: a flipped byte in an optimizer piece, a file of another checkpoint, a save
+    cut short). Without the optimizer or the scheduler, a resume would start them afresh without a word."""
     try:
         step = read_trainer_state(folder)["global_step"]
+    except FileNotFoundError:
+        return f"no {TRAINER_STATE} (the run stopped while saving it)"
     except (OSError, ValueError) as error:  # `JSONFileError` among them: the file and the field named
         return f"{TRAINER_STATE} is unusable ({error})"
     if f"{PREFIX_CHECKPOINT_DIR}-{step}" != folder.name:
         return f"{TRAINER_STATE} is for step {step}"
-    weights = sorted(folder.glob("*.safetensors"))
-    if not weights:
-        return "no model weights"
-    for path in weights:
-        try:
-            with safe_open(str(path), framework="pt"):
-                pass
-        except SafetensorError as error:
-            return f"{path.name} is unreadable ({error})"
+    try:
+        weights = weight_files(folder) or sorted(folder.glob("*.safetensors"))
+        if not weights:
+            return "no model weights"
+        for path in weights:
+            check_weights_file(path)
+    except (OSError, ValueError) as error:
+        return str(error)
     if (folder / OPTIMIZER_DCP).is_dir():
-        problem = _distributed_checkpoint_problem(folder / OPTIMIZER_DCP)
+        problem = distributed_checkpoint_problem(folder / OPTIMIZER_DCP)
         if problem:
             return problem
     elif not (folder / "optimizer.pt").is_file():
@@ -213,49 +222,17 @@ def checkpoint_problem(folder: Path) -> str | None:
     if not (folder / SCHEDULER_FILE).is_file() or (folder / SCHEDULER_FILE).stat().st_size == 0:
         return f"no {SCHEDULER_FILE}"
     for path in [folder / SCHEDULER_FILE, *sorted(folder.glob("rng_state*.pth"))]:
-        problem = _torch_file_problem(path)
-        if problem:
-            return problem
-    return None
+        try:
+            load_state_file(path)
+        except (OSError, ValueError) as error:
+            return str(error)
+    return manifest_problem(folder, CHECKPOINT_KIND)  # last: it reads every byte
 
 
 def read_trainer_state(checkpoint: Path) -> dict:
     """A checkpoint's `trainer_state.json`, checked to be what Trainer can resume from (`TRAINER_STATE_SCHEMA`); a
     `JSONFileError` naming the file and the field otherwise."""
     return read_json(Path(checkpoint) / TRAINER_STATE, TRAINER_STATE_SCHEMA)
-
-
-def _torch_file_problem(path: Path) -> str | None:
-    """Why Trainer could not load the small state file `path` (the scheduler's, a process's random state) on resuming,
-    or None: loaded as it loads them (weights only, numpy's arrays allowed)."""
-    from transformers.trainer_pt_utils import safe_globals
-
-    try:
-        with safe_globals():
-            torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as error:  # pickle, zip and torch's own errors alike: a file that does not load
-        first_line = (str(error).splitlines() or [""])[0][:120] or type(error).__name__
-        return f"{path.name} is unreadable ({first_line})"
-    return None
-
-
-def _distributed_checkpoint_problem(folder: Path) -> str | None:
-    """Why the PyTorch distributed checkpoint `folder` is not whole (its metadata unreadable, a piece it lists missing
-    or shorter than the metadata says), or None."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        metadata = FileSystemReader(str(folder)).read_metadata()
-    except Exception as error:  # a missing or cut metadata file: pickle and file errors alike
-        return f"{folder.name}/.metadata is missing or unreadable ({type(error).__name__})"
-    for info in (metadata.storage_data or {}).values():
-        try:
-            piece = file_in_folder(folder, info.relative_path, folder / ".metadata")
-        except ValueError as error:
-            return str(error)
-        if piece.stat().st_size < info.offset + info.length:
-            return f"{folder.name}/{info.relative_path} is missing or cut short"
-    return None
 
 
 def last_complete_checkpoint(output_dir, record: "RunRecord | None" = None) -> Path | None:
@@ -276,7 +253,7 @@ def last_complete_checkpoint(output_dir, record: "RunRecord | None" = None) -> P
             problem = record.checkpoint_problem(folder)
         if problem is None:
             return folder
-        logger.warning(f"Skipping the incomplete checkpoint {folder}: {problem}.")
+        logger.warning(f"Skipping the checkpoint {folder}, which cannot be resumed from: {problem}.")
     return None
 
 
@@ -293,7 +270,7 @@ def fingerprint(paths) -> str:
         digest.update(f"{len(files)} files\0".encode())
         for name, file in files:
             digest.update(name.encode() + b"\0")
-            with open(file, "rb") as handle:
+            with open_regular_file(file) as handle:
                 for block in iter(lambda: handle.read(1 << 20), b""):
                     digest.update(block)
     return digest.hexdigest()[:16]

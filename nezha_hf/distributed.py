@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object, reduce
-from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from tqdm.auto import tqdm
 from transformers import Trainer
@@ -39,10 +38,12 @@ from transformers.utils import logging
 
 from .json_files import Anything, Integer, JSONFileError, Nullable, Object, String, checked, parse_json
 from .named_files import weight_files
-from .safe_output import claimed, naming, staged_folder
+from .readers import MANIFEST_FILE, load_state_file, read_weights as read_weights_file, write_manifest
+from .safe_output import claimed, disk_of, naming, no_room, staged_folder
 
 logger = logging.get_logger(__name__)
 OPTIMIZER_DCP, SCHEDULER_FILE = "optimizer", "scheduler.pt"
+CHECKPOINT_KIND = "checkpoint"  # what a checkpoint's manifest (`readers.MANIFEST_FILE`) says it is
 
 
 def cpu_only() -> bool:
@@ -327,13 +328,16 @@ class DistributedCheckpointTrainer(Trainer):
             cause = _first_failure(error)
             if not isinstance(cause, Exception):  # an interrupt, however the writer wrapped it: as it came
                 raise
-            raise OSError(f"could not save the checkpoint {folder} ({type(cause).__name__}: "
-                          f"{(str(cause).splitlines() or [''])[0][:200]}); the run stopped there, and a rerun "
+            room = no_room(error)
+            reason = (f"{room}: no room on {disk_of(folder)}" if room else
+                      f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:200]}")
+            raise OSError(f"could not save the checkpoint {folder} ({reason}); the run stopped there, and a rerun "
                           "resumes from the last whole checkpoint") from error
 
     def _write_checkpoint(self, folder: Path, model, trial):
         folder.mkdir(parents=True, exist_ok=True)
         if self.args.should_save:  # a checkpoint of this step left by a killed run: none of its files may remain
+            (folder / MANIFEST_FILE).unlink(missing_ok=True)
             shutil.rmtree(folder / OPTIMIZER_DCP, ignore_errors=True)
         with _one_process_is_fine():
             save_optimizer_distributed(self.model, self.optimizer, str(folder / OPTIMIZER_DCP))
@@ -343,6 +347,10 @@ class DistributedCheckpointTrainer(Trainer):
                 (folder / name).write_text(text, encoding="utf-8")
         self._save_rng_state(str(folder))
         super()._save_checkpoint(model, trial)
+        # Last, once every process has written its part: what each file holds, which a resume checks.
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            write_manifest(folder, CHECKPOINT_KIND)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         if not self.is_distributed_loading_by_transformers:
@@ -358,7 +366,7 @@ class DistributedCheckpointTrainer(Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)  # none, or a plain Trainer checkpoint
         with _one_process_is_fine():
             load_optimizer_distributed(self.model, self.optimizer, os.path.join(checkpoint, OPTIMIZER_DCP))
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
+        self.lr_scheduler.load_state_dict(load_state_file(os.path.join(checkpoint, SCHEDULER_FILE)))
 
 
 def _first_failure(error: BaseException) -> BaseException:
@@ -383,11 +391,12 @@ def read_weights(folder) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors weights in a model folder (one file, or the shards its index lists)."""
     weights = {}
     for path in weight_files(folder) or [Path(folder) / "model.safetensors"]:
-        weights.update(load_file(path))
+        weights.update(read_weights_file(path))
     return weights
 
 
 __all__ = [
+    "CHECKPOINT_KIND",
     "DistributedCheckpointTrainer",
     "ItemProgress",
     "all_true",

@@ -31,7 +31,9 @@ from .modeling_nezha import (
     NezhaPreTrainedModel,
 )
 from .safe_output import check_destination, staged_file, staged_folder
+from .readers import write_manifest
 from .summarization import (
+    EXPORTED_KIND,
     EXTRACTOR_DIR,
     GENERATOR_DIR,
     SETTINGS_FILE,
@@ -267,6 +269,7 @@ def export_summarizer(directory, output, atol: float = 1e-4, overwrite: bool = F
                                        ).save_pretrained(staging / GENERATOR_DIR)
         tokenizer.save_pretrained(staging)
         save_settings(staging, {**summarizer.settings(), "num_beams": 1})
+        write_manifest(staging, EXPORTED_KIND)
         exported = load_exported_summarizer(staging)
         probabilities = [summarizer.extract_probabilities(judgments), exported.extract_probabilities(judgments)]
         difference = max(abs(a - b) for x, y in zip(*probabilities, strict=True) for a, b in zip(x, y, strict=True))

@@ -15,8 +15,9 @@ import json
 import math
 import os
 import re
-import stat
 from pathlib import Path
+
+from .regular_files import UnusableFile, open_regular_file
 
 MAX_BYTES = 16 << 20  # configs, records and states are kilobytes; a trainer state with a long log a few megabytes
 MAX_DEPTH = 64  # the deepest file nezha_hf reads nests 4 levels
@@ -211,15 +212,11 @@ def read_json(path, schema: Schema | None = None, max_bytes: int = MAX_BYTES, ma
     `JSONFileError` naming the file (and the field) for anything else."""
     path = Path(path)
     try:
-        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO opens, and is refused below
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} is missing.") from None
-    except OSError as error:
-        raise JSONFileError(path, f"cannot be read ({error.strerror or type(error).__name__})") from None
-    with open(descriptor, "rb") as file:
+        file = open_regular_file(path)
+    except UnusableFile as error:
+        raise JSONFileError(path, error.reason) from None
+    with file:
         status = os.fstat(file.fileno())
-        if not stat.S_ISREG(status.st_mode):
-            raise JSONFileError(path, "is not a regular file")
         if status.st_size > max_bytes:
             raise JSONFileError(path, f"holds {status.st_size:,} bytes, more than the {max_bytes:,} accepted")
         try:

@@ -13,6 +13,7 @@ import stat
 from pathlib import Path
 
 from .json_files import Anything, Object, read_json
+from .regular_files import kind_of
 
 # The weight files a model folder holds when it has no index, in the order transformers looks for them.
 SINGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -57,9 +58,7 @@ def file_in_folder(folder, name, named_by, must_exist: bool = True) -> Path | No
     except OSError as error:
         refuse(f"which cannot be read ({error.strerror})")
     if not stat.S_ISREG(mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                else "a folder" if stat.S_ISDIR(mode) else "a socket" if stat.S_ISSOCK(mode) else "no regular file")
-        refuse(f"which is {kind}")
+        refuse(f"which is {kind_of(mode)}")
     return path
 
 

@@ -160,20 +160,75 @@ def _remove(path: Path) -> None:
 
 # --- putting an output in place ------------------------------------------------------------------------------
 
-# Errors of a write that says no file: the disk or quota is full, or a file grew past the size allowed.
+# Errors of a write for want of room: the disk or quota is full, or a file grew past the size allowed.
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+# How libraries that write with their own code say so: the system's words (Rust's `os error 28` in safetensors'),
+# Rust's kinds, and torch's archive writer, which says only that a write failed.
+_FULL_IN_WORDS = re.compile("|".join([*(re.escape(os.strerror(code)) for code in sorted(_FULL)),
+                                      *(rf"os error {code}\b" for code in sorted(_FULL)),
+                                      "StorageFull", "FileTooLarge", "QuotaExceeded", "file write failed"]))
+
+
+def no_room(error: BaseException) -> str | None:
+    """The reason, in the system's words, when `error` (or what it wraps: its causes, a distributed checkpoint's
+    failures) is a write that failed for want of room; None otherwise."""
+    seen = set()
+    pending = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _FULL:
+            return current.strerror or os.strerror(current.errno)
+        found = _FULL_IN_WORDS.search(str(current))
+        if found:
+            return found.group(0)
+        failures = getattr(current, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            pending += [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
+        pending += [current.__cause__, current.__context__]
+    return None
+
+
+def disk_of(path) -> str:
+    """The file system that holds `path` (or would: its nearest existing folder), in words: its mount point and the
+    room left on it."""
+    folder = Path(path).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    mount = folder
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return f"the file system at {mount}"
+    return f"the file system at {mount} ({_size(free)} free)"
+
+
+def _size(count: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:,} {unit}" if unit == "bytes" else f"{count:,.1f} {unit}"
+        count /= 1024
 
 
 @contextlib.contextmanager
 def naming(destination) -> Iterator[None]:
-    """A full disk met while writing `destination` (in the block) is an `OSError` naming it: the system's names no
-    file."""
+    """A write that fails for want of room while writing `destination` (in the block) is an `OSError` naming the
+    destination and the disk: the system's error names no file, or a staging file; libraries wrap it in their own
+    (`no_room` finds it there)."""
     try:
         yield
-    except OSError as error:
-        if error.errno not in _FULL or error.filename:
+    except Exception as error:
+        reason = no_room(error)
+        if reason is None:
             raise
-        raise OSError(error.errno, f"{destination} could not be written ({error.strerror})") from error
+        code = next((e.errno for e in (error, error.__cause__, error.__context__)
+                     if isinstance(e, OSError) and e.errno in _FULL), errno.ENOSPC)
+        raise OSError(code, f"{destination} could not be written ({reason}): no room on {disk_of(destination)}"
+                      ) from error
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 

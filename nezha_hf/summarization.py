@@ -16,8 +16,10 @@ models are PyTorch models (`train-summarizer`) or ONNX programs (`nezha-hf expor
 here by `ExportedExtractor` and `ExportedGenerator` on onnxruntime; `load_summarizer` loads either kind.
 """
 
+import contextlib
 import json
 import math
+import os
 import random
 import re
 import shutil
@@ -50,12 +52,15 @@ from .json_files import JSON_OBJECT, Anything, Integer, JSONFileError, ListOf, O
 from .modeling_nezha import NezhaForSentenceExtraction, NezhaForUniLM, NezhaSentenceExtractionOutput, sentence_means
 from .named_files import file_in_folder
 from .padding import attention_mask_for, pad_rows
+from .readers import MANIFEST_FILE, MANIFEST_SCHEMA, check_manifest, check_onnx_program, first_line, write_manifest
 from .safe_output import check_destination, staged_file
 from .unilm import UniLMDataCollator, generate_text
 
 logger = logging.get_logger(__name__)
 EXTRACTOR_DIR, GENERATOR_DIR = "extractor", "generator"
 SETTINGS_FILE = "summarizer.json"  # a summariser folder's settings (`Summarizer.settings`)
+# What a summariser folder's manifest (`readers.MANIFEST_FILE`) says it is: trained, or exported to ONNX.
+TRAINED_KIND, EXPORTED_KIND = "summarizer", "exported summarizer"
 
 
 # --- stage 1: extraction ---------------------------------------------------------------------
@@ -183,6 +188,12 @@ class Summarizer:
         if missing:
             raise FileNotFoundError(f"{directory} is not a whole summariser folder: {', '.join(missing)} is missing "
                                     "(train-summarizer writes it).")
+        if os.path.lexists(directory / MANIFEST_FILE):
+            check_manifest(directory, TRAINED_KIND, "Train the summariser again, or save it again "
+                           "(Summarizer.save_pretrained) if you changed its parts on purpose.")
+        else:
+            logger.warning(f"{directory} has no {MANIFEST_FILE} (an older nezha_hf saved it): its files cannot be "
+                           "checked against what was saved. Saving it again (Summarizer.save_pretrained) writes one.")
         summarizer = cls(NezhaForSentenceExtraction.from_pretrained(directory / EXTRACTOR_DIR).eval(),
                          NezhaForUniLM.from_pretrained(directory / GENERATOR_DIR).eval(),
                          load_tokenizer(directory), **saved)
@@ -200,12 +211,14 @@ class Summarizer:
                              "this tokenizer.")
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write the two models, the tokenizer and the settings into `directory`."""
+        """Write the two models, the tokenizer and the settings into `directory`, then the folder's manifest
+        (`readers.write_manifest`), which loading checks every file against."""
         directory = Path(directory)
         self.extractor.save_pretrained(directory / EXTRACTOR_DIR)
         self.generator.save_pretrained(directory / GENERATOR_DIR)
         self.tokenizer.save_pretrained(directory)
         save_settings(directory, self.settings())
+        write_manifest(directory, TRAINED_KIND)
 
     def settings(self) -> dict:
         """What `summarizer.json` holds: the extraction threshold, the generator's source budget, the beams."""
@@ -275,8 +288,12 @@ class DecodingSteps(LogitsProcessor):
 
 def is_exported(directory: Path) -> bool:
     """Whether a summariser folder is `nezha-hf export onnx`'s (its parts ONNX programs) rather than
-    `train-summarizer`'s."""
-    return (Path(directory) / EXTRACTOR_DIR / "export.json").is_file()
+    `train-summarizer`'s: as its manifest says, or where that cannot be read, as its parts' files say."""
+    directory = Path(directory)
+    try:
+        return read_json(directory / MANIFEST_FILE, MANIFEST_SCHEMA)["kind"] == EXPORTED_KIND
+    except (OSError, ValueError):  # its loader names what is wrong with the manifest
+        return any((directory / part / "export.json").exists() for part in (EXTRACTOR_DIR, GENERATOR_DIR))
 
 
 def save_settings(directory: Path, settings: dict) -> None:
@@ -424,20 +441,35 @@ def generate_exported(generator, input_ids: torch.Tensor, attention_mask: torch.
     return sequences
 
 
+@contextlib.contextmanager
+def programs_of(folder):
+    """What onnxruntime raises while running the programs of the exported part `folder` (in the block) as a
+    `ValueError` naming the folder: its own messages name no file."""
+    try:
+        yield
+    except Exception as error:
+        if type(error).__module__.startswith("onnxruntime"):
+            raise ValueError(f"The ONNX programs in {folder} fail to run ({first_line(error)}): export the summariser "
+                             "again.") from None
+        raise
+
+
 class ExportedExtractor:
-    """An exported extractor (`nezha_hf.export.TokenScores`: per-token scores) where `Summarizer` takes the extractor: called like the model, it returns the
-    sentence logits the model returns."""
+    """An exported extractor (`nezha_hf.export.TokenScores`: per-token scores) where `Summarizer` takes the extractor:
+    called like the model, it returns the sentence logits the model returns. `folder` is where it was loaded from
+    (named in errors)."""
 
     device = torch.device("cpu")
 
-    def __init__(self, exported):
-        self.exported, self.config = exported, exported.config
+    def __init__(self, exported, folder=None):
+        self.exported, self.config, self.folder = exported, exported.config, folder
 
     def eval(self):
         return self
 
     def __call__(self, input_ids, attention_mask, sentence_ids):
-        scores = self.exported(input_ids=input_ids, attention_mask=attention_mask)
+        with programs_of(self.folder):
+            scores = self.exported(input_ids=input_ids, attention_mask=attention_mask)
         logits, _ = sentence_means(scores, sentence_ids, int(sentence_ids.max().clamp(min=0)) + 1)
         return NezhaSentenceExtractionOutput(logits=logits)
 
@@ -449,8 +481,9 @@ class ExportedGenerator:
 
     device = torch.device("cpu")
 
-    def __init__(self, exported):
+    def __init__(self, exported, folder=None):
         self.exported, self.config, self.generation_config = exported, exported.config, exported.generation_config
+        self.folder = folder
 
     def generate(self, input_ids, attention_mask=None, token_type_ids=None, max_new_tokens: int = 20, num_beams: int = 1,
                  no_repeat_ngram_size: int = 0, eos_token_id=None, pad_token_id=None, copy_constraint: bool | None = None,
@@ -469,7 +502,8 @@ class ExportedGenerator:
         if copy_constraint if copy_constraint is not None else self.config.unilm_copy_tags:
             special = {t for t in (pad, eos, self.generation_config.bos_token_id) if t is not None}
             processors.append(CopySpanLogitsProcessor.for_prompt(input_ids, attention_mask, special))
-        return generate_exported(self.exported, input_ids, attention_mask, max_new_tokens, eos, pad, processors)
+        with programs_of(self.folder):
+            return generate_exported(self.exported, input_ids, attention_mask, max_new_tokens, eos, pad, processors)
 
 
 # What `check_export` reads of `ExportedModel.save_pretrained`'s manifest; the rest is transformers' to read.
@@ -503,6 +537,9 @@ def check_export(folder: Path) -> None:
     for name in [*files, "config.json"]:
         if file_in_folder(folder, name, manifest_path, must_exist=False) is None:
             raise FileNotFoundError(f"{folder / name} is missing: export the summariser again.")
+    for name in files:
+        if name.endswith(".onnx"):
+            check_onnx_program(folder / name, folder)
     for name in ("config.json", "generation_config.json"):  # bounded before transformers reads them
         if (folder / name).is_file():
             read_json(folder / name, JSON_OBJECT)
@@ -521,16 +558,21 @@ def load_exported_summarizer(directory, **settings) -> Summarizer:
     if saved.get("num_beams", Summarizer.num_beams) != 1:
         raise ValueError(f"{directory} is an exported summariser, which decodes greedily: it cannot use "
                          f"{saved['num_beams']} beams (pass 1, or run the trained summariser).")
+    check_manifest(directory, EXPORTED_KIND, "Export the summariser again (nezha-hf export onnx).")
     parts = {}
     for part in (EXTRACTOR_DIR, GENERATOR_DIR):
         check_export(directory / part)
         try:
             parts[part] = ExportedModel.from_pretrained(directory / part)
-        except (KeyError, TypeError, ValueError, AttributeError) as error:  # a manifest of another shape
-            raise ValueError(f"{directory / part / 'export.json'} is damaged ({type(error).__name__}: "
-                             f"{str(error)[:200]}): export the summariser again.") from None
+        except Exception as error:  # a manifest of another shape, a program onnxruntime refuses
+            raise ValueError(f"{directory / part} does not load ({type(error).__name__}: {first_line(error)}): "
+                             "export the summariser again.") from None
+    if parts[GENERATOR_DIR].generation_config is None:
+        raise FileNotFoundError(f"{directory / GENERATOR_DIR / 'generation_config.json'} is missing: export the "
+                                "summariser again.")
     exported_cache_size(parts[GENERATOR_DIR], directory / GENERATOR_DIR / "export.json")
-    summarizer = Summarizer(ExportedExtractor(parts[EXTRACTOR_DIR]), ExportedGenerator(parts[GENERATOR_DIR]),
+    summarizer = Summarizer(ExportedExtractor(parts[EXTRACTOR_DIR], directory / EXTRACTOR_DIR),
+                            ExportedGenerator(parts[GENERATOR_DIR], directory / GENERATOR_DIR),
                             load_tokenizer(directory), **saved)
     summarizer.check(directory)
     return summarizer

@@ -141,7 +141,7 @@ def test_resume_skips_an_incomplete_checkpoint_and_reaches_the_uninterrupted_wei
             run(start, corpus, interrupted)
     finally:
         hf_logging.disable_propagation()
-    assert f"Skipping the incomplete checkpoint {newest}" in caplog.text
+    assert f"Skipping the checkpoint {newest}" in caplog.text
     assert len(steps) == 10  # only the steps after checkpoint-20
     assert snapshot(checkpoints / "checkpoint-20") == earlier
     expected, got = weights(tmp_path / "uninterrupted"), weights(interrupted)

@@ -653,7 +653,7 @@ def test_the_json_reader_bounds_size_depth_and_kind_and_names_the_field(tmp_path
 
     fifo = tmp_path / "state.json"
     os.mkfifo(fifo)
-    with pytest.raises(JSONFileError, match="state.json: is not a regular file"):
+    with pytest.raises(JSONFileError, match="state.json: is a FIFO, not a regular file"):
         read_json(fifo)
     big = tmp_path / "big.json"
     big.write_text("[" + "0," * 1000 + "0]")
