@@ -1,0 +1,368 @@
+"""Issue 69: the fault matrix, generated from `nezha_hf.inventory`. Every row of `FILES` meets every fault of
+`FAULTS` (a case here) or excuses it in the table with the reason; a case damages one file of a real artifact (a model
+folder, a summariser trained or exported, a training run's checkpoints, a journal, inputs, a TensorFlow checkpoint,
+the kernel's build) and runs what reads it, as the commands do. Each case ends as its row says (`OUTCOMES`): refused in
+one line naming the file, a checkpoint skipped for the last intact one, a file left out and named, a build redone;
+never a traceback naming nothing, a hang, or a silent wrong answer. Nothing a case reads is written.
+
+The cases that run a whole command (summarising, resuming a training run) are `slow`; the loaders' cases run in the
+fast set."""
+
+import contextlib
+import errno
+import io
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import VOCAB, make_tokenizer, snapshot, synthetic_judgment, tiny_config, write_jsonl
+from safetensors.torch import load_file, save_file
+
+import nezha_hf_cli as cli
+from nezha_hf import NezhaForSentenceExtraction, NezhaForUniLM, inventory
+from nezha_hf.checkpoints import check_tokenizer, load_tokenizer, model_folder
+
+ROWS = {row.id: row for row in inventory.FILES}
+# Faults of a file itself, which every file can meet (`apply_file_fault`).
+FILE_FAULTS = ("missing", "empty", "truncated", "garbage", "flipped", "folder", "fifo", "device", "link_out",
+               "unreadable")
+NAMING_FAULTS = ("subfolder", "hub_cache", "relative")
+# What no reader may raise: a Python error of its own, which names nothing.
+INTERNAL_ERRORS = (AttributeError, KeyError, IndexError, TypeError, RecursionError, UnicodeDecodeError, ZeroDivisionError,
+                   AssertionError, NameError)
+CASE_SECONDS = 120  # a reader that waits on a FIFO or reads a device for ever fails the case instead of hanging
+
+
+# --- faults -----------------------------------------------------------------------------------------------------
+
+
+def apply_file_fault(fault: str, path: Path, outside: Path) -> None:
+    """Damage `path` (a file) with one of `FILE_FAULTS`; `outside` is a folder outside the artifact for links."""
+    data = path.read_bytes()
+    if fault == "missing":
+        path.unlink()
+    elif fault == "empty":
+        path.write_bytes(b"")
+    elif fault == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif fault == "garbage":
+        path.write_bytes(random.Random(len(data)).randbytes(max(len(data), 64)))
+    elif fault == "flipped":
+        flipped = bytearray(data)
+        flipped[len(flipped) // 2] ^= 0x5A
+        path.write_bytes(bytes(flipped))
+    elif fault == "folder":
+        path.unlink()
+        path.mkdir()
+        (path / "inside.txt").write_text("a folder, not the file")
+    elif fault == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+    elif fault == "device":
+        path.unlink()
+        try:
+            os.mknod(path, 0o20666, os.makedev(1, 5))  # /dev/zero: reading it never ends
+        except PermissionError:  # no CAP_MKNOD here: the device through a link
+            path.symlink_to("/dev/zero")
+    elif fault == "link_out":
+        copy = outside / f"copy-of-{path.name}"
+        copy.write_bytes(data)  # the same bytes: only where it lies is wrong
+        path.unlink()
+        path.symlink_to(copy)
+    elif fault == "unreadable":
+        pass  # `unreadable` below: as root, permissions would not stop the read
+    else:
+        raise AssertionError(fault)
+
+
+@contextlib.contextmanager
+def unreadable(path: Path):
+    """Opening `path` fails with EACCES, as for a file the process may not read (tests run as root, whom permissions
+    do not stop): every open of Python and of the readers, `os.open` included."""
+    target = os.path.realpath(path)
+    real_os_open, real_open = os.open, io.open
+
+    def refused(file):
+        return isinstance(file, (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(file)) == target
+
+    def os_open(file, *args, **kwargs):
+        if refused(file):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fsdecode(file))
+        return real_os_open(file, *args, **kwargs)
+
+    def open_(file, *args, **kwargs):
+        if refused(file):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fsdecode(file))
+        return real_open(file, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(os, "open", os_open)
+        patched.setattr(io, "open", open_)
+        patched.setattr("builtins.open", open_)
+        yield
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    def expired(signum, frame):
+        raise TimeoutError(f"the case took more than {seconds} s: a reader waits on something that never comes")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# --- what a case ends in ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Ended:
+    """How a reader's call ended: exit status (0 or 2), its one error line (or the exception), what it warned."""
+
+    code: int
+    line: str
+    warnings: str
+    error: BaseException | None = None
+
+
+def library_call(call) -> Ended:
+    """`call()` as the commands make it; an exception is status 2 with its message as the line."""
+    warnings = io.StringIO()
+    handler = _warnings_to(warnings)
+    try:
+        call()
+    except Exception as error:  # what the command line would print in one line
+        return Ended(2, " ".join(str(error).split()), warnings.getvalue(), error)
+    finally:
+        _stop(handler)
+    return Ended(0, "", warnings.getvalue())
+
+
+def command(*args) -> Ended:
+    """`nezha-hf ARGS` in this process: its status, its one error line, and the rest of what it printed."""
+    err = io.StringIO()
+    handler = _warnings_to(err)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = cli.main([str(arg) for arg in args])
+    finally:
+        _stop(handler)
+    lines = [line for line in err.getvalue().splitlines() if line.startswith(f"nezha-hf {args[0]}: ")]
+    assert len(lines) <= 1 and "Traceback" not in err.getvalue(), err.getvalue()[-3000:]
+    return Ended(code, lines[0] if lines else "", err.getvalue())
+
+
+def _warnings_to(stream):
+    import logging
+
+    handler = logging.StreamHandler(stream)
+    for name in ("nezha_hf", "transformers"):
+        logging.getLogger(name).addHandler(handler)
+    return handler
+
+
+def _stop(handler):
+    import logging
+
+    for name in ("nezha_hf", "transformers"):
+        logging.getLogger(name).removeHandler(handler)
+
+
+def assert_refused(ended: Ended, *names: str) -> None:
+    """One line naming one of `names` (a file), status 2, no internal error."""
+    assert ended.code == 2, f"it went on (status {ended.code}); warnings: {ended.warnings[-1500:]}"
+    assert not isinstance(ended.error, INTERNAL_ERRORS), f"{type(ended.error).__name__}: {ended.line}"
+    assert ended.line and "\n" not in ended.line, ended.line
+    assert any(name in ended.line for name in names), f"names none of {names}: {ended.line}"
+
+
+# --- artifacts, built once --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """What the cases damage copies of: a model folder (one weights file), a sharded one, and inputs."""
+    root = tmp_path_factory.mktemp("artifacts")
+    tokenizer = make_tokenizer(root / "tokenizer")
+    torch.manual_seed(0)
+    model = NezhaForUniLM(tiny_config(vocab_size=VOCAB))
+    model.generation_config.eos_token_id = tokenizer.sep_token_id
+    for name, shard in (("model", "5GB"), ("sharded", "30KB")):
+        model.save_pretrained(root / name, max_shard_size=shard)
+        tokenizer.save_pretrained(root / name)
+    torch.manual_seed(1)
+    NezhaForUniLM(tiny_config(vocab_size=VOCAB * 2, hidden_size=48)).save_pretrained(root / "other-model")
+    make_tokenizer(root / "other-model" / "tokenizer")
+    (root / "other-model" / "tokenizer" / "vocab.txt").write_text("\n".join(
+        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"零壹贰叁肆伍陆柒捌玖"]) + "\n", encoding="utf-8")
+    return root
+
+
+def artifact_copy(artifacts: Path, name: str, tmp_path: Path) -> Path:
+    copy = tmp_path / "case" / name
+    shutil.copytree(artifacts / name, copy, symlinks=True)
+    return copy
+
+
+# --- a model folder: what every command that loads a model reads ------------------------------------------------
+
+MODEL_ROWS = {"config": ["config.json"], "weights": ["model.safetensors"], "weight_index": ["model.safetensors.index.json"],
+              "generation_config": ["generation_config.json"],
+              "tokenizer_files": ["tokenizer_config.json", "tokenizer.json", "vocab.txt"]}
+
+
+def load_model_folder(folder, **naming) -> None:
+    """What a command does with a model folder: check it, load the model and its tokenizer, check they fit, and
+    generate (which reads the generation settings)."""
+    if not naming:
+        model_folder(folder)
+    model = NezhaForUniLM.from_pretrained(folder, **naming)
+    if naming:
+        return
+    tokenizer = load_tokenizer(folder)
+    check_tokenizer(tokenizer, model.config, folder)
+    prompt = tokenizer(["原告被告"], return_tensors="pt")
+    model.generate(**prompt, max_new_tokens=2)
+
+
+def model_content_fault(row: str, fault: str, folder: Path, target: str, artifacts: Path) -> bool:
+    """Apply a fault of what a model folder's file holds, or of where it came from; False if `fault` has no form for
+    `target`."""
+    path = folder / target
+    other = artifacts / "other-model"
+    if row == "config":
+        config = json.loads(path.read_text())
+        changes = {"wrong_shape": lambda: path.write_text(json.dumps([config])),
+                   "out_of_range": lambda: path.write_text(json.dumps({**config, "num_attention_heads": 0})),
+                   "foreign": lambda: shutil.copy(other / "config.json", path)}
+    elif row == "weights":
+        state = load_file(path)
+        name = "nezha.embeddings.word_embeddings.weight"
+
+        def with_tensor(tensor):
+            save_file({**state, name: tensor}, str(path), metadata={"format": "pt"})
+
+        changes = {"wrong_shape": lambda: with_tensor(state[name][:, :-1].contiguous()),
+                   "wrong_dtype": lambda: with_tensor(state[name].to(torch.int32)),
+                   "non_finite": lambda: with_tensor(state[name].index_fill(0, torch.tensor([3]), float("nan"))),
+                   "foreign": lambda: shutil.copy(other / "model.safetensors", path)}
+    elif row == "weight_index":
+        index = json.loads(path.read_text())
+        first = next(iter(index["weight_map"]))
+        changes = {"wrong_shape": lambda: path.write_text(json.dumps({**index, "weight_map": list(index["weight_map"])})),
+                   "out_of_range": lambda: path.write_text(json.dumps(
+                       {**index, "weight_map": {**index["weight_map"], first: "model-00009-of-00009.safetensors"}})),
+                   "foreign": lambda: path.write_text(json.dumps(
+                       {**index, "weight_map": {name: "model.safetensors" for name in index["weight_map"]}})),
+                   "swapped": lambda: _swap(path, folder / index["weight_map"][first])}
+    elif row == "generation_config":
+        settings = json.loads(path.read_text())
+        changes = {"wrong_shape": lambda: path.write_text(json.dumps({**settings, "eos_token_id": "[SEP]"})),
+                   "out_of_range": lambda: path.write_text(json.dumps({**settings, "eos_token_id": VOCAB + 500})),
+                   "foreign": lambda: path.write_text(json.dumps({**settings, "pad_token_id": 2 * VOCAB + 1}))}
+    elif row == "tokenizer_files":
+        changes = {}
+        if target == "vocab.txt":
+            changes = {"tokenizer": lambda: path.write_text("[PAD]\n[UNK]\n原\n告\n", encoding="utf-8"),
+                       "foreign": lambda: (shutil.copy(other / "tokenizer" / "vocab.txt", path),
+                                           (folder / "tokenizer.json").unlink())}
+        elif target == "tokenizer.json":
+            data = json.loads(path.read_text())
+            vocab = data["model"]["vocab"]
+            changes = {"wrong_shape": lambda: path.write_text(json.dumps({**data, "model": [1, 2]})),
+                       "out_of_range": lambda: path.write_text(json.dumps(
+                           {**data, "model": {**data["model"], "vocab": {**vocab, "院": VOCAB + 1000}}})),
+                       "tokenizer": lambda: path.write_text(json.dumps(
+                           {**data, "model": {**data["model"], "vocab": {k: v for k, v in vocab.items()
+                                                                         if k != "[SEP]"}}})),
+                       "foreign": lambda: shutil.copy(other / "tokenizer" / "tokenizer.json", path),
+                       "swapped": lambda: _swap(path, folder / "tokenizer_config.json")}
+        elif target == "tokenizer_config.json":
+            data = json.loads(path.read_text())
+            changes = {"wrong_shape": lambda: path.write_text(json.dumps([data])),
+                       "out_of_range": lambda: path.write_text(json.dumps({**data, "model_max_length": -5})),
+                       "tokenizer": lambda: path.write_text(json.dumps({**data, "sep_token": None,
+                                                                        "tokenizer_class": "BertTokenizer"}))}
+    else:
+        raise AssertionError(row)
+    if fault not in changes:
+        return False
+    changes[fault]()
+    return True
+
+
+def _swap(first: Path, second: Path) -> None:
+    staging = first.with_name(first.name + ".swap")
+    os.replace(first, staging)
+    os.replace(second, first)
+    os.replace(staging, second)
+
+
+def model_cases():
+    for row, targets in MODEL_ROWS.items():
+        for fault in inventory.FAULTS:
+            if fault in ROWS[row].excused:
+                continue
+            for target in targets:
+                if fault in NAMING_FAULTS and target != targets[0]:
+                    continue
+                yield pytest.param(row, fault, target, id=f"{row}-{fault}-{target}")
+
+
+@pytest.mark.parametrize(("row", "fault", "target"), list(model_cases()))
+def test_a_model_folder_file_with_a_fault_is_refused_naming_it(row, fault, target, artifacts, tmp_path, monkeypatch):
+    folder = artifact_copy(artifacts, "sharded" if row == "weight_index" else "model", tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    path = folder / target
+    naming = {}
+    if fault in FILE_FAULTS:
+        apply_file_fault(fault, path, outside)
+    elif fault in NAMING_FAULTS:
+        apply_file_fault("garbage", path, outside)  # damaged, and reached as transformers' loaders name it
+        folder, naming = name_the_folder(fault, folder, tmp_path, monkeypatch)
+    else:
+        assert model_content_fault(row, fault, folder, target, artifacts), f"no {fault} for {target}: excuse it"
+    before = snapshot(folder) if fault not in ("fifo", "device", "folder", "unreadable") else None
+    with time_limit(CASE_SECONDS), (unreadable(path) if fault == "unreadable" else contextlib.nullcontext()):
+        ended = library_call(lambda: load_model_folder(folder, **naming))
+    if fault == "missing" and ROWS[row].excused.get("missing", "").startswith("optional"):
+        assert ended.code == 0, ended.line
+        return
+    assert_refused(ended, Path(target).name)
+    if before is not None:
+        assert snapshot(folder) == before
+
+
+def name_the_folder(fault, folder: Path, tmp_path: Path, monkeypatch):
+    """`folder` as transformers' loaders may be told to find it: a `subfolder=` of a repository folder, a snapshot
+    of the Hub cache (`cache_dir=`, `revision=`), or a path relative to the working folder."""
+    if fault == "subfolder":
+        return folder.parent, {"subfolder": folder.name}
+    if fault == "relative":
+        monkeypatch.chdir(folder.parent)
+        return Path(folder.name), {}
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repository = cache / "models--owner--tiny-nezha"
+    blobs, snapshot_folder = repository / "blobs", repository / "snapshots" / commit
+    blobs.mkdir(parents=True)
+    snapshot_folder.mkdir(parents=True)
+    (repository / "refs").mkdir()
+    (repository / "refs" / "main").write_text(commit)
+    for file in folder.iterdir():
+        blob = blobs / f"blob-{file.name}"
+        shutil.move(file, blob)
+        (snapshot_folder / file.name).symlink_to(os.path.relpath(blob, snapshot_folder))
+    return "owner/tiny-nezha", {"cache_dir": cache, "revision": "main"}
