@@ -132,7 +132,7 @@ bench-bfloat16: $(VENV)/.test
 	$(BENCH) --dropout 0.1 --dtype bfloat16 --lengths 2048 --eager-up-to 0 --memory-lengths \
 	  --output attention-dropout-bfloat16
 
-# The GPU check (benchmarks/gpu_check.py, one device run; docs/performance.md has the call) runs on a machine with no
+# The GPU check (benchmarks/gpu/gpu_check.py, one device run; docs/performance.md has the call) runs on a machine with no
 # package index, Python 3.12 and transformers 5.17. What it lacks travels in .gpu/ (ignored by git; the device call
 # carries it): the wheel of the transformers .ci/constraints.txt names. Its requirements are met there
 # (huggingface_hub >= 1.31: 1.33; tokenizers 0.23: 0.23.2; safetensors >= 0.8: 0.8.0), which the check verifies first.
@@ -145,12 +145,13 @@ gpu-prepare:
 # The GPU check rehearsed on this machine: Triton's interpreter, tiny sizes, the wheel installed as on the GPU machine;
 # with one variant (the forward pinned to 2 warps), so that the variants' path runs too.
 gpu-rehearse: $(VENV)/.test gpu-prepare
-	$(PY) benchmarks/gpu_check.py --rehearse --variant 'narrow NEZHA_CHECK_BLOCKS=forward=16x32x2x1'
+	$(PY) benchmarks/gpu/gpu_check.py --rehearse --variant 'narrow NEZHA_CHECK_BLOCKS=forward=16x32x2x1'
 
-# The GPU gates (benchmarks/gpu_gates.py, docs/performance.md): NEZHA's Triton kernels compiled for an H100 on this
-# CPU and counted, failing where a gate is missed; the counts go to gpu-gates/gates.json, which the GPU check prints
-# beside its timings (run it before a GPU slot, after the kernels changed). Compiled by the GPU machine's Triton (3.6, in a venv of its own:
-# Triton needs no PyTorch to compile); `make gpu-gates GATES_PYTHON=$(PY)` compiles with the installed one instead.
+# The GPU gates (benchmarks/gpu/gpu_gates.py, docs/performance.md): NEZHA's Triton kernels compiled for an H100 on
+# this CPU and counted, failing where a gate is missed; the counts go to benchmarks/gpu/results/gates.json, which the
+# GPU check prints beside its timings (run it before a GPU slot, after the kernels changed). Compiled by the GPU
+# machine's Triton (3.6, in a venv of its own: Triton needs no PyTorch to compile); `make gpu-gates GATES_PYTHON=$(PY)`
+# compiles with the installed one instead.
 GPU_TRITON := 3.6.0
 GATES_PYTHON ?= .venv-triton-$(GPU_TRITON)/bin/python
 .venv-triton-$(GPU_TRITON)/bin/python:
@@ -158,7 +159,7 @@ GATES_PYTHON ?= .venv-triton-$(GPU_TRITON)/bin/python
 	.venv-triton-$(GPU_TRITON)/bin/python -m pip install --quiet triton==$(GPU_TRITON)
 
 gpu-gates: $(VENV)/.test $(filter .venv-triton-%,$(GATES_PYTHON))
-	$(PY) benchmarks/gpu_gates.py --triton-python $(GATES_PYTHON) --output benchmarks/results/gpu-gates/gates.json
+	$(PY) benchmarks/gpu/gpu_gates.py --triton-python $(GATES_PYTHON) --output benchmarks/gpu/results/gates.json
 
 # After `make test` passes on newer releases: record them as the versions to install (torch stays pinned above).
 constraints: $(VENV)/.test

@@ -4,12 +4,12 @@
 
 On a GPU, a 2,048-token call's kernels take well under a millisecond, so the host's work per call (building the
 kernels' arguments, the op's dispatch and autograd, Triton's launcher) decides the time unless it stays below that:
-the H100 run of 2026-11-27 (docs/performance.md) spent 1.85 ms of host time per forward+backward against 0.8 ms of
-kernels. This measures that host work on the CPU, with no GPU: the Triton engine's four kernels are replaced by
-launches that do nothing (after one real call under Triton's interpreter, which compiles the backward's check), on
-a problem small enough (batch 1 x 2 heads x 64 tokens x head size 64, bfloat16) that the remaining tensor work
-(allocations, the table's conversion) is negligible. Triton's own launcher (argument specialisation, the autotuner's
-key) is not included: it needs a GPU.
+an H100's 2,048-token forward+backward took 1.79 ms, of which its kernels ran 0.80 ms
+(benchmarks/gpu/results/gpu-attention-2048-pinned.md). This measures that host work on the CPU, with no GPU: the
+Triton engine's four kernels are replaced by launches that do nothing (after one real call under Triton's
+interpreter, which compiles the backward's check), on a problem small enough (batch 1 x 2 heads x 64 tokens x head
+size 64, bfloat16) that the remaining tensor work (allocations, the table's conversion) is negligible. Triton's own
+launcher (argument specialisation, the autotuner's key) is not included: it needs a GPU.
 
 Each row: microseconds of CPU time per call, the fastest of `--repeats` runs of `--calls` calls (all rows' runs
 interleaved), for the forward (no autograd) and a training step (forward and backward, gradients cleared first), by
@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import gpu_ops  # noqa: E402
+from benchmarks.gpu import gpu_ops  # noqa: E402
 from benchmarks.machine import describe, results_directory, summary  # noqa: E402
 from nezha_hf import attention_ops, fused_attention, triton_attention  # noqa: E402
 from nezha_hf.attention_ops import AttentionProblem, RelativeAttentionMask, sinusoid_relative_table  # noqa: E402

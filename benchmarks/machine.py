@@ -8,7 +8,7 @@ and how the fused kernel multiplies that dtype there (`nezha_hf.fused_attention.
 benchmarks write into a folder per kind of machine (`results_directory`), so an AMX machine's figures and an
 AVX512-BF16 machine's stand side by side. On a GPU it names the GPU, its matrix-multiply throughput (an 8,192-square
 product, timed with CUDA events) and the software versions (Python, PyTorch, CUDA, the driver, Triton, transformers),
-and the figures go to `benchmarks/results/gpu/`.
+and the figures go to `benchmarks/gpu/results/`, beside the GPU check that makes them.
 
     python benchmarks/machine.py --dtype bfloat16      # prints the description
 """
@@ -136,7 +136,8 @@ def describe(dtype: torch.dtype, device: str = "cpu") -> dict:
 
 
 RESULTS = Path(__file__).parent / "results"
-# Kinds of machine whose speed ratios differ, the results folder of each; a CPU is the first kind whose flag it has.
+GPU_RESULTS = Path(__file__).parent / "gpu" / "results"  # beside the GPU check (benchmarks/gpu/)
+# Kinds of CPU whose speed ratios differ, the results folder of each; a CPU is the first kind whose flag it has.
 KINDS = {"amx": "amx_bf16", "avx512-bf16": "avx512_bf16"}
 
 
@@ -148,10 +149,16 @@ def machine_kind(machine: dict) -> str:
     return next((kind for kind, flag in KINDS.items() if flag in machine["flags"]), "cpu")
 
 
+def results_folder(kind: str) -> Path:
+    """The results folder of a kind of machine (`machine_kind`): `benchmarks/results/<kind>/` for a CPU,
+    `benchmarks/gpu/results/` for a GPU."""
+    return GPU_RESULTS if kind == "gpu" else RESULTS / kind
+
+
 def results_directory(machine: dict) -> Path:
-    """Where a speed benchmark run on `machine` writes: `benchmarks/results/<machine_kind>/`, so that one kind's
-    figures never replace another's."""
-    directory = RESULTS / machine_kind(machine)
+    """Where a speed benchmark run on `machine` writes (`results_folder` of its kind, made if absent), so that one
+    kind's figures never replace another's."""
+    directory = results_folder(machine_kind(machine))
     directory.mkdir(parents=True, exist_ok=True)
     return directory
 

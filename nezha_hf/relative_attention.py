@@ -174,7 +174,7 @@ ENGINES = {
         "Linear memory on CUDA and ROCm GPUs: Triton kernels (`triton_kernels.py`), flash attention whose tiles "
         "left and right of the band `|j - i| < K` are plain FlashAttention-2 tiles (a per-row key constant, the value "
         "term as row sums) and whose band tiles multiply by the table on chip; decoding steps split over the keys. "
-        "Needs Triton; correct on an H100, 1.4-2.1x SDPA's FlashAttention there (docs/performance.md).",
+        "Needs Triton; correct on an H100 (its speed there: docs/performance.md).",
         _triton, _triton_unusable,
     ),
     # Where the kernel is not built (remote code, no compiler), the fastest for long inputs on the CPU

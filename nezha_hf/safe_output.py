@@ -301,19 +301,26 @@ def _give_ordinary_modes(paths, allowed: int) -> None:
 
 
 @contextlib.contextmanager
+def _sibling_folder(destination: Path) -> Iterator[Path]:
+    """Claim `destination` and yield an empty temporary sibling folder, removed on the way out."""
+    with claimed(destination), naming(destination):
+        staging = _new_sibling(destination, "partial", folder=True)
+        try:
+            yield staging
+        finally:
+            _remove(staging)  # nothing left after a success (moved into place), a failure or an interrupt
+
+
+@contextlib.contextmanager
 def staged_folder(destination, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty temporary sibling folder; on success it takes the place of `destination` whole (created if
     absent; an existing or meanwhile-appeared one is replaced only with `overwrite`). What was written there gets
     the permissions of an ordinary write (the umask's)."""
     destination = Path(destination)
-    with claimed(destination), naming(destination):
-        staging = _new_sibling(destination, "partial", folder=True)
-        try:
-            yield staging
-            _give_ordinary_modes(staging.rglob("*"), stat.S_IMODE(staging.stat().st_mode))
-            _put_in_place(staging, destination, overwrite)
-        finally:
-            _remove(staging)  # nothing left after a success (moved), a failure or an interrupt
+    with _sibling_folder(destination) as staging:
+        yield staging
+        _give_ordinary_modes(staging.rglob("*"), stat.S_IMODE(staging.stat().st_mode))
+        _put_in_place(staging, destination, overwrite)
 
 
 @contextlib.contextmanager
@@ -342,21 +349,17 @@ def staged_files_into(destination) -> Iterator[Path]:
     files plus everything else it held (hard links: nothing is copied), swapped in at once. Weight files of an
     earlier save that the new one does not have are dropped, nothing else."""
     destination = Path(destination)
-    with claimed(destination), naming(destination):
-        staging = _new_sibling(destination, "partial", folder=True)
-        try:
-            yield staging
-            # Before the old files are linked in: theirs stay as they are.
-            _give_ordinary_modes(staging.rglob("*"), stat.S_IMODE(staging.stat().st_mode))
-            written = {path.name for path in staging.iterdir()}
-            drops_weights = any(SAVED_WEIGHTS.fullmatch(name) for name in written)
-            if destination.is_dir():
-                for old in destination.iterdir():
-                    if old.name not in written and not (drops_weights and SAVED_WEIGHTS.fullmatch(old.name)):
-                        _link_into(old, staging / old.name)
-            _put_in_place(staging, destination, overwrite=True)
-        finally:
-            _remove(staging)
+    with _sibling_folder(destination) as staging:
+        yield staging
+        # Before the old files are linked in: theirs stay as they are.
+        _give_ordinary_modes(staging.rglob("*"), stat.S_IMODE(staging.stat().st_mode))
+        written = {path.name for path in staging.iterdir()}
+        drops_weights = any(SAVED_WEIGHTS.fullmatch(name) for name in written)
+        if destination.is_dir():
+            for old in destination.iterdir():
+                if old.name not in written and not (drops_weights and SAVED_WEIGHTS.fullmatch(old.name)):
+                    _link_into(old, staging / old.name)
+        _put_in_place(staging, destination, overwrite=True)
 
 
 def _link_into(source: Path, target: Path) -> None:

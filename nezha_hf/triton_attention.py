@@ -47,6 +47,7 @@ from .attention_ops import (
     RelativeAttentionMask,
     engine_op,
     fallback_words,
+    max_relative_position,
     sinusoid_relative_table,
     tracing,
 )
@@ -245,7 +246,7 @@ def _arguments(query, key, value, table, problem: AttentionProblem, switches: Sw
         KeyIsSource=_key_flags(problem.mask.key_is_source, key), KeyBounds=_key_bounds(problem, key),
         Offset=offset if switches.offset_on_device else None, offset=0 if switches.offset_on_device else int(offset),
         **_strides(query, "q", "m"), **_strides(key, "k", "n"), **_strides(value, "v", "n"),
-        heads=heads, Lq=queries, Lk=keys, D=size, K=(table.shape[0] - 1) // 2, scale_log2=problem.scaling * LOG2E,
+        heads=heads, Lq=queries, Lk=keys, D=size, K=max_relative_position(table), scale_log2=problem.scaling * LOG2E,
         seed=int(problem.seed) if dropout > 0 else 0, **_dropout_draws(dropout),
         LQ_CLASS=kernels.length_class(queries), LK_CLASS=kernels.length_class(keys), **switches.constexprs(kernels),
     )
@@ -290,7 +291,7 @@ def _is_exact_sinusoid(table: torch.Tensor, dtype: torch.dtype) -> bool:
         return known[2]
     rows, size = table.shape
     exact = rows % 2 == 1 and size % 2 == 0 and torch.equal(
-        table.to(dtype), sinusoid_relative_table((rows - 1) // 2, size).to(table.device, dtype))
+        table.to(dtype), sinusoid_relative_table(max_relative_position(table), size).to(table.device, dtype))
     _exact_tables[key] = (weakref.ref(table, lambda _: _exact_tables.pop(key, None)), version, exact)
     return exact
 
@@ -301,7 +302,7 @@ def _rotation(table: torch.Tensor, dtype: torch.dtype, kernels) -> dict:
     as exact as the table's own rows, and any other table, by the table's window."""
     if dtype == torch.float32 or not _is_exact_sinusoid(table, dtype):
         return dict(ROTATE=False, Sinusoid=None)
-    K, size = (table.shape[0] - 1) // 2, table.shape[1]
+    K, size = max_relative_position(table), table.shape[1]
     key = (K, size, dtype, table.device)
     if key not in _sinusoids:
         _sinusoids[key] = sinusoid_relative_table(K + -(-kernels.ROTATION_ROWS // 2), size).to(table.device, dtype)

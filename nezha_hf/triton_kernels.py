@@ -298,6 +298,20 @@ def _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND: t
 
 
 @triton.jit
+def _mask_rotated_band(scores, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, HAS_VALID: tl.constexpr,
+                       CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, EDGE: tl.constexpr):
+    """A band tile's `scores` by rotation, -inf where not seen (`_visible`): its clipped pairs are already the tails'
+    terms, so only padding, a causal mask and keys past the last one (`EDGE`) mask it."""
+    if HAS_VALID or CAUSAL:
+        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+                           HAS_SOURCE, EDGE)
+        scores = tl.where(visible, scores, float("-inf"))
+    elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
+        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
+    return scores
+
+
+@triton.jit
 def _scores(q, k, Table, first, K, D: tl.constexpr, offs_d, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource,
             key_row, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
             EDGE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -429,6 +443,16 @@ def _program(blocks, heads, Offset, offset, OFFSET_IN_MEMORY: tl.constexpr):
     if OFFSET_IN_MEMORY:
         offset = tl.load(Offset).to(tl.int32)
     return block, head, (head // heads).to(tl.int64), (head % heads).to(tl.int64), offset
+
+
+@triton.jit
+def _block_rows(length, heads, Offset, offset, OFFSET_IN_MEMORY: tl.constexpr, BLOCK: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """`(start, rows, offs_d, head, b, h, offset)` of a program over blocks of `BLOCK` of `length` rows (`_program`;
+    a gradient kernel's keys or queries): its block's first row and its rows, and the head dimension's indices."""
+    block, head, b, h, offset = _program(tl.cdiv(length, BLOCK), heads, Offset, offset, OFFSET_IN_MEMORY)
+    start = block * BLOCK
+    return start, start + tl.arange(0, BLOCK), tl.arange(0, BLOCK_D), head, b, h, offset
 
 
 # --- forward -----------------------------------------------------------------------------------------------------
@@ -601,12 +625,8 @@ def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, 
     term = _clipped(_product(rotated, tl.trans(sinusoid), WIDEN, IEEE), left_raw[:, None], right_raw[:, None], clip,
                     right, ONE_SIDED)
     scores = _product_into(term, q, tl.trans(k), WIDEN, IEEE)
-    if HAS_VALID or CAUSAL:
-        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
-                           HAS_SOURCE, EDGE)
-        scores = tl.where(visible, scores, float("-inf"))
-    elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
-        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
+    scores = _mask_rotated_band(scores, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, HAS_VALID, CAUSAL,
+                                HAS_SOURCE, EDGE)
     p, rescale, row_max, row_sum, p_sum = _softmax_step(scores, row_max, row_sum, 0.0, scale_log2)
     if DROPOUT:
         p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p, 0.0)  # `keep_scale` at the end
@@ -996,8 +1016,7 @@ def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTe
     sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
                                                    2 * K + ROTATION - 1), D, offs_d)
     distance = (offs_n - offset)[:, None] - offs_m[None, :]
-    # Both sides per pair: with one side per row (`_clip_masks`) this transposed tile compiled larger
-    # (docs/performance.md).
+    # Both sides per pair: with one side per row (`_clip_masks`) this transposed tile compiled larger.
     clip, right = distance <= -K, distance >= K
     scores = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_q), WIDEN, IEEE), left_key[None, :],
                                     right_key[None, :], clip, right, False), k, tl.trans(q), WIDEN, IEEE)
@@ -1025,10 +1044,7 @@ def nezha_key_value_grad_kernel(
     """One block of keys of one head: `dK = scale sum_i dS_ij q_i` and `dV = sum_i P~_ij dO_i` (`[batch, heads, keys,
     d]` contiguous), over the query blocks that see any of its keys: left tail, band, then right tail tiles
     (`_program` numbers the programs). `ROTATE`: the band by rotation, as the forward's (`_rotated_key_value_tile`)."""
-    block, head, b, h, offset = _program(tl.cdiv(Lk, BLOCK_N), heads, Offset, offset, OFFSET_IN_MEMORY)
-    n0 = block * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    n0, offs_n, offs_d, head, b, h, offset = _block_rows(Lk, heads, Offset, offset, OFFSET_IN_MEMORY, BLOCK_N, BLOCK_D)
     k = _rows(Kx + b * stride_kb + h * stride_kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D, True)
     v = _rows(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D, True)
     Qh, DOh = Q + b * stride_qb + h * stride_qh, DO + b * stride_ob + h * stride_oh
@@ -1047,7 +1063,7 @@ def nezha_key_value_grad_kernel(
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # The classes' order is only the sums' order; left tail first compiles to fewer instructions in 5 of the 6 tuned
-    # (configuration, dropout) kernels, ptxas's register choices (docs/performance.md).
+    # (configuration, dropout) kernels, ptxas's register choices.
     grad_k, grad_v = _key_value_tiles(
         grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
         key_row, left_lo, hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
@@ -1164,12 +1180,8 @@ def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q,
     key_term = _clipped(key_term, left_key[:, None], right_key[:, None], clip, right, ONE_SIDED)
     output_term = _clipped(output_term, left_out[:, None], right_out[:, None], clip, right, ONE_SIDED)
     scores = _product_into(key_term, q, tl.trans(k), WIDEN, IEEE)
-    if HAS_VALID or CAUSAL:
-        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
-                           HAS_SOURCE, EDGE)
-        scores = tl.where(visible, scores, float("-inf"))
-    elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
-        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
+    scores = _mask_rotated_band(scores, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, HAS_VALID, CAUSAL,
+                                HAS_SOURCE, EDGE)
     p = tl.exp2(scores * scale_log2 - lse[:, None])
     grad_p = _product_into(output_term, do, tl.trans(v), WIDEN, IEEE)
     keep = None
@@ -1239,10 +1251,7 @@ def nezha_query_grad_kernel(
     """One block of queries of one head: `dQ = scale sum_j dS_ij (k_j + T[r])` (`[batch, heads, queries, d]`
     contiguous), over the key blocks the forward visits (`_program` numbers the programs). `ROTATE`: the band by
     rotation, as the forward's (`_rotated_query_band`)."""
-    block, head, b, h, offset = _program(tl.cdiv(Lq, BLOCK_M), heads, Offset, offset, OFFSET_IN_MEMORY)
-    m0 = block * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    m0, offs_m, offs_d, head, b, h, offset = _block_rows(Lq, heads, Offset, offset, OFFSET_IN_MEMORY, BLOCK_M, BLOCK_D)
     q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
     do = _rows(DO + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
     Kh, Vh = Kx + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh

@@ -13,7 +13,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the benchmarks are scripts of the repository, not part of the package
-RESULTS = sorted((ROOT / "benchmarks" / "results").rglob("*.md"))
+# The CPU benchmarks' results (benchmarks/results/) and the GPU check's (benchmarks/gpu/results/).
+RESULTS = sorted((ROOT / "benchmarks").rglob("results/**/*.md"))
 
 
 @pytest.mark.parametrize("result", RESULTS, ids=lambda path: path.name)
@@ -29,15 +30,15 @@ def test_every_result_names_its_command_and_its_cpu(result):
     assert float(machine.group(machine.lastindex)) > 0
 
 
-@pytest.mark.parametrize("result", [path for path in RESULTS if path.parent.name != "results"],
+@pytest.mark.parametrize("result", [path for path in RESULTS if path.parent != ROOT / "benchmarks" / "results"],
                          ids=lambda path: f"{path.parent.name}/{path.name}")
 def test_a_result_lies_in_the_folder_of_its_kind_of_machine(result):
-    """Speed figures of an AMX machine and of an AVX512-BF16 machine differ: each lies in its kind's folder, which the
-    benchmarks choose from the machine they describe (`machine.results_directory`)."""
-    from benchmarks.machine import machine_kind
+    """Speed figures of an AMX machine, of an AVX512-BF16 machine and of a GPU differ: each lies in its kind's folder,
+    which the benchmarks choose from the machine they describe (`machine.results_directory`)."""
+    from benchmarks.machine import machine_kind, results_folder
 
     recorded = json.loads(result.with_suffix(".json").read_text())["machine"]
-    assert machine_kind(recorded) == result.parent.name
+    assert result.parent == results_folder(machine_kind(recorded))
 
 
 def test_the_kind_of_machine_is_the_first_whose_flag_it_has(tmp_path, monkeypatch):
@@ -50,6 +51,7 @@ def test_the_kind_of_machine_is_the_first_whose_flag_it_has(tmp_path, monkeypatc
     monkeypatch.setattr(machine, "RESULTS", tmp_path)
     assert machine.results_directory({"flags": ["avx512_bf16"]}) == tmp_path / "avx512-bf16"
     assert (tmp_path / "avx512-bf16").is_dir()
+    assert machine.results_folder("gpu") == ROOT / "benchmarks" / "gpu" / "results"  # beside the GPU check
 
 
 def test_the_machine_description_is_measured():
@@ -199,7 +201,7 @@ def test_a_copy_with_neither_pyproject_nor_metadata_says_its_version_is_unknown(
     assert done.stdout.split() == ["0+unknown", "0+unknown"]
 
 
-# --- the GPU check (benchmarks/gpu_check.py and its steps), rehearsed on the CPU under Triton's interpreter ---------
+# --- the GPU check (benchmarks/gpu/gpu_check.py and its steps), rehearsed on the CPU under Triton's interpreter -----
 
 
 @pytest.fixture
@@ -249,7 +251,7 @@ def test_the_model_benchmark_requires_the_triton_engine_on_a_gpu_and_the_named_o
 
 def test_the_op_benchmark_fails_in_one_line_when_nezha_triton_does_not_run(triton_unusable, unmeasured_machine, tmp_path,
                                                                              capsys):
-    from benchmarks import gpu_attention
+    from benchmarks.gpu import gpu_attention
 
     code = gpu_attention.main(["--rehearse", "--dtypes", "bfloat16", "--lengths", "16", "--cache", "0", "--results",
                                str(tmp_path)])
@@ -262,7 +264,7 @@ def test_the_op_benchmark_fails_in_one_line_when_nezha_triton_does_not_run(trito
 
 @pytest.mark.slow
 def test_the_op_benchmark_rehearsed_times_every_case_against_sdpa(unmeasured_machine, tmp_path):
-    from benchmarks import gpu_attention
+    from benchmarks.gpu import gpu_attention
 
     assert gpu_attention.main(["--rehearse", "--dtypes", "float16", "--lengths", "16", "--cache", "24", "--profile",
                                "--results", str(tmp_path)]) == 0
@@ -279,14 +281,14 @@ def test_the_op_benchmark_rehearsed_times_every_case_against_sdpa(unmeasured_mac
         assert row["target"] is None  # the issue's targets are for a GPU, not a rehearsal
     forward = result["rows"][0]
     assert forward["nezha_tflops"] == pytest.approx(4 * 1 * 2 * 16 * 16 * 16 / (forward["nezha_ms"] * 1e-3) / 1e12)
-    assert (tmp_path / "gpu-attention.md").read_text().startswith("Command: `python benchmarks/gpu_attention.py ")
+    assert (tmp_path / "gpu-attention.md").read_text().startswith("Command: `python benchmarks/gpu/gpu_attention.py ")
 
 
 @pytest.mark.slow
 def test_the_correctness_half_rehearsed_passes_every_case(unmeasured_machine, tmp_path):
     """Every mask, dtype, decoding, dropout, TF32 and launch case against the float64 formula, under the
     interpreter: what the GPU run checks, at the interpreter's sizes (about a minute)."""
-    from benchmarks import gpu_correctness
+    from benchmarks.gpu import gpu_correctness
 
     assert gpu_correctness.main(["--rehearse", "--workers", "1", "--results", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "gpu-correctness.json").read_text())
@@ -298,7 +300,7 @@ def test_the_correctness_half_rehearsed_passes_every_case(unmeasured_machine, tm
 @pytest.mark.slow
 def test_the_correctness_cases_run_each_in_a_process_of_its_own(unmeasured_machine, tmp_path):
     """As on a GPU (12 processes), rehearsed with 2: a case and its arguments reach a fresh process and come back."""
-    from benchmarks import gpu_correctness
+    from benchmarks.gpu import gpu_correctness
 
     assert gpu_correctness.main(["--rehearse", "--workers", "2", "--results", str(tmp_path), "--cases",
                                  "float32 decode", "float32 sdpa"]) == 0
@@ -308,7 +310,7 @@ def test_the_correctness_cases_run_each_in_a_process_of_its_own(unmeasured_machi
 
 def sabotaged(monkeypatch, change):
     """The Triton op with `change(output, query, key, value, table, problem)` applied to what it computes."""
-    from benchmarks import gpu_ops
+    from benchmarks.gpu import gpu_ops
 
     real = gpu_ops.triton_attention
     monkeypatch.setattr(gpu_ops, "triton_attention", lambda q, k, v, table, problem: change(
@@ -316,7 +318,7 @@ def sabotaged(monkeypatch, change):
 
 
 def correctness_failures(tmp_path, case) -> dict:
-    from benchmarks import gpu_correctness
+    from benchmarks.gpu import gpu_correctness
 
     assert gpu_correctness.main(["--rehearse", "--workers", "1", "--results", str(tmp_path), "--cases", case]) == 1
     cases = json.loads((tmp_path / "gpu-correctness.json").read_text())["cases"]
@@ -349,7 +351,7 @@ def test_the_correctness_half_fails_a_backward_that_draws_another_dropout_mask(m
                                                                                tmp_path):
     """The keep mask the reference is given differs from the kernel's in one entry per row, as a backward redrawing
     another mask would make it: the case fails."""
-    from benchmarks import gpu_correctness
+    from benchmarks.gpu import gpu_correctness
 
     real = gpu_correctness.kernel_keep_mask
 
@@ -363,7 +365,7 @@ def test_the_correctness_half_fails_a_backward_that_draws_another_dropout_mask(m
 
 
 def test_the_environment_check_names_what_is_missing(monkeypatch, capsys):
-    from benchmarks import gpu_environment
+    from benchmarks.gpu import gpu_environment
 
     assert gpu_environment.main(["--rehearse"]) == 0
     monkeypatch.setattr(gpu_environment, "INTERFACES", [("torch.library.frobnicate (a newer PyTorch)",
@@ -393,7 +395,7 @@ def test_a_gpu_machine_is_named_with_its_matmul_rate_and_software():
 
 def test_the_gpu_check_packs_triton_cache_in_parts_the_device_tool_brings_back_and_restores_them(monkeypatch,
                                                                                                tmp_path):
-    from benchmarks import gpu_check
+    from benchmarks.gpu import gpu_check
 
     cache, work, results = tmp_path / "cache", tmp_path / "work", tmp_path / "results"
     for folder in (cache / "ab12", work, results):
@@ -421,7 +423,7 @@ def test_the_gpu_check_packs_triton_cache_in_parts_the_device_tool_brings_back_a
 
 def test_a_gpu_check_step_past_its_budget_is_stopped_with_its_workers(tmp_path):
     """A step's process group is stopped at its budget (the correctness step's workers too), and reads as 124."""
-    from benchmarks import gpu_check
+    from benchmarks.gpu import gpu_check
 
     marker = tmp_path / "worker-alive"
     worker = f"import time, pathlib; time.sleep(4); pathlib.Path({str(marker)!r}).write_text('x')"
@@ -435,7 +437,7 @@ def test_a_gpu_check_step_past_its_budget_is_stopped_with_its_workers(tmp_path):
 
 
 def test_a_failed_gpu_check_step_ends_the_run_and_the_summary_says_so(monkeypatch, tmp_path, capsys):
-    from benchmarks import gpu_check
+    from benchmarks.gpu import gpu_check
 
     ran = tmp_path / "second-ran"
     monkeypatch.setattr(gpu_check, "steps", lambda rehearse, work, variants: [
@@ -491,7 +493,7 @@ def test_a_carried_triton_cache_with_anything_but_files_and_folders_is_refused_w
     """`restore_cache` unpacks plain files and folders inside the cache only; an archive holding a link of any kind, a
     device, a FIFO or a name outside is refused before anything of it is written (Python's `filter="data"` is passed
     by a long symlink chain on 3.11.7, CVE-2025-4517)."""
-    from benchmarks import gpu_check
+    from benchmarks.gpu import gpu_check
 
     (tmp_path / "outside").mkdir()
     cache = tmp_path / "run" / "cache"
@@ -507,7 +509,7 @@ def test_a_carried_triton_cache_with_anything_but_files_and_folders_is_refused_w
 
 
 def test_a_carried_triton_cache_of_files_and_folders_is_restored(tmp_path):
-    from benchmarks import gpu_check
+    from benchmarks.gpu import gpu_check
 
     part = _archive(tmp_path / "triton-cache.tar.gz", [("ab12", "dir", None), ("ab12/kernel.cubin", "file", b"k"),
                                                        ("ab12/deeper/kernel.json", "file", b"{}")])

@@ -1,6 +1,7 @@
-"""The GPU check's A/B parts (benchmarks/gpu_check.py and its steps), rehearsed on the CPU under Triton's interpreter:
-the yardstick timed beside NEZHA, the compiled decoding step, block sizes pinned by an environment switch and run as
-variants in fresh processes, the model's per-layer profile, and the CPU gate counts printed beside the timings."""
+"""The GPU check's A/B parts (benchmarks/gpu/gpu_check.py and its steps), rehearsed on the CPU under Triton's
+interpreter: the yardstick timed beside NEZHA, the compiled decoding step, block sizes pinned by an environment switch
+and run as variants in fresh processes, the model's per-layer profile, and the CPU gate counts printed beside the
+timings."""
 
 import json
 import sys
@@ -14,7 +15,7 @@ sys.path.insert(0, str(ROOT))  # the benchmarks are scripts of the repository, n
 
 from test_benchmarks import triton_unusable, unmeasured_machine  # noqa: E402, F401 - fixtures
 
-GATES_36 = ROOT / "benchmarks" / "results" / "gpu-gates" / "gates.json"
+GATES_36 = ROOT / "benchmarks" / "gpu" / "results" / "gates.json"
 INTERPRETER_BLOCKS = "16x32, 4 warps, 1 stages"  # the kernels' one configuration under the interpreter
 CAPPED_FORWARD = "128x64, 8 warps, 3 stages, 128 registers"  # a tuned forward configuration, held to 128 registers
 
@@ -32,7 +33,7 @@ def pinnable(monkeypatch):
 @pytest.mark.slow
 def test_the_op_benchmark_times_the_yardstick_on_nezhas_blocks_and_a_compiled_decoding_step(unmeasured_machine,
                                                                                              tmp_path):
-    from benchmarks import gpu_attention
+    from benchmarks.gpu import gpu_attention
 
     assert gpu_attention.main(["--rehearse", "--dtypes", "bfloat16", "--lengths", "32", "--cache", "32", "--yardstick",
                                "--compile", "--cases", "forward", "forward+backward", "decoding step, compiled",
@@ -59,7 +60,7 @@ def test_the_op_benchmark_times_the_yardstick_on_nezhas_blocks_and_a_compiled_de
 def test_the_yardstick_is_not_timed_where_the_length_is_not_whole_blocks(pinnable):
     import torch
 
-    from benchmarks import gpu_attention
+    from benchmarks.gpu import gpu_attention
 
     configs = {"forward": __import__("triton").Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)}
     inputs = [torch.randn(1, 2, 40, 16, dtype=torch.bfloat16) for _ in range(3)]
@@ -72,8 +73,8 @@ def test_the_yardstick_is_not_timed_where_the_length_is_not_whole_blocks(pinnabl
 
 
 def test_blocks_pinned_by_the_environment_switch_reach_the_autotuner_and_bad_ones_are_one_line(pinnable):
-    from benchmarks import gpu_attention
-    from benchmarks.gpu_ops import CheckFailed
+    from benchmarks.gpu import gpu_attention
+    from benchmarks.gpu.gpu_ops import CheckFailed
     from nezha_hf import triton_kernels
 
     assert gpu_attention.pin_blocks("forward=16x32x2x1x128, dQ=16x32x8x2") == {
@@ -98,7 +99,7 @@ def test_blocks_pinned_by_the_environment_switch_reach_the_autotuner_and_bad_one
 
 @pytest.mark.slow
 def test_a_pinned_block_is_what_the_timed_row_ran(unmeasured_machine, pinnable, monkeypatch, tmp_path):
-    from benchmarks import gpu_attention
+    from benchmarks.gpu import gpu_attention
 
     monkeypatch.setenv("NEZHA_CHECK_BLOCKS", "forward=16x32x2x1")
     assert gpu_attention.main(["--rehearse", "--dtypes", "bfloat16", "--lengths", "32", "--cache", "0", "--cases",
@@ -108,7 +109,7 @@ def test_a_pinned_block_is_what_the_timed_row_ran(unmeasured_machine, pinnable, 
 
 
 def test_a_variant_is_a_name_and_environment_settings():
-    from benchmarks.gpu_check import Variant
+    from benchmarks.gpu.gpu_check import Variant
 
     assert Variant.parse("fwd64 NEZHA_CHECK_BLOCKS=forward=64x64x4x3 OTHER=1") == Variant(
         "fwd64", {"NEZHA_CHECK_BLOCKS": "forward=64x64x4x3", "OTHER": "1"})
@@ -122,7 +123,7 @@ def test_the_gpu_check_runs_each_variant_in_a_fresh_process_and_one_that_fails_a
                                                                                        tmp_path):
     """Rehearsed: `--only variants` runs each variant's attention rows with its settings; a refused setting fails
     that variant alone, and the summary shows every variant's outcome and rows."""
-    from benchmarks import gpu_check
+    from benchmarks.gpu import gpu_check
 
     monkeypatch.setattr(gpu_check, "CARRIED", tmp_path / "nothing-carried")
     results = tmp_path / "out"
@@ -151,7 +152,7 @@ def _attention_results(work: Path, rows: list[dict], triton: str) -> None:
 def test_the_summary_prints_the_gate_counts_of_each_configuration_timed(tmp_path):
     """The counts of the configurations the rows ran, as `make gpu-gates` wrote them, beside the yardstick's at the
     same configuration; a configuration the counts lack shows dashes; another Triton's counts are flagged."""
-    from benchmarks import gpu_check
+    from benchmarks.gpu import gpu_check
 
     row = {"case": "forward+backward", "dtype": "bfloat16", "queries": 2048, "keys": 2048, "dropout": 0.0,
            "target": 1.3, "met": False, "nezha_ms": 2.0, "sdpa_ms": 0.7, "ratio": 2.0 / 0.7, "sdpa_backend": "flash",
@@ -192,7 +193,7 @@ def test_the_summary_prints_the_gate_counts_of_each_configuration_timed(tmp_path
 
 
 def test_a_compiled_decoding_step_that_failed_reads_as_its_error_in_the_summary(tmp_path):
-    from benchmarks import gpu_check
+    from benchmarks.gpu import gpu_check
 
     row = {"case": "decoding step, compiled", "dtype": "bfloat16", "queries": 1, "keys": 8192, "dropout": 0.0,
            "target": 1.1, "met": False, "nezha_ms": None, "sdpa_ms": 0.05, "ratio": None, "sdpa_backend": "flash",
@@ -205,7 +206,7 @@ def test_a_compiled_decoding_step_that_failed_reads_as_its_error_in_the_summary(
 
 @pytest.mark.slow
 def test_the_model_profile_rehearsed_gives_host_and_kernel_time_per_layer(unmeasured_machine, tmp_path):
-    from benchmarks import gpu_profile
+    from benchmarks.gpu import gpu_profile
 
     assert gpu_profile.main(["--rehearse", "--results", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "gpu-profile.json").read_text())
@@ -220,7 +221,7 @@ def test_the_model_profile_rehearsed_gives_host_and_kernel_time_per_layer(unmeas
 
 def test_the_model_profile_ends_in_one_line_when_nezha_did_not_run_triton(triton_unusable, unmeasured_machine,
                                                                           tmp_path, capsys):
-    from benchmarks import gpu_profile
+    from benchmarks.gpu import gpu_profile
 
     assert gpu_profile.main(["--rehearse", "--batches", "1", "--tokens", "8", "--results", str(tmp_path)]) == 1
     assert capsys.readouterr().err.splitlines() == ["gpu_profile.py: NEZHA did not run the Triton engine on cpu: the "
@@ -233,7 +234,7 @@ def test_a_gate_with_nothing_to_compare_with_fails_rather_than_passing_unchecked
     dropout: where those counts are missing (the yardstick compiled for one case's configurations only), or a row's
     own tail or band loop was not found, the row fails in words, rather than passing a gate nothing checked. A run of
     the dropout case alone (`--case`) has no case without dropout to ask for."""
-    from benchmarks import gpu_gates
+    from benchmarks.gpu import gpu_gates
 
     rows = json.loads(GATES_36.read_text())["rows"]
     today = gpu_gates.gate_failures(rows)

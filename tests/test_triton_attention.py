@@ -713,11 +713,11 @@ def test_the_kernels_compile_for_an_h100():
 
 
 def test_the_yardstick_is_plain_flash_attention():
-    """The yardstick the GPU gates measure NEZHA's kernels against (`benchmarks/triton_yardstick.py`, plain
+    """The yardstick the GPU gates measure NEZHA's kernels against (`benchmarks/gpu/triton_yardstick.py`, plain
     FlashAttention-2) computes softmax attention and its three gradients (against the float64 formula, under the
     interpreter), with dK/dV and dQ blocks of different shapes."""
     sys.path.insert(0, str(ROOT))
-    from benchmarks.triton_yardstick import yardstick_backward, yardstick_forward
+    from benchmarks.gpu.triton_yardstick import yardstick_backward, yardstick_forward
 
     q, k, v = inputs(1, 2, 64, 64, 16, seed=3)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -733,8 +733,8 @@ def test_the_yardstick_is_plain_flash_attention():
 
 @pytest.mark.slow
 def test_a_planted_64_row_block_on_8_warps_fails_the_gpu_gates(tmp_path):
-    """`benchmarks/gpu_gates.py` compiles the forward for an H100 on the CPU: a 64-row block on 8 warps planted among
-    its tuned configurations fails the gate "no 64-row block on 8 warps" (both warp groups compute the same rows);
+    """`benchmarks/gpu/gpu_gates.py` compiles the forward for an H100 on the CPU: a 64-row block on 8 warps planted
+    among its tuned configurations fails the gate "no 64-row block on 8 warps" (both warp groups compute the same rows);
     the tuned configurations pass it. The band loops are told from the tails' by the kernel file's source lines even
     when Triton's cache holds the same kernels compiled from another checkout (whose SASS names that checkout's file):
     the gates compile afresh."""
@@ -743,7 +743,7 @@ def test_a_planted_64_row_block_on_8_warps_fails_the_gpu_gates(tmp_path):
     other = tmp_path / "other-checkout"
     for part in ("nezha_hf", "benchmarks"):
         shutil.copytree(ROOT / part, other / part, ignore=shutil.ignore_patterns("__pycache__", "results"))
-    command = ["benchmarks/gpu_gates.py", "--only", "forward", "--case", "bfloat16"]
+    command = ["benchmarks/gpu/gpu_gates.py", "--only", "forward", "--case", "bfloat16"]
     subprocess.run([sys.executable, *command], cwd=other, env=environment, capture_output=True, timeout=1800)
     done = subprocess.run([sys.executable, *command, "--plant", "nezha_forward_kernel:64,64,8,3"], cwd=ROOT,
                           env=environment, capture_output=True, text=True, timeout=1800)

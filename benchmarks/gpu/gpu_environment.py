@@ -1,7 +1,7 @@
 """What the GPU check runs on, printed first, and whether it has what nezha_hf uses: said plainly, not as a crash later.
 
-    python benchmarks/gpu_environment.py               # part of benchmarks/gpu_check.py
-    python benchmarks/gpu_environment.py --rehearse    # on the CPU, Triton's interpreter
+    python benchmarks/gpu/gpu_environment.py             # part of benchmarks/gpu/gpu_check.py
+    python benchmarks/gpu/gpu_environment.py --rehearse  # on the CPU, Triton's interpreter
 
 The GPU machines this project is lent hold their own PyTorch, Triton and transformers, and nothing can be installed
 there but what travels with the repository (`make gpu-prepare`). This prints the Python, PyTorch, CUDA, driver,
@@ -28,15 +28,15 @@ import sys
 import tomllib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_script import rehearsing, write_staged  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.gpu.gpu_script import rehearsing, write_staged  # noqa: E402
 
 rehearsing(sys.argv)  # before anything imports Triton
 
 import torch  # noqa: E402
 from packaging.requirements import Requirement  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("triton", "transformers", "huggingface_hub", "tokenizers", "safetensors", "accelerate")
 # What nezha_hf or the check calls that an older PyTorch or Triton may lack: (what, where it is looked up).
 INTERFACES = [

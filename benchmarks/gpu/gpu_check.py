@@ -1,7 +1,7 @@
 """The whole GPU check of NEZHA's Triton engine in one run of at most 9 minutes, a short table printed last.
 
-    python3 benchmarks/gpu_check.py               # on the GPU machine (docs/performance.md has the device `run` call)
-    python3 benchmarks/gpu_check.py --rehearse    # here: everything but the GPU (Triton's interpreter, tiny sizes)
+    python3 benchmarks/gpu/gpu_check.py               # on the GPU machine (docs/performance.md: the device `run` call)
+    python3 benchmarks/gpu/gpu_check.py --rehearse    # here: everything but the GPU (Triton's interpreter, tiny sizes)
 
 It sets itself up on the machine's own packages and runs each step in a fresh process within its time budget:
 
@@ -36,7 +36,7 @@ short is reported as incomplete); the run fits `--budget` seconds (default 510) 
 The results folder (`--results`; default $OUT, where the device tool looks, else gpu-check-results/) gets at most
 5 files (the device tool brings back 8, of at most 16 MiB each): `gpu-check.log` (everything printed, written as it
 comes), `summary.md` (the table printed last), `results.tar.gz` (the results files: unpack into
-benchmarks/results/gpu/) and `triton-cache.tar.gz` (the compiled kernels and autotuning choices; in two parts of
+benchmarks/gpu/results/) and `triton-cache.tar.gz` (the compiled kernels and autotuning choices; in two parts of
 15 MiB at most, `.00` and `.01`, if larger; copy them into .gpu/ to carry them into the next run, which unpacks them).
 """
 
@@ -55,15 +55,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks.gpu_script import attention_cells, write_staged  # noqa: E402
+from benchmarks.gpu.gpu_script import attention_cells, write_staged  # noqa: E402
 
 CARRIED = ROOT / ".gpu"  # what travels with the checkout to the GPU machine (ignored by git)
 PART_SIZE = 15 * 2**20  # the device tool brings back files of at most 16 MiB
 MAX_CACHE_PARTS = 2  # 30 MiB: with the checkout (4 MB) and the wheel (14 MB) it travels back within 64 MiB
 PACK_RESERVE = 20  # seconds kept for packing the results
-GATES = ROOT / "benchmarks" / "results" / "gpu-gates" / "gates.json"  # what `make gpu-gates` writes
+GATES = ROOT / "benchmarks" / "gpu" / "results" / "gates.json"  # what `make gpu-gates` writes
 
 
 @dataclass(frozen=True)
@@ -114,15 +114,15 @@ def steps(rehearse: bool, work: Path, variants: list[Variant] = ()) -> list[Step
     # Rehearsing, lengths of whole 16-token blocks, so that the yardstick (which takes no mask) runs too.
     lengths = ["--lengths", "32", "--cache", "32"] if rehearse else []
     return [
-        Step("environment", ["benchmarks/gpu_environment.py", *mode, *results], 60 * scale),
-        Step("correctness", ["benchmarks/gpu_correctness.py", *mode, *results], 170 * scale),
+        Step("environment", ["benchmarks/gpu/gpu_environment.py", *mode, *results], 60 * scale),
+        Step("correctness", ["benchmarks/gpu/gpu_correctness.py", *mode, *results], 170 * scale),
         # bfloat16 only (the targets' dtype; with float16 too the first run's compilation ran past the budget)
-        Step("attention op", ["benchmarks/gpu_attention.py", *mode, *results, *lengths, "--dtypes", "bfloat16",
+        Step("attention op", ["benchmarks/gpu/gpu_attention.py", *mode, *results, *lengths, "--dtypes", "bfloat16",
                               "--yardstick", "--compile", "--profile"], 180 * scale, timed=True),
         Step("model", ["benchmarks/attention.py", *model, "--dtype", "bfloat16", "--eager-up-to", "0", *results,
                        "--output", "attention-cuda-bfloat16"], 150 * scale, timed=True),
-        Step("model profile", ["benchmarks/gpu_profile.py", *mode, *results], 90 * scale, timed=True),
-        *(Step(f"variant {variant.name}", ["benchmarks/gpu_attention.py", *mode, *results, *lengths, "--dtypes",
+        Step("model profile", ["benchmarks/gpu/gpu_profile.py", *mode, *results], 90 * scale, timed=True),
+        *(Step(f"variant {variant.name}", ["benchmarks/gpu/gpu_attention.py", *mode, *results, *lengths, "--dtypes",
                                            "bfloat16", "--yardstick", "--cases", "forward", "forward+backward",
                                            "--output", f"gpu-attention-{variant.name}"],
                90 * scale, timed=True, settings=variant.settings) for variant in variants),
@@ -285,7 +285,7 @@ def gate_lines(timed: list[dict], gates_file: Path, triton_version: str | None) 
         return []
     if not gates_file.is_file():
         return ["", f"Gate counts: none ({gates_file.name} not found: `make gpu-gates` writes it before a slot)."]
-    from benchmarks import gpu_gates
+    from benchmarks.gpu import gpu_gates
 
     gates = json.loads(gates_file.read_text())
     counted = {(gpu_gates.SHORT[row["kernel"]], row["case"], row["config_name"]): row for row in gates["rows"]}
@@ -373,7 +373,7 @@ def main(argv=None) -> int:
                         help="time the attention op again with these environment settings, in a fresh process "
                              "(repeatable), e.g. 'fwd64 NEZHA_CHECK_BLOCKS=forward=64x64x4x3'")
     parser.add_argument("--gates", type=Path, default=GATES,
-                        help="the gate counts `make gpu-gates` wrote (default benchmarks/results/gpu-gates/gates.json)")
+                        help="the gate counts `make gpu-gates` wrote (default benchmarks/gpu/results/gates.json)")
     args = parser.parse_args(argv)
     try:
         variants = [Variant.parse(text) for text in args.variant]

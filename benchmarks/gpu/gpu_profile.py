@@ -1,7 +1,7 @@
 """Host time against kernel time per layer: NEZHA (Triton engine) and BERT-SDPA of the same size, by torch.profiler.
 
-    python benchmarks/gpu_profile.py                 # on a CUDA GPU (part of benchmarks/gpu_check.py)
-    python benchmarks/gpu_profile.py --rehearse      # on the CPU: Triton's interpreter, tiny sizes
+    python benchmarks/gpu/gpu_profile.py             # on a CUDA GPU (part of benchmarks/gpu/gpu_check.py)
+    python benchmarks/gpu/gpu_profile.py --rehearse  # on the CPU: Triton's interpreter, tiny sizes
 
 A model step at batch 1 x 2,048 tokens runs BERT far below the matmul peak: it is launch-bound, so what each layer
 costs the host (Python, dispatch, argument building, launches) matters as much as what its kernels cost the GPU.
@@ -14,7 +14,7 @@ A layer whose host time exceeds its kernel time keeps the GPU waiting for the ho
 CUDA events. NEZHA must run the Triton engine (`recorded_attention_calls`), or the script ends in one line.
 
 Rehearsing, the model is 1 layer at 32 tokens on the CPU (batches 1 and 2) and there are no kernels: the kernel
-column is 0 and means nothing. Writes `gpu-profile.md` and `.json` to `--results` (default benchmarks/results/gpu/),
+column is 0 and means nothing. Writes `gpu-profile.md` and `.json` to `--results` (default benchmarks/gpu/results/),
 after each (model, batch).
 """
 
@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_script import rehearsing, write_staged  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.gpu.gpu_script import rehearsing, write_staged  # noqa: E402
 
 rehearsing(sys.argv)  # before anything imports Triton
 
@@ -121,7 +121,7 @@ def measure(kind: str, batch: int, sizes: dict, device: str, dtype: str) -> dict
 
 def report(rows: list[dict], machine: dict, sizes: dict, argv, output: Path) -> list[str]:
     """Write the rows so far to `output`.md and .json; returns the Markdown lines."""
-    command = "python benchmarks/gpu_profile.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/gpu/gpu_profile.py " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [f"Command: `{command.strip()}`", "", summary(machine), "",
              f"{sizes['layers']} base-width layers, {machine['dtype']}, forward (no_grad), {sizes['passes']} profiled "
              "passes after a warm-up; per layer: host ms = the layer's CPU range, kernel ms = its kernels' device "

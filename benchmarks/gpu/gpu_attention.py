@@ -1,8 +1,8 @@
 """NEZHA's attention op on a GPU against SDPA's FlashAttention on the same tensors: milliseconds, ratio and TFLOP/s.
 
-    python benchmarks/gpu_attention.py                 # on a CUDA GPU (part of benchmarks/gpu_check.py)
-    python benchmarks/gpu_attention.py --lengths 2048 --dtypes bfloat16
-    python benchmarks/gpu_attention.py --rehearse      # on the CPU: Triton's interpreter, tiny sizes, perf_counter
+    python benchmarks/gpu/gpu_attention.py             # on a CUDA GPU (part of benchmarks/gpu/gpu_check.py)
+    python benchmarks/gpu/gpu_attention.py --lengths 2048 --dtypes bfloat16
+    python benchmarks/gpu/gpu_attention.py --rehearse  # on the CPU: Triton's interpreter, tiny sizes, perf_counter
 
 Batch 4 x 12 heads x head size 64, K = 64 (the base model's attention), for each dtype and length: the forward, the
 forward and backward, and the forward and backward with attention dropout 0.1 (SDPA with `dropout_p=0.1`); then a
@@ -11,9 +11,9 @@ SDPA is `scaled_dot_product_attention` under `sdpa_kernel(SDPBackend.FLASH_ATTEN
 which takes the first backend SDPA runs it with (the table names it).
 
 Each row records the block configuration Triton's autotuner chose for every NEZHA kernel it ran (`configs`, named as
-`benchmarks/gpu_gates.py` names them), so that the GPU check can print the CPU gate counts of what it timed. With
+`benchmarks/gpu/gpu_gates.py` names them), so that the GPU check can print the CPU gate counts of what it timed. With
 `--yardstick`, the forward and forward+backward rows also time the plain FlashAttention-2 Triton kernel
-(`benchmarks/triton_yardstick.py`, no relative terms) with NEZHA's chosen blocks on the same tensors, which tells
+(`benchmarks/gpu/triton_yardstick.py`, no relative terms) with NEZHA's chosen blocks on the same tensors, which tells
 "Triton against CUDA FlashAttention" (yardstick / SDPA) apart from "NEZHA against Triton FlashAttention" (NEZHA /
 yardstick). With `--compile`, the decoding step is also timed under `torch.compile` (NEZHA and SDPA each compiled);
 a step that fails to compile is recorded in one line (`nezha_error`, `sdpa_error`) and the run goes on. `--cases`
@@ -28,7 +28,7 @@ with that one line and exit status 1, before the case prints anything. Times are
 and autotuning are outside them; peak memory (forward+backward cases) is the allocator's peak of one call beyond what
 was allocated before it, after the warm-up. FLOPs: forward `4 * batch * heads * queries * keys * head_size`,
 forward+backward 3.5 times that. Writes `gpu-attention.md` and `.json` to `--results` (default: the machine's folder,
-benchmarks/results/gpu/), each naming the GPU, its bfloat16 matmul throughput measured in this run and the software
+benchmarks/gpu/results/), each naming the GPU, its bfloat16 matmul throughput measured in this run and the software
 versions.
 """
 
@@ -38,15 +38,15 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_script import attention_cells, number, rehearsing, write_staged  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.gpu.gpu_script import attention_cells, number, rehearsing, write_staged  # noqa: E402
 
 rehearsing(sys.argv)  # before anything imports Triton
 
 import torch  # noqa: E402
 
-from benchmarks import gpu_gates, gpu_ops  # noqa: E402
-from benchmarks.gpu_ops import DTYPES, CheckFailed  # noqa: E402
+from benchmarks.gpu import gpu_gates, gpu_ops  # noqa: E402
+from benchmarks.gpu.gpu_ops import DTYPES, CheckFailed  # noqa: E402
 from benchmarks.machine import describe, results_directory, summary  # noqa: E402
 
 GPU = dict(batch=4, heads=12, head_size=64, K=64, lengths=[2048, 8192], cache=8192)
@@ -58,7 +58,7 @@ TARGETS = {("forward", 2048): 1.3, ("forward", 8192): 1.15, ("forward+backward",
            ("forward+backward", 8192): 1.15, ("forward+backward, dropout", None): 1.3, ("decoding step", None): 1.5,
            ("decoding step, compiled", None): 1.1}
 CASES = ["forward", "forward+backward", "forward+backward, dropout", "decoding step", "decoding step, compiled"]
-# NEZHA's autotuned kernels, by the short names the gates give them (benchmarks/gpu_gates.py).
+# NEZHA's autotuned kernels, by the short names the gates give them (benchmarks/gpu/gpu_gates.py).
 KERNELS = {"forward": "nezha_forward_kernel", "dK/dV": "nezha_key_value_grad_kernel", "dQ": "nezha_query_grad_kernel"}
 PINNING = "NEZHA_CHECK_BLOCKS"  # the environment switch of `pin_blocks`
 
@@ -102,7 +102,7 @@ def pin_blocks(text: str | None) -> dict[str, str]:
 
 
 def config_name(config) -> str:
-    """A Triton configuration as `benchmarks/gpu_gates.py` names it (`128x64, 8 warps, 3 stages, 128 registers`)."""
+    """A Triton configuration as `benchmarks/gpu/gpu_gates.py` names it (`128x64, 8 warps, 3 stages, 128 registers`)."""
     return gpu_gates.config_name(gpu_gates.config_dict(config))
 
 
@@ -154,7 +154,7 @@ def yardstick_step(inputs, configs: dict, train: bool):
     """The plain FlashAttention-2 Triton kernel's forward (and backward) on `inputs`, with the blocks NEZHA's
     autotuner chose (`configs`, from `chosen_configs`); None where the length is not a whole number of those blocks
     (it takes no mask)."""
-    from benchmarks.triton_yardstick import yardstick_backward, yardstick_forward
+    from benchmarks.gpu.triton_yardstick import yardstick_backward, yardstick_forward
 
     blocks = {name: (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
               for name, config in configs.items()}
@@ -274,7 +274,7 @@ def kernel_profile(rows_case: tuple, sizes: dict, device: str) -> list[dict]:
 def report(rows: list[dict], profiles: list[dict], sizes: dict, machine: dict, device: str, argv, output: Path):
     """Write what is measured so far to `output`.md and .json (after every row: a step stopped at its budget keeps
     its rows)."""
-    command = "python benchmarks/gpu_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/gpu/gpu_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     timer = "triton.testing.do_bench (CUDA events)" if device == "cuda" else "perf_counter (a CPU rehearsal)"
     lines = [f"Command: `{command.strip()}`", "", summary(machine), "",
              f"Batch {sizes['batch']} x {sizes['heads']} heads x head size {sizes['head_size']}, K = {sizes['K']}; "

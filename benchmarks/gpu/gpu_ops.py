@@ -4,7 +4,7 @@
 NEZHA's op is `nezha_hf.triton_attention.triton_attention(query, key, value, table, problem)`: inputs `[batch, heads,
 length, head_size]`, output `[batch, queries, heads, head_size]`. SDPA takes the same tensors and returns `[batch,
 heads, queries, head_size]`. On the CPU (`--rehearse`) the Triton kernels run under Triton's interpreter, which a script
-switches on before it imports this module (`benchmarks/gpu_script.py`).
+switches on before it imports this module (`benchmarks/gpu/gpu_script.py`).
 """
 
 import contextlib
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # reference.py: the plain float64 formula, which imports nothing of nezha_hf
 

@@ -1,7 +1,7 @@
 """NEZHA's Triton engine checked on a GPU against the float64 formula, before anything is timed.
 
-    python benchmarks/gpu_correctness.py               # on a CUDA GPU (part of benchmarks/gpu_check.py)
-    python benchmarks/gpu_correctness.py --rehearse    # on the CPU: Triton's interpreter, tiny sizes
+    python benchmarks/gpu/gpu_correctness.py             # on a CUDA GPU (part of benchmarks/gpu/gpu_check.py)
+    python benchmarks/gpu/gpu_correctness.py --rehearse  # on the CPU: Triton's interpreter, tiny sizes
 
 Each case runs the op (`nezha_hf.triton_attention.triton_attention`) on random inputs and compares its output, and
 its three gradients where the case trains, with tests/reference.py's plain formula computed in float64 on the same
@@ -24,7 +24,7 @@ and reported beside NEZHA's: the issue's accuracy target is NEZHA's error no wor
 
 Cases run in `--workers` processes, a fresh one per case (compiling Triton's kernels for each set of switches takes
 most of the time, and compiles in parallel; a kernel that faults or fails to compile spoils only its own case). Writes `gpu-correctness.md` and `.json` to `--results` (default: the machine's folder,
-benchmarks/results/gpu/), rewritten as cases finish; exits 1 listing the failed cases, 2 when it cannot run at all.
+benchmarks/gpu/results/), rewritten as cases finish; exits 1 listing the failed cases, 2 when it cannot run at all.
 """
 
 import argparse
@@ -37,15 +37,15 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_script import rehearsing, write_staged  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.gpu.gpu_script import rehearsing, write_staged  # noqa: E402
 
 rehearsing(sys.argv)  # before anything imports Triton
 
 import torch  # noqa: E402
 
-from benchmarks import gpu_ops  # noqa: E402
-from benchmarks.gpu_ops import DTYPES, CheckFailed  # noqa: E402
+from benchmarks.gpu import gpu_ops  # noqa: E402
+from benchmarks.gpu.gpu_ops import DTYPES, CheckFailed  # noqa: E402
 from benchmarks.machine import describe, results_directory, summary  # noqa: E402
 
 # Relative error above which a case fails: a wrong index or mask gives errors of order 1; these sit well above each
@@ -310,7 +310,7 @@ def main(argv=None) -> int:
     machine = describe(torch.bfloat16, device)
     results = args.results or results_directory(machine)
     results.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/gpu_correctness.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/gpu/gpu_correctness.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(summary(machine), flush=True)
     selected = [case for case in cases() if not args.cases or any(text in case.name for text in args.cases)]
     outcomes = []

@@ -1,10 +1,10 @@
 """The GPU gates, checked on the CPU: NEZHA's Triton kernels compiled for an H100 (sm_90) and counted.
 
-    python benchmarks/gpu_gates.py [--triton-python PYTHON] [--output FILE.json]     (`make gpu-gates`)
+    python benchmarks/gpu/gpu_gates.py [--triton-python PYTHON] [--output FILE.json]     (`make gpu-gates`)
 
 Every tuned configuration of every NEZHA kernel a 2,048-token bfloat16 call launches (batch 4 x 12 heads x head size
 64, K = 64, no mask; with and without attention dropout), and the plain FlashAttention-2 yardstick
-(`benchmarks/triton_yardstick.py`) with the same blocks, warps and stages, are compiled for sm_90 without a GPU,
+(`benchmarks/gpu/triton_yardstick.py`) with the same blocks, warps and stages, are compiled for sm_90 without a GPU,
 exactly as Triton's JIT specialises those launches: the real launchers (`triton_attention.triton_forward`,
 `triton_backward`) run on CPU tensors with the kernels replaced by recorders, and each recorded launch goes through
 the JIT's own binder (`create_function_from_signature`, `JITFunction._pack_args`: which integers are multiples of 16,
@@ -47,9 +47,9 @@ from unittest import mock
 
 # Triton 3.9 warns unless told; floating-point contraction (fused multiply-adds) on, as Triton 3.6 on the GPU machine.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KERNELS_FILE = ROOT / "nezha_hf" / "triton_kernels.py"
-YARDSTICK_FILE = ROOT / "benchmarks" / "triton_yardstick.py"
+YARDSTICK_FILE = ROOT / "benchmarks" / "gpu" / "triton_yardstick.py"
 
 # The call the gates compile for (the H100 run's case): batch x heads x tokens x head size, the table's K.
 BATCH, HEADS, TOKENS, HEAD_SIZE, K = 4, 12, 2048, 64, 64
@@ -117,7 +117,7 @@ def record_launches() -> list[dict]:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks import triton_yardstick
+    from benchmarks.gpu import triton_yardstick
     from nezha_hf import relative_attention, triton_attention
     from nezha_hf import triton_kernels as kernels
     from nezha_hf.attention_ops import AttentionProblem, RelativeAttentionMask

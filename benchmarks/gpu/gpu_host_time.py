@@ -1,7 +1,7 @@
 """Whether NEZHA's Triton op is host-bound on a GPU: host time per call against wall time, and where the host's time
 goes (cProfile).
 
-    python benchmarks/gpu_host_time.py        # on the GPU machine, after the GPU check (docs/performance.md)
+    python benchmarks/gpu/gpu_host_time.py    # on the GPU machine, after the GPU check (docs/performance.md)
 
 Batch 4 x 12 heads x 2,048 tokens x head size 64, K = 64, bfloat16, no mask (the attention op's 2,048-token case).
 After 5 warm-up calls: 20 training steps (forward and backward), timed on the host without waiting for the GPU
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import gpu_ops  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.gpu import gpu_ops  # noqa: E402
 from nezha_hf.attention_ops import RelativeAttentionMask  # noqa: E402
 
 BATCH, HEADS, LENGTH, HEAD_SIZE, K = 4, 12, 2048, 64, 64

@@ -1,6 +1,6 @@
 """The yardstick: plain FlashAttention-2 in Triton, forward and backward, no relative terms and no mask.
 
-What NEZHA's Triton kernels (`nezha_hf/triton_kernels.py`) are measured against: `benchmarks/gpu_gates.py` compiles
+What NEZHA's Triton kernels (`nezha_hf/triton_kernels.py`) are measured against: `benchmarks/gpu/gpu_gates.py` compiles
 these kernels with the same blocks, warps and stages as each of NEZHA's tuned configurations and compares the
 instructions of their loops. Written the way Triton's fused-attention tutorial structures FlashAttention-2: scores
 in base 2 with the scale folded into the exponent's argument, the online softmax per key block, `dK` and `dV` per key
