@@ -54,9 +54,10 @@ from .json_files import (
     String,
     read_json,
 )
-from .named_files import allowed_roots, file_in_folder, weight_files
+from .named_files import check_links, file_in_folder, weight_files
 from .readers import (
     check_weights_file,
+    first_line,
     distributed_checkpoint_problem,
     load_state_file,
     manifest_problem,
@@ -104,22 +105,6 @@ def model_folder(path, needs: str | None = "config.json") -> Path:
     return path
 
 
-def check_links(folder: Path) -> None:
-    """A `ValueError` naming the first symbolic link below `folder` that leads out of it (or nowhere): a model folder
-    comes from whoever published it, and a link in it would have nezha_hf read, and copy into what it writes, any
-    file on the machine. The Hugging Face cache's own layout is allowed: a snapshot's links into its repository's
-    `blobs/`."""
-    allowed = allowed_roots(folder)
-    for directory, folders, files in os.walk(folder):
-        for name in [*folders, *files]:
-            path = Path(directory) / name
-            if path.is_symlink():
-                target = path.resolve()
-                if not target.exists() or not any(target.is_relative_to(inside) for inside in allowed):
-                    raise ValueError(f"{path} is a link to {target}, outside the model folder {folder}: copy the file "
-                                     "into the folder if it belongs to the model.")
-
-
 # What transformers' tokenizer loaders parse as JSON in a local folder (`config.json` names the class when the
 # tokenizer's config does not), beside the `fast_tokenizer_files` a `tokenizer_config.json` names. A `tokenizer.json`
 # holds the whole vocabulary: tens of MB for a large multilingual one, hence its own bound.
@@ -162,7 +147,12 @@ def load_tokenizer(folder):
     from transformers import AutoTokenizer
 
     check_tokenizer_files(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # the tokenizers library's and transformers' own messages name no file
+        raise ValueError(f"The tokenizer of {folder} does not load {tokenizer_source(folder)} "
+                         f"({type(error).__name__}: {first_line(error)}).") from None
+    _check_added_tokens(Path(folder), tokenizer)
     code = tokenizer.init_kwargs.pop("auto_map", None)
     if code is not None:
         logger.warning(f"Ignoring auto_map={code!r} in {folder}'s tokenizer config: it names code for transformers "
@@ -175,20 +165,62 @@ def load_tokenizer(folder):
 VOCABULARY_PADDING = 128
 
 
+ADDED_TOKENS_SCHEMA = Object({"added_tokens": ListOf(Object({"id": Integer(minimum=0), "content": String()},
+                                                             others=Anything()))}, others=Anything())
+
+
+def _check_added_tokens(folder: Path, tokenizer) -> None:
+    """A `ValueError` naming `tokenizer.json` if the loaded tokenizer gives one of the tokens the file lists with an
+    id ([CLS], [SEP], ...) another id: the file's vocabulary lacks it, and transformers appended it anew."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return
+    for token in read_json(path, ADDED_TOKENS_SCHEMA, max_bytes=TOKENIZER_FILE_MAX_BYTES).get("added_tokens", []):
+        loaded = tokenizer.convert_tokens_to_ids(token["content"])
+        if loaded != token["id"]:
+            raise ValueError(f"{path} gives {token['content']} the id {token['id']}, but its vocabulary does not hold "
+                             f"it there (the tokenizer gives it {loaded}): the file is damaged or of two tokenizers.")
+
+
+# The files a tokenizer is read from, in what its messages name.
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.txt")
+
+
+def tokenizer_source(folder) -> str:
+    """Which tokenizer files the folder `folder` holds, in words for a message: "from tokenizer.json, vocab.txt
+    (it has no tokenizer_config.json)"."""
+    folder = Path(folder)
+    present = [name for name in TOKENIZER_FILES if os.path.lexists(folder / name)]
+    absent = "" if "tokenizer_config.json" in present else " (it has no tokenizer_config.json)"
+    return f"from {', '.join(present) or 'no tokenizer file'}{absent}"
+
+
 def check_tokenizer(tokenizer, config, where, needs=("cls_token", "sep_token", "pad_token")) -> None:
     """A `ValueError` unless `tokenizer` is `config`'s model's own: as many tokens as its vocabulary (up to its
-    padding), the special tokens `needs` present, and the padding id the model's. `where` names the folder."""
+    padding), the special tokens `needs` present, and the padding id the model's. `where` names the model's folder;
+    the message names the files the tokenizer was read from."""
     size, vocabulary = len(tokenizer), config.vocab_size
+    read = f"The tokenizer of {where}, read {tokenizer_source(tokenizer.name_or_path)},"
     if size > vocabulary or vocabulary - size >= VOCABULARY_PADDING:
-        raise ValueError(f"The tokenizer of {where} has {size:,} tokens but its model a vocabulary of {vocabulary:,}: "
-                         "it is not the model's own tokenizer. Save the model's tokenizer beside it.")
+        raise ValueError(f"{read} has {size:,} tokens but its model a vocabulary of {vocabulary:,}: it is not the "
+                         "model's own tokenizer. Save the model's tokenizer beside it.")
+    largest = max(tokenizer.get_vocab().values(), default=-1)
+    if largest >= vocabulary:
+        raise ValueError(f"{read} gives ids up to {largest:,}, beyond its model's vocabulary of {vocabulary:,}: it is "
+                         "not the model's own tokenizer.")
     missing = [name for name in needs if getattr(tokenizer, f"{name}_id", None) is None]
     if missing:
-        raise ValueError(f"The tokenizer of {where} has no {', '.join(missing)}, which NEZHA's inputs need.")
+        raise ValueError(f"{read} has no {', '.join(missing)}, which NEZHA's inputs need.")
     pad = getattr(config, "pad_token_id", None)
     if pad is not None and tokenizer.pad_token_id != pad:
-        raise ValueError(f"The tokenizer of {where} pads with id {tokenizer.pad_token_id}, its model with {pad}: it is "
-                         "not the model's own tokenizer.")
+        raise ValueError(f"{read} pads with id {tokenizer.pad_token_id}, its model with {pad}: it is not the model's "
+                         "own tokenizer.")
+    framed = tokenizer("法")["input_ids"]  # NEZHA's inputs, as BERT's: [CLS] text [SEP]
+    if "cls_token" in needs and "sep_token" in needs and (
+            framed[:1] != [tokenizer.cls_token_id] or framed[-1:] != [tokenizer.sep_token_id]):
+        raise ValueError(f"{read} does not put [CLS] before a text and [SEP] after it (it gives {framed}): its "
+                         "post-processor or special tokens are damaged.")
 
 
 def checkpoint_problem(folder: Path) -> str | None:

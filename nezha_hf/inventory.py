@@ -69,6 +69,10 @@ _NOT_NAMED = {"subfolder": "a command reads local folders only; `from_pretrained
               "hub_cache": "a command reads local folders only; `from_pretrained` rows are tried so"}
 _OWN_FOLDER_RELATIVE = {"relative": "named by its folder, which the `config` row tries relative"}
 _JSON = {**_NOT_TENSORS, **_NOT_A_TOKENIZER}
+# A model folder from elsewhere carries no record of which files belong together (a folder nezha_hf writes as one
+# piece carries its manifest): a file of another model of the same shapes loads, as that model's.
+_NO_RECORD = ("no record in a model folder from elsewhere says which files belong together: another model's file of "
+              "the same shapes loads as that model's (files of other shapes are the `foreign` case)")
 _RUN_STATE = {**_NOT_A_TOKENIZER, **_NOT_NAMED, **_OWN_FOLDER_RELATIVE,
               "link_out": "a checkpoints folder is the run's own: a link is followed as any file the run wrote, and "
                           "the manifest checks its bytes"}
@@ -78,20 +82,24 @@ FILES = (
     FileRow("config", "`<model>/config.json`", "every command that loads a model; `from_pretrained`",
             ("loading_nezha._check_json_files", "json_files.read_json", "configuration_nezha.NezhaConfig"),
             "a JSON object of at most 16 MiB: a NEZHA (or BERT) config whose every value `NezhaConfig` accepts",
-            "refused", {**_JSON, "swapped": "the only file of its kind in the folder"}),
+            "refused", {**_JSON, "swapped": "the only file of its kind in the folder", "mixed": _NO_RECORD}),
     FileRow("weights", "`<model>/model.safetensors`, `pytorch_model.bin`, shards", "every command that loads a model",
             ("readers.check_weights_file", "readers.read_weights", "loading_nezha._check_weight_files"),
             "a whole safetensors or torch file of floating tensors (no code in a pickle), shapes that fit the config, "
             "finite values", "refused",
             {**_NOT_A_TOKENIZER, "flipped": "a changed byte in a weight's value is another number: no format check "
-             "sees it in a folder from elsewhere (a folder nezha_hf wrote as one piece has a manifest)"}),
+             "sees it in a folder from elsewhere (a folder nezha_hf wrote as one piece has a manifest)",
+             "out_of_range": "a weight has no range: any finite number is a weight (`non_finite` is tried)",
+             "swapped": "the only weights file (sharded weights: the `weight_index` row)", "mixed": _NO_RECORD}),
     FileRow("weight_index", "`<model>/model.safetensors.index.json` (and `.bin` and variant indexes)",
             "every command that loads a model", ("named_files.weight_files",),
-            "a `weight_map` naming regular files inside the folder", "refused", _JSON),
+            "a `weight_map` naming regular files inside the folder", "refused",
+            {**_JSON, "mixed": "an index only names files: another folder's index is the `foreign` case"}),
     FileRow("generation_config", "`<model>/generation_config.json`", "generation, summarising, export",
             ("loading_nezha._check_json_files", "generation_nezha.check_generation_ids"),
             "a JSON object; padding, start and end ids integers below `vocab_size`", "refused",
-            {**_JSON, "missing": "optional: the model's defaults apply (a summariser's manifest requires it)"}),
+            {**_JSON, "missing": "optional: the model's defaults apply (a summariser's manifest requires it)",
+             "swapped": "the only file of its kind", "mixed": _NO_RECORD}),
     FileRow("tokenizer_files", "`<model>/tokenizer_config.json`, `tokenizer.json`, `special_tokens_map.json`, "
             "`added_tokens.json`, `vocab.txt`, chat templates", "every command that reads text",
             ("checkpoints.check_tokenizer_files", "checkpoints.load_tokenizer", "checkpoints.check_tokenizer"),

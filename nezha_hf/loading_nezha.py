@@ -10,19 +10,18 @@ card and remote code on saving (`nezha_hf.hub`), and weights tied before shardin
 
 import functools
 import os
-import pickle
 import re
-import zipfile
-from pathlib import Path
 
+from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
-from safetensors import SafetensorError
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import logging
 
+from .configuration_nezha import NezhaConfigError
 from .json_files import read_json
-from .named_files import weight_files
+from .named_files import check_links, weight_files
+from .readers import check_weights_file
 from .relative_attention import prepare_attention
 from .tokenizer_cap import warn_if_tokenizer_caps_length
 
@@ -34,31 +33,46 @@ class CheckpointShapeError(ValueError, RuntimeError):
     transformers' contract for size mismatches when loading (`RuntimeError`)."""
 
 
-# What reading a damaged weights file raises: safetensors' own error, the zip reader's on a torch archive cut short
-# (`_check_archives` opens those first), the unpickler's on anything else.
-UNREADABLE_WEIGHTS = (SafetensorError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError)
-
-
-def _check_archives(folder) -> None:
-    """Open every `.bin` of a local model folder that is a zip archive (torch's format since 1.6) as one, so that a
-    file cut short is a `zipfile.BadZipFile` here rather than an untyped error inside torch.load. Older pickles are
-    left to torch.load (`pickle.UnpicklingError`, `EOFError`)."""
-    for path in Path(folder).glob("*.bin"):
-        if not path.is_file():  # no FIFO is opened: `weight_files` refused any that a loader would read
-            continue
-        with open(path, "rb") as handle:
-            if handle.read(4) == b"PK\x03\x04":
-                zipfile.ZipFile(path).close()
-
-
 def _check_json_files(folder) -> None:
     """Read the JSON files transformers reads from a local model folder (its config and generation config) as
     `json_files.read_json` reads any: one bounded in size and depth (10 KB of brackets would exhaust the recursion of
-    transformers' reader), so that a damaged one is a `JSONFileError` naming it rather than a `RecursionError`."""
+    transformers' reader), and a regular file (transformers passes over a generation config that is a folder and
+    generates with other settings), so that a damaged one is a `JSONFileError` naming it."""
     for name in ("config.json", "generation_config.json"):
         path = os.path.join(folder, name)
-        if os.path.isfile(path):
+        if os.path.lexists(path):
             read_json(path)
+
+
+def _check_weight_files(folder) -> list:
+    """The weight files of the model folder `folder` (`named_files.weight_files`), each checked whole before
+    transformers reads it (`readers.check_weights_file`: a safetensors header that reads, a torch file of plain
+    tensors, weights' dtypes); an `UnusableFile` naming the first that is not."""
+    files = weight_files(folder)
+    for path in files:
+        check_weights_file(path)
+    return files
+
+
+def _files_read(path, subfolder: str = "", cache_dir=None, revision=None) -> str | None:
+    """The local folder transformers reads a model from, however it was named: a folder (and its `subfolder`), or a
+    Hub id whose snapshot is in the cache (`cache_dir`, `revision`), so that every check here applies to what
+    transformers reads. None for no path (weights handed over), or a Hub id not in the cache (transformers downloads
+    it; nothing is there yet to check)."""
+    if path is None:
+        return None
+    folder = _local_folder(path)
+    if folder is not None:
+        return os.path.join(folder, subfolder) if subfolder else folder
+    name = f"{subfolder.strip('/')}/config.json" if subfolder else "config.json"
+    cached = try_to_load_from_cache(str(path), name, cache_dir=cache_dir, revision=revision)  # on disk only
+    return os.path.dirname(cached) if isinstance(cached, str) else None
+
+
+def _non_finite(model) -> list[str]:
+    """The names of the model's weights that hold a NaN or an infinity (a diverged run's, a damaged file's)."""
+    return [name for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+            if tensor.is_floating_point() and tensor.device.type != "meta" and not bool(tensor.isfinite().all())]
 
 
 def _local_folder(path) -> str | None:
@@ -225,21 +239,27 @@ class NezhaLoadingMixin:
         strict_shapes = not kwargs.get("ignore_mismatched_sizes", False)
         wants_info = kwargs.pop("output_loading_info", False)
         allow_new_layers = kwargs.pop("allow_new_layers", False)
+        # What transformers will read, however it was named (a subfolder, a snapshot in the Hub cache), checked first:
+        # links held to the folder, its JSON bounded, the shards an index names inside it, each weights file whole.
+        read_from = _files_read(path, kwargs.get("subfolder") or "", kwargs.get("cache_dir"), kwargs.get("revision"))
+        files = []
+        if read_from is not None:
+            check_links(read_from)
+            _check_json_files(read_from)
+            files = _check_weight_files(read_from)
         try:
-            if folder is not None:
-                _check_json_files(folder)
-                # Before transformers reads an index: the shards it names are regular files inside the folder.
-                weight_files(os.path.join(folder, kwargs.get("subfolder") or ""))
-                _check_archives(folder)
             model, info = super().from_pretrained(
                 path, *args, **{**kwargs, "ignore_mismatched_sizes": True, "output_loading_info": True}
             )
-        except UNREADABLE_WEIGHTS as error:
-            first_line = (str(error).splitlines() or [""])[0] or type(error).__name__
-            raise ValueError(
-                f"Could not read the checkpoint at {path} (corrupt, truncated, empty, or a pickle that is not plain "
-                f"tensors): {first_line}"
-            ) from error
+        except NezhaConfigError as error:
+            where = os.path.join(read_from, "config.json") if read_from else f"the config.json of {path}"
+            raise NezhaConfigError(f"{where}: {error}") from None
+        weights = ", ".join(os.path.basename(file) for file in files) or "its weights"
+        non_finite = _non_finite(model)
+        if non_finite:
+            raise ValueError(f"The checkpoint at {path} ({weights}) holds NaN or infinite values in "
+                             f"{', '.join(non_finite[:3])}{' ...' if len(non_finite) > 3 else ''}: it is damaged, or "
+                             "was saved from a training run that diverged.")
         # Built on the meta device, the model prepared nothing: now that its weights are placed, get its attention
         # ready where it runs (a model loaded onto another device never builds the CPU kernel).
         prepare_attention(model.config._attn_implementation, model.device)
@@ -250,7 +270,7 @@ class NezhaLoadingMixin:
                 for key, ckpt, model_shape in sorted(info["mismatched_keys"])
             )
             raise CheckpointShapeError(
-                f"The checkpoint at {path} does not fit its config: {details}. "
+                f"The checkpoint at {path} ({weights}) does not fit its config: {details}. "
                 "Fix config.json, or pass ignore_mismatched_sizes=True to re-initialise these tensors."
             )
         warn_if_tokenizer_caps_length(path, folder, kwargs.get("cache_dir"), kwargs.get("revision"))

@@ -9,6 +9,8 @@ names it and the entry. This module imports only `json_files` (the one JSON read
 (`loading_nezha.py`) uses it too.
 """
 
+import os
+import re
 import stat
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from .regular_files import kind_of
 SINGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Weight indexes, with transformers' variants (`model.safetensors.index.fp16.json`).
 INDEX_PATTERNS = ("*.safetensors.index.json", "*.safetensors.index.*.json", "*.bin.index.json", "*.bin.index.*.json")
+# A shard of sharded weights (`model-00001-of-00002.safetensors`), which an index names.
+SHARD = re.compile(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)")
 # A weight index: a `weight_map` of tensor names to file names (each name then passes `file_in_folder`).
 INDEX_SCHEMA = Object({"weight_map": Object({}, others=Anything())}, required=["weight_map"], others=Anything())
 
@@ -27,7 +31,8 @@ def allowed_roots(folder) -> list[Path]:
     """Where the files of `folder` may lie once links are followed: the folder itself, and for a snapshot of the
     Hugging Face cache its repository's `blobs/` (the cache's own layout: a snapshot is links into them)."""
     root = Path(folder).resolve()
-    return [root, root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [root]
+    snapshot = next((path for path in [root, *root.parents] if path.parent.name == "snapshots"), None)
+    return [root] if snapshot is None else [root, snapshot.parent.parent / "blobs"]
 
 
 def file_in_folder(folder, name, named_by, must_exist: bool = True) -> Path | None:
@@ -62,6 +67,23 @@ def file_in_folder(folder, name, named_by, must_exist: bool = True) -> Path | No
     return path
 
 
+def check_links(folder) -> None:
+    """A `ValueError` naming the first symbolic link below `folder` that leads out of it (or nowhere): a model folder
+    comes from whoever published it, and a link in it would have nezha_hf read, and copy into what it writes, any
+    file on the machine. The Hugging Face cache's own layout is allowed: a snapshot's links into its repository's
+    `blobs/`."""
+    folder = Path(folder)
+    allowed = allowed_roots(folder)
+    for directory, folders, files in os.walk(folder):
+        for name in [*folders, *files]:
+            path = Path(directory) / name
+            if path.is_symlink():
+                target = path.resolve()
+                if not target.exists() or not any(target.is_relative_to(inside) for inside in allowed):
+                    raise ValueError(f"{path} is a link to {target}, outside the model folder {folder}: copy the file "
+                                     "into the folder if it belongs to the model.")
+
+
 def weight_files(folder) -> list[Path]:
     """The weight files transformers and nezha_hf read from the model folder `folder`: the shards every weight index
     in it names (each passing `file_in_folder`; an index that is no JSON object with a `weight_map` of names is a
@@ -82,7 +104,12 @@ def weight_files(folder) -> list[Path]:
         path = file_in_folder(folder, name, folder, must_exist=False)
         if path is not None:
             return [path]
+    shards = sorted(path.name for path in folder.glob("*-of-[0-9]*.*") if SHARD.fullmatch(path.name))
+    if shards:
+        index = f"{shards[0].split('-')[0]}.{shards[0].rsplit('.', 1)[1]}.index.json"
+        raise FileNotFoundError(f"{folder / index} is missing: the folder holds the shards {', '.join(shards[:3])}"
+                                f"{' ...' if len(shards) > 3 else ''} but no index to say which tensor each holds.")
     return []
 
 
-__all__ = ["allowed_roots", "file_in_folder", "weight_files"]
+__all__ = ["allowed_roots", "check_links", "file_in_folder", "weight_files"]

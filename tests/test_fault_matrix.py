@@ -134,19 +134,21 @@ class Ended:
     line: str
     warnings: str
     error: BaseException | None = None
+    result: object = None
 
 
 def library_call(call) -> Ended:
-    """`call()` as the commands make it; an exception is status 2 with its message as the line."""
+    """`call()` as the commands make it; an exception is status 2 with its message as the line. What the call
+    returned is `result`."""
     warnings = io.StringIO()
     handler = _warnings_to(warnings)
     try:
-        call()
+        result = call()
     except Exception as error:  # what the command line would print in one line
         return Ended(2, " ".join(str(error).split()), warnings.getvalue(), error)
     finally:
         _stop(handler)
-    return Ended(0, "", warnings.getvalue())
+    return Ended(0, "", warnings.getvalue(), result=result)
 
 
 def command(*args) -> Ended:
@@ -179,6 +181,14 @@ def _stop(handler):
         logging.getLogger(name).removeHandler(handler)
 
 
+def assert_correct_or_refused(ended: Ended, intact, *names: str) -> None:
+    """The intact artifact's result, or refused (`assert_refused`)."""
+    if ended.code == 0:
+        assert ended.result == intact, f"a silent wrong answer: {ended.result} where the intact file gives {intact}"
+    else:
+        assert_refused(ended, *names)
+
+
 def assert_refused(ended: Ended, *names: str) -> None:
     """One line naming one of `names` (a file), status 2, no internal error."""
     assert ended.code == 2, f"it went on (status {ended.code}); warnings: {ended.warnings[-1500:]}"
@@ -201,11 +211,18 @@ def artifacts(tmp_path_factory):
     for name, shard in (("model", "5GB"), ("sharded", "30KB")):
         model.save_pretrained(root / name, max_shard_size=shard)
         tokenizer.save_pretrained(root / name)
+        shutil.copy(root / "tokenizer" / "vocab.txt", root / name)  # as BERT folders hold it beside tokenizer.json
     torch.manual_seed(1)
     NezhaForUniLM(tiny_config(vocab_size=VOCAB * 2, hidden_size=48)).save_pretrained(root / "other-model")
-    make_tokenizer(root / "other-model" / "tokenizer")
-    (root / "other-model" / "tokenizer" / "vocab.txt").write_text("\n".join(
-        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"零壹贰叁肆伍陆柒捌玖"]) + "\n", encoding="utf-8")
+    # Another model's tokenizer: a larger vocabulary, padding with [UNK].
+    other = root / "other-model" / "tokenizer"
+    other.mkdir()
+    (other / "vocab.txt").write_text("\n".join(["[UNK]", "[PAD]", "[CLS]", "[SEP]", "[MASK]",
+                                                 *map(chr, range(0x4E00, 0x4E00 + 3 * VOCAB))]) + "\n",
+                                     encoding="utf-8")
+    import transformers
+
+    transformers.BertTokenizerFast.from_pretrained(other, pad_token="[UNK]").save_pretrained(other)
     return root
 
 
@@ -222,23 +239,25 @@ MODEL_ROWS = {"config": ["config.json"], "weights": ["model.safetensors"], "weig
               "tokenizer_files": ["tokenizer_config.json", "tokenizer.json", "vocab.txt"]}
 
 
-def load_model_folder(folder, **naming) -> None:
+def load_model_folder(folder, **naming) -> list:
     """What a command does with a model folder: check it, load the model and its tokenizer, check they fit, and
-    generate (which reads the generation settings)."""
+    generate (which reads the generation settings). Returns what came of it, to compare with the intact folder's."""
     if not naming:
         model_folder(folder)
     model = NezhaForUniLM.from_pretrained(folder, **naming)
+    probe = torch.arange(5, 15)[None]
+    logits = model(probe).logits
     if naming:
-        return
+        return [round(float(logits.sum()), 3)]
     tokenizer = load_tokenizer(folder)
     check_tokenizer(tokenizer, model.config, folder)
     prompt = tokenizer(["原告被告"], return_tensors="pt")
-    model.generate(**prompt, max_new_tokens=2)
+    return [round(float(logits.sum()), 3), model.generate(**prompt, max_new_tokens=2).tolist()]
 
 
-def model_content_fault(row: str, fault: str, folder: Path, target: str, artifacts: Path) -> bool:
-    """Apply a fault of what a model folder's file holds, or of where it came from; False if `fault` has no form for
-    `target`."""
+def model_content_fault(row: str, fault: str, folder: Path, target: str, artifacts: Path) -> list[str] | None:
+    """Apply a fault of what a model folder's file holds, or of where it came from; returns the files a refusal may
+    name (the target, and the file it was swapped with); None if `fault` has no form for `target`."""
     path = folder / target
     other = artifacts / "other-model"
     if row == "config":
@@ -277,6 +296,9 @@ def model_content_fault(row: str, fault: str, folder: Path, target: str, artifac
             changes = {"tokenizer": lambda: path.write_text("[PAD]\n[UNK]\n原\n告\n", encoding="utf-8"),
                        "foreign": lambda: (shutil.copy(other / "tokenizer" / "vocab.txt", path),
                                            (folder / "tokenizer.json").unlink())}
+            changes["swapped"] = lambda: _swap(path, folder / "tokenizer.json")
+            changes["mixed"] = lambda: [shutil.copy(other / "tokenizer" / name, folder / name)
+                                        for name in ("vocab.txt", "tokenizer_config.json")]
         elif target == "tokenizer.json":
             data = json.loads(path.read_text())
             vocab = data["model"]["vocab"]
@@ -293,23 +315,40 @@ def model_content_fault(row: str, fault: str, folder: Path, target: str, artifac
             changes = {"wrong_shape": lambda: path.write_text(json.dumps([data])),
                        "out_of_range": lambda: path.write_text(json.dumps({**data, "model_max_length": -5})),
                        "tokenizer": lambda: path.write_text(json.dumps({**data, "sep_token": None,
-                                                                        "tokenizer_class": "BertTokenizer"}))}
+                                                                        "tokenizer_class": "BertTokenizer"})),
+                       "foreign": lambda: shutil.copy(other / "tokenizer" / "tokenizer_config.json", path)}
     else:
         raise AssertionError(row)
     if fault not in changes:
-        return False
-    changes[fault]()
-    return True
+        return None
+    swapped = changes[fault]()
+    return [Path(target).name, *([swapped] if isinstance(swapped, str) else [])]
 
 
-def _swap(first: Path, second: Path) -> None:
+def _swap(first: Path, second: Path) -> str:
+    """Exchange two files; returns the name of the second."""
     staging = first.with_name(first.name + ".swap")
     os.replace(first, staging)
     os.replace(second, first)
     os.replace(staging, second)
+    return second.name
+
+
+# The faults of what a file holds, or of where it came from, that `model_content_fault` has a form of, by file.
+MODEL_FORMS = {
+    ("config", "config.json"): {"wrong_shape", "out_of_range", "foreign"},
+    ("weights", "model.safetensors"): {"wrong_shape", "wrong_dtype", "non_finite", "foreign"},
+    ("weight_index", "model.safetensors.index.json"): {"wrong_shape", "out_of_range", "foreign", "swapped"},
+    ("generation_config", "generation_config.json"): {"wrong_shape", "out_of_range", "foreign"},
+    ("tokenizer_files", "vocab.txt"): {"tokenizer", "foreign", "swapped", "mixed"},
+    ("tokenizer_files", "tokenizer.json"): {"wrong_shape", "out_of_range", "tokenizer", "foreign", "swapped"},
+    ("tokenizer_files", "tokenizer_config.json"): {"wrong_shape", "out_of_range", "tokenizer", "foreign"},
+}
 
 
 def model_cases():
+    """Every fault the rows do not excuse, on each file of the row that can have it: the file's own faults on every
+    file, naming faults once per row, the others where `MODEL_FORMS` has a form."""
     for row, targets in MODEL_ROWS.items():
         for fault in inventory.FAULTS:
             if fault in ROWS[row].excused:
@@ -317,30 +356,50 @@ def model_cases():
             for target in targets:
                 if fault in NAMING_FAULTS and target != targets[0]:
                     continue
+                if fault not in FILE_FAULTS + NAMING_FAULTS and fault not in MODEL_FORMS[row, target]:
+                    continue
                 yield pytest.param(row, fault, target, id=f"{row}-{fault}-{target}")
 
 
+def test_every_fault_of_a_model_row_is_a_case_or_excused():
+    cases = {(param.values[0], param.values[1]) for param in model_cases()}
+    for row in MODEL_ROWS:
+        missing = [fault for fault in inventory.FAULTS if fault not in ROWS[row].excused and (row, fault) not in cases]
+        assert not missing, f"{row}: no case of {missing}; make one, or excuse it in nezha_hf/inventory.py"
+
+
+@pytest.fixture(scope="module")
+def intact_results(artifacts):
+    """What each intact model folder gives, as `load_model_folder` returns it, by name (and naming)."""
+    return {name: load_model_folder(artifacts / name) for name in ("model", "sharded")}
+
+
 @pytest.mark.parametrize(("row", "fault", "target"), list(model_cases()))
-def test_a_model_folder_file_with_a_fault_is_refused_naming_it(row, fault, target, artifacts, tmp_path, monkeypatch):
-    folder = artifact_copy(artifacts, "sharded" if row == "weight_index" else "model", tmp_path)
+def test_a_model_folder_file_with_a_fault_gives_its_result_or_is_refused_naming_it(row, fault, target, artifacts,
+                                                                                    intact_results, tmp_path,
+                                                                                    monkeypatch):
+    name = "sharded" if row == "weight_index" else "model"
+    folder = artifact_copy(artifacts, name, tmp_path)
     outside = tmp_path / "outside"
     outside.mkdir()
     path = folder / target
-    naming = {}
+    naming, names, intact = {}, [Path(target).name], intact_results[name]
     if fault in FILE_FAULTS:
         apply_file_fault(fault, path, outside)
     elif fault in NAMING_FAULTS:
         apply_file_fault("garbage", path, outside)  # damaged, and reached as transformers' loaders name it
         folder, naming = name_the_folder(fault, folder, tmp_path, monkeypatch)
+        intact = intact[:1] if naming else intact
     else:
-        assert model_content_fault(row, fault, folder, target, artifacts), f"no {fault} for {target}: excuse it"
-    before = snapshot(folder) if fault not in ("fifo", "device", "folder", "unreadable") else None
+        names = model_content_fault(row, fault, folder, target, artifacts)
+        assert names, f"no {fault} for {target}: make one, or excuse it in the inventory"
+    before = snapshot(folder) if fault not in ("fifo", "device", "folder", "unreadable") and not naming else None
     with time_limit(CASE_SECONDS), (unreadable(path) if fault == "unreadable" else contextlib.nullcontext()):
         ended = library_call(lambda: load_model_folder(folder, **naming))
     if fault == "missing" and ROWS[row].excused.get("missing", "").startswith("optional"):
         assert ended.code == 0, ended.line
         return
-    assert_refused(ended, Path(target).name)
+    assert_correct_or_refused(ended, intact, *names)
     if before is not None:
         assert snapshot(folder) == before
 

@@ -480,7 +480,7 @@ MUTATIONS = [
              "        if self.max_relative_position > MAX_RELATIVE_POSITION:", "        if False:", UNTRUSTED_TESTS),
     Mutation("a loaded config keeps the code its checkpoint names", "nezha_hf/configuration_nezha.py",
              "            _drop_loader_code(kwargs)", "            pass", UNTRUSTED_TESTS),
-    Mutation("a link out of a model folder is followed", "nezha_hf/checkpoints.py",
+    Mutation("a link out of a model folder is followed", "nezha_hf/named_files.py",
              "                if not target.exists() or not any(", "                if False and not any(",
              UNTRUSTED_TESTS),
     Mutation("a shard named by an index outside its folder is read", "nezha_hf/named_files.py",
