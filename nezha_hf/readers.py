@@ -263,7 +263,7 @@ def manifest_problem(folder, kind: str) -> str | None:
             return f"{folder / name} is missing"
         try:
             if file.stat().st_size != expected["size"] or file_digest(file) != expected["sha256"]:
-                return f"{file} is not the file that was written there (its contents differ)"
+                return f"{file} is not the file that was written there (its contents differ from what {MANIFEST_FILE} records)"
         except (OSError, ValueError) as error:
             return str(error).rstrip(".")
     added = [name for name in _covered_files(folder) if name not in manifest["files"]]

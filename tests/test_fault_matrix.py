@@ -425,3 +425,187 @@ def name_the_folder(fault, folder: Path, tmp_path: Path, monkeypatch):
         shutil.move(file, blob)
         (snapshot_folder / file.name).symlink_to(os.path.relpath(blob, snapshot_folder))
     return "owner/tiny-nezha", {"cache_dir": cache, "revision": "main"}
+
+
+# --- summarisers, trained and exported: `nezha-hf summarize` -------------------------------------------------------
+
+SUMMARIZE = ["--max-new-tokens", "3", "--batch-size", "2"]
+SUMMARIZER_ROWS = {
+    "summarizer_settings": {"trained": ["summarizer.json"], "exported": ["summarizer.json"]},
+    "summarizer_manifest": {"trained": ["nezha_manifest.json", "extractor/model.safetensors", "generator/config.json",
+                                        "tokenizer.json"],
+                            "exported": ["nezha_manifest.json", "extractor/model.onnx.data",
+                                         "generator/generation_config.json", "tokenizer_config.json"]},
+    "export_manifest": {"exported": ["extractor/export.json", "generator/export.json"]},
+    "onnx_program": {"exported": ["extractor/model.onnx", "generator/decode.onnx", "generator/prefill.onnx.data"]},
+}
+SUMMARIZER_FORMS = {
+    "summarizer.json": {"wrong_shape", "out_of_range"},
+    "nezha_manifest.json": {"wrong_shape", "out_of_range", "foreign", "swapped", "mixed"},
+    "extractor/model.safetensors": {"wrong_dtype", "non_finite", "foreign", "mixed"},
+    "extractor/model.onnx.data": {"foreign", "mixed"},
+    "tokenizer.json": {"tokenizer", "foreign"},
+    "tokenizer_config.json": {"tokenizer", "foreign"},
+    "generator/config.json": {"wrong_shape", "out_of_range", "foreign", "swapped"},
+    "generator/generation_config.json": {"out_of_range", "foreign", "swapped"},
+    "extractor/export.json": {"wrong_shape", "out_of_range", "foreign", "swapped", "mixed"},
+    "generator/export.json": {"wrong_shape", "out_of_range", "foreign"},
+    "extractor/model.onnx": {"wrong_shape", "out_of_range", "foreign", "swapped", "mixed"},
+    "generator/decode.onnx": {"foreign", "swapped"},
+    "generator/prefill.onnx.data": {"foreign"},
+}
+
+
+@pytest.fixture(scope="module")
+def summarizers(tmp_path_factory):
+    """Two summarisers of the same shapes (seeds 0 and 1), trained (untrained weights: what matters is which files
+    are read) and exported to ONNX, and judgments to summarise."""
+    from nezha_hf.export import export_summarizer
+    from nezha_hf.summarization import Summarizer
+
+    root = tmp_path_factory.mktemp("summarizers")
+    tokenizer = make_tokenizer(root / "tokenizer")
+    for seed, suffix in ((0, ""), (1, "-other")):
+        torch.manual_seed(seed)
+        config = tiny_config(vocab_size=VOCAB)
+        Summarizer(NezhaForSentenceExtraction(config), NezhaForUniLM(config), tokenizer, num_beams=1).save_pretrained(
+            root / f"trained{suffix}")
+        export_summarizer(root / f"trained{suffix}", root / f"exported{suffix}")
+    rng = random.Random(0)
+    write_jsonl(root / "judgments.jsonl", [synthetic_judgment(rng, i, sentences=4) for i in range(2)])
+    return root
+
+
+def summarizer_content_fault(fault: str, folder: Path, target: str, other: Path) -> list[str]:
+    """Apply a fault of what a summariser's file holds, or of where it came from (`other`: a summariser of the same
+    shapes); returns the files a refusal may name."""
+    path = folder / target
+    name = Path(target).name
+    if fault == "foreign":
+        shutil.copy(other / target, path)
+        return [name]
+    if fault == "mixed":  # the part holding `target` from the other summariser
+        part = Path(target).parts[0] if len(Path(target).parts) > 1 else "extractor"
+        shutil.rmtree(folder / part)
+        shutil.copytree(other / part, folder / part)
+        return [str(Path(part) / file.relative_to(other / part)) for file in (other / part).rglob("*")] + [part]
+    if fault == "swapped":
+        partner = {"nezha_manifest.json": "summarizer.json", "generator/config.json": "extractor/config.json",
+                   "generator/generation_config.json": "generator/config.json",
+                   "extractor/export.json": "generator/export.json", "extractor/model.onnx": "generator/decode.onnx",
+                   "generator/decode.onnx": "generator/prefill.onnx"}[target]
+        return [name, _swap(path, folder / partner), partner]
+    if target.endswith(".onnx"):
+        import onnx
+
+        if fault == "wrong_shape":  # a valid program of another graph
+            graph = onnx.helper.make_graph(
+                [onnx.helper.make_node("Identity", ["input_ids"], ["scores"])], "other",
+                [onnx.helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, ["batch", "length"])],
+                [onnx.helper.make_tensor_value_info("scores", onnx.TensorProto.INT64, ["batch", "length"])])
+            onnx.save(onnx.helper.make_model(graph), str(path))
+        else:  # a weight read past the end of its weights file
+            program = onnx.load(str(path), load_external_data=False)
+            tensor = next(t for t in program.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+            next(entry for entry in tensor.external_data if entry.key == "length").value = str(1 << 30)
+            onnx.save(program, str(path))
+        return [name, f"{name}.data"]
+    if target.endswith(".safetensors"):
+        state = load_file(path)
+        key = next(iter(state))
+        change = {"wrong_dtype": state[key].to(torch.int64), "non_finite": state[key].clone().fill_(float("inf"))}
+        save_file({**state, key: change[fault]}, str(path), metadata={"format": "pt"})
+        return [name]
+    if target in ("tokenizer.json", "tokenizer_config.json"):
+        data = json.loads(path.read_text())
+        data = ({**data, "model": {**data["model"], "vocab": {**data["model"]["vocab"], "[SEP]": 7}}}
+                if target == "tokenizer.json" else {**data, "pad_token": "[MASK]"})
+        path.write_text(json.dumps(data))
+        return [name]
+    data = json.loads(path.read_text())
+    if fault == "wrong_shape":
+        data = ({"files": list(data["files"]), "kind": data["kind"]} if name == "nezha_manifest.json"
+                else {**data, "components": list(data["components"])} if name == "export.json"
+                else {**data, "threshold": "half"} if name == "summarizer.json"
+                else {**data, "hidden_size": [32]})
+    elif fault == "out_of_range":
+        if name == "nezha_manifest.json":
+            data = {**data, "files": {**data["files"], "../outside.json": {"size": 1, "sha256": "0" * 64}}}
+        elif name == "export.json":
+            component = next(iter(data["components"]))
+            data = {**data, "components": {**data["components"], component: {
+                **data["components"][component], "file": "../../outside.onnx"}}}
+        elif name == "summarizer.json":
+            data = {**data, "num_beams": 10_000}
+        elif name == "generation_config.json":
+            data = {**data, "eos_token_id": VOCAB + 7}
+        else:
+            data = {**data, "num_hidden_layers": 100_000}
+    else:
+        raise AssertionError((fault, target))
+    path.write_text(json.dumps(data))
+    return [name]
+
+
+def summarizer_cases():
+    for row, kinds in SUMMARIZER_ROWS.items():
+        for fault in inventory.FAULTS:
+            if fault in ROWS[row].excused:
+                continue
+            for kind, targets in kinds.items():
+                for target in targets:
+                    if fault in NAMING_FAULTS and target != targets[0]:
+                        continue
+                    if fault not in FILE_FAULTS + NAMING_FAULTS and fault not in SUMMARIZER_FORMS[target]:
+                        continue
+                    yield pytest.param(row, kind, fault, target, id=f"{row}-{kind}-{fault}-{target}")
+
+
+def test_every_fault_of_a_summariser_row_is_a_case_or_excused():
+    cases = {(param.values[0], param.values[2]) for param in summarizer_cases()}
+    for row in SUMMARIZER_ROWS:
+        missing = [fault for fault in inventory.FAULTS if fault not in ROWS[row].excused and (row, fault) not in cases]
+        assert not missing, f"{row}: no case of {missing}; make one, or excuse it in nezha_hf/inventory.py"
+
+
+@pytest.fixture(scope="module")
+def intact_summaries(summarizers):
+    return {kind: command("summarize", summarizers / kind, summarizers / "judgments.jsonl", *SUMMARIZE)
+            for kind in ("trained", "exported")}
+
+
+@pytest.mark.slow  # a summarising run per case
+@pytest.mark.parametrize(("row", "kind", "fault", "target"), list(summarizer_cases()))
+def test_a_summariser_file_with_a_fault_gives_its_summaries_or_is_refused_naming_it(row, kind, fault, target,
+                                                                                     summarizers, intact_summaries,
+                                                                                     tmp_path, monkeypatch):
+    folder = artifact_copy(summarizers, kind, tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    path = folder / target
+    names = [Path(target).name]
+    if fault in FILE_FAULTS:
+        apply_file_fault(fault, path, outside)
+    elif fault == "relative":  # damaged, and the folder named relative to the working folder
+        apply_file_fault("garbage", path, outside)
+        monkeypatch.chdir(folder.parent)
+        folder = Path(folder.name)
+    else:
+        names = summarizer_content_fault(fault, folder, target, summarizers / f"{kind}-other")
+    output = tmp_path / "summaries.jsonl"
+    with time_limit(CASE_SECONDS), (unreadable(path) if fault == "unreadable" else contextlib.nullcontext()):
+        ended = command("summarize", folder, summarizers / "judgments.jsonl", *SUMMARIZE, "--output", output)
+    intact = intact_summaries[kind]
+    assert intact.code == 0, intact.line
+    if ended.code == 0:
+        assert output.read_text(encoding="utf-8").splitlines() == intact_output(summarizers, kind, tmp_path)
+    else:
+        assert_refused(ended, *names)
+        assert not output.exists()
+
+
+def intact_output(summarizers, kind, tmp_path) -> list[str]:
+    output = tmp_path / f"intact-{kind}.jsonl"
+    assert command("summarize", summarizers / kind, summarizers / "judgments.jsonl", *SUMMARIZE, "--output",
+                   output).code == 0
+    return output.read_text(encoding="utf-8").splitlines()
