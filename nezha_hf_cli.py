@@ -350,7 +350,7 @@ def _evaluate(args) -> None:
             raise FileNotFoundError(f"No such predictions file: {args.predictions}")
         predictions = read_predictions(args.predictions, args.encoding)
     judgments, _ = read_command_inputs(args.data, args.max_characters, args.encoding)
-    results = evaluate_summaries(judgments, predictions, lead_count=args.lead)
+    results = evaluate_summaries(judgments, predictions, lead_count=args.lead, predictions_file=args.predictions)
     print(format_scores(results))
     if args.output:
         write_text_atomically(args.output, json.dumps(results, indent=2, ensure_ascii=False) + "\n",

@@ -406,8 +406,8 @@ def prepare_checkpoints(folder, record: RunRecord, resume: bool = True) -> Path 
                                  "--no-resume (resume=False) to start over, which deletes them.") from None
             difference = record.difference(previous)
             if difference:
-                raise ValueError(f"{folder} holds checkpoints of another run: {difference}. Pass --no-resume "
-                                 "(resume=False) to start over, which deletes them, or write elsewhere.")
+                raise ValueError(f"{folder} holds checkpoints of another run ({saved.name} says: {difference}). Pass "
+                                 "--no-resume (resume=False) to start over, which deletes them, or write elsewhere.")
     folder.mkdir(parents=True, exist_ok=True)
     write_text_atomically(saved, record.text())  # staged beside and renamed in: a full disk leaves the old one
     return last_complete_checkpoint(folder, record) if resume else None

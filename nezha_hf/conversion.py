@@ -18,7 +18,6 @@ positions are new to it): continue masked-LM training before use (`nezha_hf.pret
 
 import fnmatch
 import json
-import pickle
 import re
 import shutil
 from dataclasses import asdict, dataclass, field, fields
@@ -26,7 +25,6 @@ from pathlib import Path
 
 import torch
 import transformers
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .checkpoints import check_tokenizer_files, model_folder
@@ -35,7 +33,9 @@ from .extras import require_extra
 from .json_files import JSON_OBJECT, JSONFileError, read_json
 from .hub import export_remote_code, vocabulary_languages, write_model_card
 from .modeling_nezha import NEZHA_HEADS, POOLER_WEIGHT, NezhaForMaskedLM, nezha_head
+from .documents import read_text
 from .named_files import INDEX_SCHEMA, weight_files
+from .readers import read_weights
 from .safe_output import check_destination, staged_folder
 
 REPORT_NAME = "conversion_report.json"
@@ -143,28 +143,6 @@ class ConversionReport:
 # --- reading checkpoints ---------------------------------------------------------------------
 
 
-def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        if path.suffix == ".safetensors":
-            with safe_open(str(path), framework="pt") as handle:
-                return {name: handle.get_tensor(name) for name in handle.keys()}
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    # torch.load of bytes from elsewhere raises what its unpickler meets (an AttributeError for a float8 tensor in the
-    # legacy format, a KeyError, ...): each is an unreadable file, named.
-    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, OSError, AttributeError, KeyError,
-            TypeError, ValueError, IndexError) as error:
-        first_line = (str(error).splitlines() or [""])[0][:300] or type(error).__name__
-        raise ConversionError(f"Could not read {path} (corrupt, truncated, or not a plain tensor file): "
-                              f"{first_line}") from error
-    if not isinstance(state, dict):
-        raise ConversionError(f"{path} does not hold a flat name -> tensor state dict.")
-    for name, value in state.items():
-        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
-            raise ConversionError(f"{path} does not hold a flat name -> tensor state dict: its entry {name!r} is a "
-                                  f"{type(value).__name__} under a {type(name).__name__} key.")
-    return state
-
-
 def read_pytorch_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a Hugging Face checkpoint directory (safetensors or `.bin`, sharded or not)."""
     directory = model_folder(directory, needs=None)
@@ -176,7 +154,10 @@ def read_pytorch_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
         raise ConversionError(f"No model.safetensors or pytorch_model.bin in {directory}.")
     state = {}
     for path in files:
-        state.update(_read_weight_file(path))
+        try:
+            state.update(read_weights(path))
+        except (OSError, ValueError) as error:
+            raise ConversionError(str(error)) from None
     return state
 
 
@@ -320,13 +301,8 @@ def saved_pooler(folder: str | Path) -> dict[str, torch.Tensor]:
     weight files as `named_files.weight_files` finds them (whatever an index names is held to the folder)."""
     found = {}
     for path in weight_files(folder):
-        if path.suffix != ".safetensors":
-            found.update({nezha_name(key): tensor for key, tensor in _read_weight_file(path).items()
-                          if re.search(POOLER_WEIGHT, key)})
-            continue
-        with safe_open(str(path), framework="pt") as weights:
-            found.update({nezha_name(key): weights.get_tensor(key) for key in weights.keys()
-                          if re.search(POOLER_WEIGHT, key)})
+        found.update({nezha_name(key): tensor for key, tensor in read_weights(path).items()
+                      if re.search(POOLER_WEIGHT, key)})
     return found
 
 
@@ -343,10 +319,7 @@ def add_pooler(folder: str | Path, pooler: dict[str, torch.Tensor]) -> None:
         index.write_text(json.dumps(contents, indent=2) + "\n", encoding="utf-8")
         return
     path = folder / "model.safetensors"
-    with safe_open(str(path), framework="pt") as weights:
-        metadata = weights.metadata()
-        state = {key: weights.get_tensor(key) for key in weights.keys()}
-    save_file({**state, **pooler}, str(path), metadata=metadata or {"format": "pt"})
+    save_file({**read_weights(path), **pooler}, str(path), metadata={"format": "pt"})
 
 
 def map_state_dict(
@@ -557,7 +530,7 @@ def add_characters(work: Path, state: dict, config_dict: dict, characters: set[s
     if not vocabulary_file.is_file():
         raise ConversionError(f"--add-characters needs the source's vocab.txt (a WordPiece vocabulary); "
                               f"{report.source} has none.")
-    entries = vocabulary_file.read_text(encoding="utf-8").splitlines()
+    entries = read_text(vocabulary_file).splitlines()
     rows = config_dict.get("vocab_size")
     if rows != len(entries):
         raise ConversionError(f"--add-characters: {report.source} has {len(entries):,} vocabulary entries but "

@@ -11,6 +11,7 @@ import codecs
 import functools
 import logging as std_logging
 import os
+import stat
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -179,7 +180,7 @@ def read_text(path, encoding: str | None = None) -> str:
     wrong characters without a word. Anything else is an `InputFileError` naming the file, and where in it the
     decoding failed. A byte-order mark is not part of the text.
     """
-    data = Path(path).read_bytes()
+    data = _input_bytes(Path(path))
     for mark, codec, name in BYTE_ORDER_MARKS:
         if data.startswith(mark):
             return _decode(path, data, codec, f"its byte-order mark says {name}, but it is not {name} text")
@@ -203,6 +204,28 @@ def read_text(path, encoding: str | None = None) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         return _decode(path, data, encoding, f"neither UTF-8 nor {encoding} (--encoding) text")
+
+
+# An input file's size is bounded before it is read: text beyond it is not one judgment or one corpus file (split a
+# larger corpus into files), and reading it whole would take the machine's memory.
+MAX_INPUT_BYTES = 2 << 30
+
+
+def _input_bytes(path: Path) -> bytes:
+    """The bytes of the input file `path`, at most `MAX_INPUT_BYTES`: a regular file, or a pipe named directly (what
+    a shell's `<(command)` gives); a device (whose reading never ends), a folder or a file the process may not read
+    is an `InputFileError` naming it (in a folder, it is left out)."""
+    try:
+        with open(path, "rb") as file:
+            mode = os.fstat(file.fileno()).st_mode
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                raise InputFileError(path, "is a device, not a file: its reading would never end")
+            data = file.read(MAX_INPUT_BYTES + 1)
+    except OSError as error:  # a folder, a file the process may not read
+        raise InputFileError(path, f"cannot be read ({error.strerror or type(error).__name__})") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise InputFileError(path, f"holds more than {MAX_INPUT_BYTES >> 30} GiB: split it into several files")
+    return data
 
 
 def _reads_as(data: bytes, codec: str) -> bool:

@@ -13,6 +13,7 @@ This module is an engine: it takes tensors and key flags and knows nothing of mo
 
 import contextlib
 import hashlib
+import json
 import math
 import os
 import platform
@@ -244,10 +245,16 @@ def _load_kernel():
             if TORCH_WAITS_WHILE_ITS_LOCK_FILE_EXISTS and (directory / "lock").exists():
                 logger.warning(f"Removing {directory / 'lock'}, left by a build that was killed.")
                 (directory / "lock").unlink(missing_ok=True)
-            if not (directory / f"{directory.name}.so").is_file():  # a pause of a minute deserves a word
+            problem = built_kernel_problem(directory)
+            if problem:
+                logger.warning(f"NEZHA's attention kernel is built again: {problem}.")
+                _built_library(directory).unlink(missing_ok=True)
+            if not _built_library(directory).is_file():  # a pause of a minute deserves a word
                 logger.warning(f"Compiling NEZHA's attention kernel into {directory}: once per environment, about a "
                                "minute on 2 cores.")
-            return compile_kernel(directory, KERNEL_SOURCE.read_bytes(), family)
+            kernel = compile_kernel(directory, KERNEL_SOURCE.read_bytes(), family)
+            _record_build(directory)
+            return kernel
     except Timeout:
         reason = (f"another process has been building it for {lock_timeout():.0f} s ({directory / 'nezha_build.lock'}"
                   f" is held; {LOCK_TIMEOUT_VARIABLE} sets the wait)")
@@ -259,6 +266,41 @@ def _load_kernel():
         f"a writable folder, CXX to another compiler, or {SWITCH_VARIABLE}=0 to skip the kernel."
     )
     return None
+
+
+# Beside the built library, what it was when this environment built it: a library damaged or replaced since (a
+# copy from another machine, a disk error) is built again rather than loaded.
+BUILD_RECORD = "nezha_build.json"
+
+
+def _built_library(directory: Path) -> Path:
+    return directory / f"{directory.name}.so"
+
+
+def built_kernel_problem(directory: Path) -> str | None:
+    """Why the kernel library built in `directory` may not be loaded, naming the file, or None: none is built yet,
+    or it is the library this environment built (its SHA-256 is the one `BUILD_RECORD` holds)."""
+    from .json_files import Object, String, read_json
+    from .readers import file_digest
+
+    library, record = _built_library(directory), directory / BUILD_RECORD
+    if not os.path.lexists(library):
+        return None
+    try:
+        expected = read_json(record, Object({"sha256": String(max_length=64)}, required=["sha256"]))["sha256"]
+        if file_digest(library) != expected:
+            return f"{library} is not the library built here ({record} records other contents)"
+    except (OSError, ValueError) as error:  # no record (an older nezha_hf's build), or a damaged one
+        return f"{library} cannot be checked against {record.name} ({error})"
+    return None
+
+
+def _record_build(directory: Path) -> None:
+    from .readers import file_digest
+    from .safe_output import write_text_atomically
+
+    write_text_atomically(directory / BUILD_RECORD,
+                          json.dumps({"sha256": file_digest(_built_library(directory))}) + "\n")
 
 
 def product_routine(dtype: torch.dtype) -> str | None:

@@ -18,6 +18,7 @@ Nothing here touches the network except `push_model_to_hub`, and only when asked
 import ast
 import html
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -30,8 +31,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from .configuration_nezha import CARD_KINDS, card_setting_problem
+from .documents import read_text
 from .json_files import JSON_OBJECT, read_json
 from .modeling_nezha import NEZHA_HEADS, nezha_head
+from .regular_files import open_regular_file
 from .safe_output import staged_file, staged_files_into, write_text_atomically
 
 CARD_MARKER = "<!-- written by nezha_hf -->"
@@ -174,7 +177,7 @@ def vocabulary_languages(folder: str | Path) -> list[str] | None:
     path = Path(folder) / "vocab.txt"
     if not path.is_file():
         return None
-    entries = [entry.removeprefix("##") for entry in path.read_text(encoding="utf-8").splitlines() if entry]
+    entries = [entry.removeprefix("##") for entry in read_text(path).splitlines() if entry]
     chinese = sum(len(entry) == 1 and ("\u4e00" <= entry <= "\u9fff" or "\u3400" <= entry <= "\u4dbf")
                   for entry in entries)
     words = sum(entry.isascii() and entry.isalpha() for entry in entries)
@@ -182,12 +185,22 @@ def vocabulary_languages(folder: str | Path) -> list[str] | None:
     return languages or None
 
 
+def _card_of_ours(path: Path) -> bool:
+    """Whether the README at `path` is a card nezha_hf wrote (it holds `CARD_MARKER`); a README that is no regular
+    file or no text is someone else's."""
+    try:
+        with open_regular_file(path) as file:
+            return CARD_MARKER.encode() in file.read()
+    except (OSError, ValueError):
+        return False
+
+
 def write_model_card(directory: str | Path, architecture: str, settings: dict | None = None,
                      vocabulary: str | Path | None = None) -> Path | None:
     """Write `README.md` into `directory`, unless a README not written by nezha_hf is already there. Without a
     `language` in `settings`, the card's is told by the vocabulary in `vocabulary` (default: `directory`)."""
     path = Path(directory) / "README.md"
-    if path.exists() and CARD_MARKER not in path.read_text(encoding="utf-8"):
+    if os.path.lexists(path) and not _card_of_ours(path):
         return None
     if not (settings or {}).get("language"):
         settings = {**(settings or {}), "language": vocabulary_languages(vocabulary or directory)}

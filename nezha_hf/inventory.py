@@ -73,6 +73,8 @@ _JSON = {**_NOT_TENSORS, **_NOT_A_TOKENIZER}
 # piece carries its manifest): a file of another model of the same shapes loads, as that model's.
 _NO_RECORD = ("no record in a model folder from elsewhere says which files belong together: another model's file of "
               "the same shapes loads as that model's (files of other shapes are the `foreign` case)")
+_A_TEXT = {"flipped": "a changed byte in a text is another text, read as such (or a line that no longer parses, "
+                      "named and skipped)"}
 _RUN_STATE = {**_NOT_A_TOKENIZER, **_NOT_NAMED, **_OWN_FOLDER_RELATIVE,
               "link_out": "a checkpoints folder is the run's own: a link is followed as any file the run wrote, and "
                           "the manifest checks its bytes"}
@@ -80,11 +82,13 @@ _RUN_STATE = {**_NOT_A_TOKENIZER, **_NOT_NAMED, **_OWN_FOLDER_RELATIVE,
 FILES = (
     # --- a model folder (convert's source, pretrain's and train-summarizer's base, export's model, from_pretrained)
     FileRow("config", "`<model>/config.json`", "every command that loads a model; `from_pretrained`",
-            ("loading_nezha._check_json_files", "json_files.read_json", "configuration_nezha.NezhaConfig"),
+            ("checkpoints.model_folder", "named_files.check_links", "loading_nezha._check_json_files",
+             "json_files.read_json", "configuration_nezha.NezhaConfig"),
             "a JSON object of at most 16 MiB: a NEZHA (or BERT) config whose every value `NezhaConfig` accepts",
             "refused", {**_JSON, "swapped": "the only file of its kind in the folder", "mixed": _NO_RECORD}),
     FileRow("weights", "`<model>/model.safetensors`, `pytorch_model.bin`, shards", "every command that loads a model",
-            ("readers.check_weights_file", "readers.read_weights", "loading_nezha._check_weight_files"),
+            ("readers.check_weights_file", "readers.read_weights", "loading_nezha._check_weight_files",
+             "conversion.read_pytorch_checkpoint"),
             "a whole safetensors or torch file of floating tensors (no code in a pickle), shapes that fit the config, "
             "finite values", "refused",
             {**_NOT_A_TOKENIZER, "flipped": "a changed byte in a weight's value is another number: no format check "
@@ -96,13 +100,14 @@ FILES = (
             "a `weight_map` naming regular files inside the folder", "refused",
             {**_JSON, "mixed": "an index only names files: another folder's index is the `foreign` case"}),
     FileRow("generation_config", "`<model>/generation_config.json`", "generation, summarising, export",
-            ("loading_nezha._check_json_files", "generation_nezha.check_generation_ids"),
+            ("loading_nezha._check_json_files", "generation_nezha.NezhaUniLMGenerationMixin._check_special_ids"),
             "a JSON object; padding, start and end ids integers below `vocab_size`", "refused",
             {**_JSON, "missing": "optional: the model's defaults apply (a summariser's manifest requires it)",
              "swapped": "the only file of its kind", "mixed": _NO_RECORD}),
     FileRow("tokenizer_files", "`<model>/tokenizer_config.json`, `tokenizer.json`, `special_tokens_map.json`, "
             "`added_tokens.json`, `vocab.txt`, chat templates", "every command that reads text",
-            ("checkpoints.check_tokenizer_files", "checkpoints.load_tokenizer", "checkpoints.check_tokenizer"),
+            ("checkpoints.check_tokenizer_files", "checkpoints.load_tokenizer", "checkpoints.check_tokenizer",
+             "documents.read_text"),
             "regular files inside the folder, JSON bounded in size and depth; the tokenizer of the model's vocabulary "
             "with [CLS], [SEP] and its padding id", "refused", {**_NOT_TENSORS, **_NOT_NAMED}),
     # --- a summariser folder (train-summarizer's output, export onnx's output)
@@ -113,7 +118,8 @@ FILES = (
              "this summariser's (the manifest leaves the file out so that it may be edited)",
              "mixed": "any valid settings are this summariser's"}),
     FileRow("summarizer_manifest", "`<summariser>/nezha_manifest.json` (and every file it lists)",
-            "summarize, export onnx", ("readers.manifest_problem", "readers.check_manifest"),
+            "summarize, export onnx", ("readers.manifest_problem", "readers.check_manifest", "readers.file_digest",
+                                       "readers._covered_files"),
             "the size and SHA-256 of every file of the folder as it was written; no file added", "refused",
             {**_NOT_TENSORS, **_NOT_NAMED, "swapped": "the only file of its kind",
              "missing": "required for an exported summariser; a trained one saved by an older nezha_hf has none: a "
@@ -128,7 +134,7 @@ FILES = (
             "it reads; the bytes the export wrote (the manifest)", "refused", {**_JSON, **_NOT_NAMED}),
     # --- a training run: pretrain's and train-summarizer's `<output>.checkpoints/`
     FileRow("run_record", "`<output>.checkpoints/nezha_run.json`", "pretrain, train-summarizer (a rerun)",
-            ("checkpoints.RunRecord.read", "checkpoints.prepare_checkpoints"),
+            ("checkpoints.RunRecord.read", "checkpoints.prepare_checkpoints", "checkpoints.fingerprint"),
             "the record of the run: command, base and data (paths and digests), settings", "refused",
             {**_JSON, **_RUN_STATE, "swapped": "the only file of its kind"}),
     FileRow("checkpoint", "`<output>.checkpoints/checkpoint-N/`: `trainer_state.json`, `model.safetensors`, "
@@ -144,21 +150,23 @@ FILES = (
             "named line", {**_RUN_STATE, "wrong_dtype": "holds no tensors", "non_finite": "holds no tensors"}),
     # --- inputs
     FileRow("judgments", "judgments: `.jsonl` / `.json` (CAIL2020) and `.txt` files, or folders of them",
-            "summarize, train-summarizer, evaluate", ("cail.read_judgments", "documents.read_text", "documents._walk",
+            "summarize, train-summarizer, evaluate", ("cail.read_judgments", "documents.read_text",
+                                                       "documents._input_bytes", "documents._walk",
                                                        "json_files.parse_json"),
-            "UTF-8 (or UTF-16, or `--encoding`) text; JSON lines with an `id` and a `text`", "refused",
-            {**_JSON, **_NOT_NAMED, "fifo": "named directly, a pipe is read (`<(command)`); found in a folder it is "
-             "left out", "swapped": "one file", "foreign": "any judgment is an input",
+            "UTF-8 (or UTF-16, or `--encoding`) text; JSON lines with an `id` and a `text`; named directly, a file "
+            "that cannot be read is refused in one line", "left out",
+            {**_JSON, **_NOT_NAMED, **_A_TEXT, "swapped": "one file", "foreign": "any judgment is an input",
              "mixed": "any judgments are inputs"}),
     FileRow("predictions", "`evaluate --predictions` JSONL", "evaluate", ("cail.read_predictions",),
             "one line per judgment with a reference: an `id` and a `summary` string", "refused",
-            {**_JSON, **_NOT_NAMED, "fifo": "named directly, a pipe is read", "swapped": "one file",
-             "mixed": "lines are matched by id"}),
+            {**_JSON, **_NOT_NAMED, **_A_TEXT, "fifo": "named directly, a pipe is read (`<(command)`)",
+             "swapped": "one file", "mixed": "lines are matched by id: lines of two files are the `foreign` case"}),
     FileRow("corpus", "pretrain's corpus and `convert --add-characters`: `.txt` / `.jsonl` files or folders",
-            "pretrain, convert", ("documents.read_documents", "documents.read_text", "documents._walk"),
-            "text as judgments are read", "refused",
-            {**_JSON, **_NOT_NAMED, "fifo": "named directly, a pipe is read", "swapped": "one file",
-             "foreign": "any text is a corpus", "mixed": "any texts are a corpus"}),
+            "pretrain, convert", ("documents.read_documents", "documents.read_text", "documents._input_bytes",
+                                  "documents._walk"),
+            "text as judgments are read", "left out",
+            {**_JSON, **_NOT_NAMED, **_A_TEXT, "swapped": "one file", "foreign": "any text is a corpus",
+             "mixed": "any texts are a corpus", "out_of_range": "any length of text is a corpus"}),
     # --- conversion sources
     FileRow("tf_checkpoint", "`convert tf`: a TensorFlow checkpoint (`.index`, `.data-*`) and `bert_config.json`",
             "convert tf", ("conversion.read_tf_checkpoint",),

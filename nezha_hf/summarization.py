@@ -881,13 +881,13 @@ def _train_summarizer(run, judgments, base_model, validation_fraction, epochs, s
 
 
 def evaluate_summaries(judgments: list[Judgment], predictions: dict[str, str] | None = None,
-                       units=("char", "word"), lead_count: int = 3) -> dict:
+                       units=("char", "word"), lead_count: int = 3, predictions_file=None) -> dict:
     """Mean ROUGE-1/2/L F and CAIL score of each system against the references, per tokenisation unit.
 
     Systems: `lead-N` (floor), `oracle` (greedy oracle extraction: a ceiling for extraction),
     `labelled` (the file's own labels, when present) and, if given, `predictions` (id -> summary, e.g. from
     `cail.read_predictions`). A judgment with a reference and no prediction, or a prediction whose id no judgment
-    has, is a `ValueError` naming a few.
+    has, is a `ValueError` naming a few (and `predictions_file`, the file they were read from).
     """
     scored = [j for j in judgments if j.summary]
     if not scored:
@@ -898,14 +898,15 @@ def evaluate_summaries(judgments: list[Judgment], predictions: dict[str, str] | 
     if all(j.labels is not None for j in scored):
         systems["labelled"] = {j.id: "".join(s for s, k in zip(j.sentences, j.labels) if k) for j in scored}
     if predictions is not None:
+        where = f"{predictions_file}: " if predictions_file is not None else ""
         missing = [j.id for j in scored if j.id not in predictions]
         if missing:
-            raise ValueError(f"No prediction for {len(missing)} judgment(s), e.g. {missing[:3]}.")
+            raise ValueError(f"{where}no prediction for {len(missing)} judgment(s), e.g. {missing[:3]}.")
         known = {j.id for j in judgments}
         foreign = [identifier for identifier in predictions if identifier not in known]
         if foreign:
-            raise ValueError(f"{len(foreign)} prediction(s) for ids none of the {len(judgments)} judgment(s) has, e.g. "
-                             f"{foreign[:3]}: predictions of other judgments, or ids changed on the way.")
+            raise ValueError(f"{where}{len(foreign)} prediction(s) for ids none of the {len(judgments)} judgment(s) "
+                             f"has, e.g. {foreign[:3]}: predictions of other judgments, or ids changed on the way.")
         systems["predictions"] = {j.id: predictions[j.id] for j in scored}
     results = {"documents": len(scored), "systems": {}}
     for name, outputs in systems.items():

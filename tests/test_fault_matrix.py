@@ -61,7 +61,7 @@ def apply_file_fault(fault: str, path: Path, outside: Path) -> None:
     elif fault == "folder":
         path.unlink()
         path.mkdir()
-        (path / "inside.txt").write_text("a folder, not the file")
+        (path / "inside").write_text("a folder, not the file")
     elif fault == "fifo":
         path.unlink()
         os.mkfifo(path)
@@ -609,3 +609,327 @@ def intact_output(summarizers, kind, tmp_path) -> list[str]:
     assert command("summarize", summarizers / kind, summarizers / "judgments.jsonl", *SUMMARIZE, "--output",
                    output).code == 0
     return output.read_text(encoding="utf-8").splitlines()
+
+
+# --- a training run's state: `nezha-hf pretrain` run again ----------------------------------------------------------
+
+PRETRAIN = ["--max-length", "64", "--batch-size", "4", "--save-steps", "2", "--learning-rate", "2e-3"]
+CHECKPOINT_TARGETS = ["trainer_state.json", "model.safetensors", "optimizer/.metadata", "optimizer/__0_0.distcp",
+                      "scheduler.pt", "rng_state.pth", "nezha_run.json", "nezha_manifest.json"]
+RUN_STATE_FORMS = {
+    ("checkpoint", "trainer_state.json"): {"wrong_shape", "out_of_range", "foreign", "mixed"},
+    ("checkpoint", "model.safetensors"): {"wrong_shape", "wrong_dtype", "non_finite", "foreign"},
+    ("checkpoint", "optimizer/__0_0.distcp"): {"foreign", "mixed"},
+    ("checkpoint", "scheduler.pt"): {"swapped", "foreign"},
+    ("checkpoint", "nezha_run.json"): {"wrong_shape", "foreign"},
+    ("checkpoint", "nezha_manifest.json"): {"wrong_shape", "out_of_range", "foreign"},
+    ("run_record", "nezha_run.json"): {"wrong_shape", "out_of_range", "foreign", "mixed"},
+}
+
+
+@pytest.fixture(scope="module")
+def training_run(tmp_path_factory):
+    """A base model, a corpus, and the checkpoints of a pretraining run of 4 steps (checkpoint-2 and -4; its output
+    removed, so that a rerun goes on), and of another run (another seed) for files of another run."""
+    from test_pretraining import chinese_corpus
+
+    from nezha_hf import NezhaForMaskedLM
+
+    root = tmp_path_factory.mktemp("training")
+    tokenizer = make_tokenizer(root / "tokenizer")
+    torch.manual_seed(0)
+    NezhaForMaskedLM(tiny_config(vocab_size=VOCAB, max_relative_position=16)).save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    chinese_corpus(root / "corpus")
+    for run, seed in (("run", "1"), ("other", "2")):
+        done = command("pretrain", root / "base", root / "corpus", "--output", root / run, *PRETRAIN, "--max-steps", "4",
+                       "--seed", seed)
+        assert done.code == 0, done.warnings[-2000:]
+        shutil.rmtree(root / run)
+    return root
+
+
+def run_state_fault(row: str, fault: str, checkpoints: Path, target: str, other: Path) -> list[str]:
+    """Apply a fault of what a run's file holds or where it came from (`other`: the checkpoints of another run);
+    returns the files a refusal or a skip may name."""
+    folder = checkpoints if row == "run_record" else checkpoints / "checkpoint-4"
+    path, name = folder / target, Path(target).name
+    source = other if row == "run_record" else other / "checkpoint-4"
+    if fault == "foreign":
+        shutil.copy(source / target, path)
+        return [name]
+    if fault == "mixed":  # the optimizer of another checkpoint; a record of two runs
+        if row == "run_record":
+            mine, theirs = json.loads(path.read_text()), json.loads((source / target).read_text())
+            path.write_text(json.dumps({**mine, "settings": theirs["settings"], "base_content": "0" * 16}))
+        else:
+            shutil.rmtree(folder / "optimizer")
+            shutil.copytree(checkpoints / "checkpoint-2" / "optimizer", folder / "optimizer")
+            return ["optimizer", "__0_0.distcp", ".metadata", "trainer_state.json"]
+        return [name]
+    if fault == "swapped":
+        return [name, _swap(path, folder / "rng_state.pth")]
+    if name == "model.safetensors":
+        state = load_file(path)
+        key = next(iter(state))
+        change = {"wrong_dtype": state[key].to(torch.int64), "non_finite": state[key].clone().fill_(float("nan")),
+                  "wrong_shape": state[key].flatten()[:3].contiguous()}
+        save_file({**state, key: change[fault]}, str(path), metadata={"format": "pt"})
+        return [name]
+    data = json.loads(path.read_text())
+    if fault == "wrong_shape":
+        data = ({**data, "global_step": "4"} if name == "trainer_state.json" else
+                {**data, "files": list(data["files"])} if name == MANIFEST else {**data, "data": "corpus"})
+    elif fault == "out_of_range":
+        data = ({**data, "global_step": -4} if name == "trainer_state.json" else
+                {**data, "files": {**data["files"], "../../outside.bin": {"size": 0, "sha256": "0" * 64}}}
+                if name == MANIFEST else {**data, "settings": {**data["settings"], "global_batch": -1}})
+    else:
+        raise AssertionError((row, fault, target))
+    path.write_text(json.dumps(data))
+    return [name]
+
+
+MANIFEST = "nezha_manifest.json"
+
+
+def run_state_cases():
+    targets = {"checkpoint": CHECKPOINT_TARGETS, "run_record": ["nezha_run.json"]}
+    for row in ("run_record", "checkpoint"):
+        for fault in inventory.FAULTS:
+            if fault in ROWS[row].excused:
+                continue
+            for target in targets[row]:
+                if fault not in FILE_FAULTS and fault not in RUN_STATE_FORMS.get((row, target), ()):
+                    continue
+                yield pytest.param(row, fault, target, id=f"{row}-{fault}-{target}")
+
+
+def test_every_fault_of_a_run_state_row_is_a_case_or_excused():
+    cases = {(param.values[0], param.values[1]) for param in run_state_cases()}
+    for row in ("run_record", "checkpoint"):
+        missing = [fault for fault in inventory.FAULTS if fault not in ROWS[row].excused and (row, fault) not in cases]
+        assert not missing, f"{row}: no case of {missing}; make one, or excuse it in nezha_hf/inventory.py"
+
+
+@pytest.mark.slow  # a training run per case
+@pytest.mark.parametrize(("row", "fault", "target"), list(run_state_cases()))
+def test_a_run_state_file_with_a_fault_is_skipped_for_the_last_intact_checkpoint_or_refused(row, fault, target,
+                                                                                          training_run, tmp_path):
+    root = tmp_path / "case"
+    shutil.copytree(training_run, root, symlinks=True)
+    checkpoints = root / "run.checkpoints"
+    folder = checkpoints if row == "run_record" else checkpoints / "checkpoint-4"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    path = folder / target
+    names = [Path(target).name]
+    if fault in FILE_FAULTS:
+        apply_file_fault(fault, path, outside)
+    else:
+        names = run_state_fault(row, fault, checkpoints, target, root / "other.checkpoints")
+    with time_limit(CASE_SECONDS), (unreadable(path) if fault == "unreadable" else contextlib.nullcontext()):
+        ended = command("pretrain", root / "base", root / "corpus", "--output", root / "run", *PRETRAIN,
+                        "--max-steps", "6", "--seed", "1")
+    if row == "run_record":
+        assert_refused(ended, *names)
+        assert not (root / "run").exists()
+        return
+    assert ended.code == 0, ended.line or ended.warnings[-2000:]
+    skipped = [line for line in ended.warnings.splitlines() if "Skipping the checkpoint" in line]
+    assert len(skipped) == 1 and "checkpoint-4" in skipped[0] and any(n in skipped[0] for n in names), skipped
+    assert f"Resuming from {checkpoints / 'checkpoint-2'}" in ended.warnings
+    assert (root / "run" / "model.safetensors").is_file()
+
+
+# --- summarize's journal: `nezha-hf summarize` run again -------------------------------------------------------------
+
+JOURNAL_TARGETS = ["record.json", "done-0.jsonl"]
+JOURNAL_FORMS = {"record.json": {"wrong_shape", "out_of_range", "foreign", "mixed"},
+                 "done-0.jsonl": {"wrong_shape", "out_of_range", "foreign", "swapped"}}
+
+
+@pytest.fixture(scope="module")
+def journals(summarizers, tmp_path_factory):
+    """The journals `summarize` left when its output could not be written: of the judgments, and of other judgments
+    (for the files of other work)."""
+    from nezha_hf import summarization
+
+    root = tmp_path_factory.mktemp("journals")
+    rng = random.Random(5)
+    write_jsonl(root / "other.jsonl", [{**synthetic_judgment(rng, i, sentences=4), "id": f"other{i}"} for i in range(2)])
+
+    def cannot_write(*args, **kwargs):
+        raise OSError("the output could not be written")
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(summarization, "write_summaries", cannot_write)
+        for name, inputs in (("mine", summarizers / "judgments.jsonl"), ("theirs", root / "other.jsonl")):
+            assert command("summarize", summarizers / "trained", inputs, *SUMMARIZE, "--output",
+                           root / f"{name}.jsonl").code == 2
+    return root
+
+
+def journal_fault(fault: str, journal: Path, target: str, other: Path) -> list[str]:
+    path, name = journal / target, target
+    if fault == "foreign":
+        shutil.copy(other / target, path)
+    elif fault == "swapped":
+        return [name, _swap(path, journal / "record.json")]
+    elif fault == "mixed":  # the record of two works
+        mine, theirs = json.loads(path.read_text()), json.loads((other / target).read_text())
+        path.write_text(json.dumps({**mine, "data_content": theirs["data_content"]}))
+    elif target == "record.json":
+        data = json.loads(path.read_text())
+        data = {**data, "data": "judgments"} if fault == "wrong_shape" else {**data, "settings": {"batch_size": -2}}
+        path.write_text(json.dumps(data))
+    else:
+        lines = path.read_text().splitlines()
+        entry = json.loads(lines[0])
+        entry = ({**entry, "result": ["a summary"]} if fault == "wrong_shape" else {**entry, "index": 99})
+        path.write_text("\n".join([json.dumps(entry), *lines[1:]]) + "\n")
+    return [name]
+
+
+def journal_cases():
+    for fault in inventory.FAULTS:
+        if fault in ROWS["journal"].excused:
+            continue
+        for target in JOURNAL_TARGETS:
+            if fault in FILE_FAULTS or fault in JOURNAL_FORMS[target]:
+                yield pytest.param(fault, target, id=f"journal-{fault}-{target}")
+
+
+def test_every_fault_of_the_journal_row_is_a_case_or_excused():
+    faults = {param.values[0] for param in journal_cases()}
+    missing = [fault for fault in inventory.FAULTS if fault not in ROWS["journal"].excused and fault not in faults]
+    assert not missing, f"journal: no case of {missing}; make one, or excuse it in nezha_hf/inventory.py"
+
+
+@pytest.mark.slow  # a summarising run per case
+@pytest.mark.parametrize(("fault", "target"), list(journal_cases()))
+def test_a_journal_file_with_a_fault_gives_the_summaries_or_is_refused_naming_it(fault, target, summarizers, journals,
+                                                                                tmp_path):
+    root = tmp_path / "case"
+    shutil.copytree(journals, root, symlinks=True)
+    journal = root / ".mine.jsonl.progress"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    path = journal / target
+    names = [target]
+    if fault in FILE_FAULTS:
+        apply_file_fault(fault, path, outside)
+    else:
+        names = journal_fault(fault, journal, target, root / ".theirs.jsonl.progress")
+    output = root / "mine.jsonl"
+    with time_limit(CASE_SECONDS), (unreadable(path) if fault == "unreadable" else contextlib.nullcontext()):
+        ended = command("summarize", summarizers / "trained", summarizers / "judgments.jsonl", *SUMMARIZE, "--output",
+                        output)
+    if ended.code == 0:
+        assert output.read_text(encoding="utf-8").splitlines() == intact_output(summarizers, "trained", tmp_path)
+    else:
+        assert_refused(ended, *names)
+        assert not output.exists()
+
+
+# --- inputs: judgments and corpora found in a folder, predictions named directly -------------------------------------
+
+INPUT_FORMS = {"judgments": {"wrong_shape", "out_of_range"}, "corpus": {"wrong_shape"},
+               "predictions": {"wrong_shape", "out_of_range", "foreign"}}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """Judgments in a folder (`a.jsonl`, the file the cases damage, and `b.jsonl`), predictions for them, and a
+    corpus folder (`a.jsonl`, `b.txt`)."""
+    root = tmp_path_factory.mktemp("inputs")
+    rng = random.Random(3)
+    (root / "judgments").mkdir()
+    judgments = [{**synthetic_judgment(rng, i, sentences=4), "id": f"a{i}"} for i in range(2)]
+    write_jsonl(root / "judgments" / "a.jsonl", judgments)
+    write_jsonl(root / "judgments" / "b.jsonl", [{**synthetic_judgment(rng, 9, sentences=4), "id": "b9"}])
+    write_jsonl(root / "predictions.jsonl", [{"id": j["id"], "summary": j["summary"][:6]} for j in judgments]
+                + [{"id": "b9", "summary": "判决"}])
+    write_jsonl(root / "other-predictions.jsonl", [{"id": "x1", "summary": "判决"}])
+    (root / "corpus").mkdir()
+    write_jsonl(root / "corpus" / "a.jsonl", [{"text": "原告被告法院判决" * 4}, {"text": "中国人民法院"}])
+    (root / "corpus" / "b.txt").write_text("他们来到法院。", encoding="utf-8")
+    return root
+
+
+def input_content_fault(row: str, fault: str, path: Path, root: Path) -> None:
+    if fault == "foreign":
+        shutil.copy(root / "other-predictions.jsonl", path)
+    elif fault == "wrong_shape":  # a line of another schema
+        lines = path.read_text(encoding="utf-8").splitlines()
+        path.write_text("\n".join([json.dumps({"id": ["x"], "text": 5, "summary": 7}), *lines[1:]]) + "\n",
+                        encoding="utf-8")
+    elif fault == "out_of_range":  # a judgment far longer than any (--max-characters), an id no judgment has
+        record = ({"id": "a0", "text": "判" * 200_001} if row == "judgments" else {"id": "nobody", "summary": "判决"})
+        path.write_text(path.read_text(encoding="utf-8") + json.dumps(record, ensure_ascii=False) + "\n",
+                        encoding="utf-8")
+    else:
+        raise AssertionError(fault)
+
+
+def input_cases():
+    for row in ("judgments", "corpus", "predictions"):
+        for fault in inventory.FAULTS:
+            if fault in ROWS[row].excused:
+                continue
+            if fault in (*FILE_FAULTS, "relative") or fault in INPUT_FORMS[row]:
+                yield pytest.param(row, fault, id=f"{row}-{fault}")
+
+
+def test_every_fault_of_an_input_row_is_a_case_or_excused():
+    cases = {(param.values[0], param.values[1]) for param in input_cases()}
+    for row in ("judgments", "corpus", "predictions"):
+        missing = [fault for fault in inventory.FAULTS if fault not in ROWS[row].excused and (row, fault) not in cases]
+        assert not missing, f"{row}: no case of {missing}; make one, or excuse it in nezha_hf/inventory.py"
+
+
+def read_input(row: str, root: Path):
+    """What the commands read of the row's inputs: the judgments of the folder (`summarize`'s and
+    `train-summarizer`'s reader), the corpus (`pretrain`'s), the scores of the predictions (`evaluate`'s)."""
+    from nezha_hf.cail import read_judgments, read_predictions
+    from nezha_hf.documents import read_documents
+    from nezha_hf.summarization import evaluate_summaries
+
+    problems = []
+    if row == "judgments":
+        return [(j.id, j.text) for j in read_judgments([root / "judgments"], problems)], problems
+    if row == "corpus":
+        return sorted(document.text for document in read_documents([root / "corpus"], problems=problems)), problems
+    judgments = read_judgments([root / "judgments"])
+    predictions = root / "predictions.jsonl"
+    return evaluate_summaries(judgments, read_predictions(predictions), predictions_file=predictions), problems
+
+
+@pytest.mark.parametrize(("row", "fault"), list(input_cases()))
+def test_an_input_with_a_fault_is_left_out_and_named_or_refused(row, fault, inputs, tmp_path, monkeypatch):
+    root = tmp_path / "case"
+    shutil.copytree(inputs, root, symlinks=True)
+    path = root / {"judgments": "judgments/a.jsonl", "corpus": "corpus/a.jsonl", "predictions": "predictions.jsonl"}[row]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    intact, _ = read_input(row, inputs)
+    if fault in FILE_FAULTS:
+        apply_file_fault(fault, path, outside)
+    elif fault == "relative":  # a link out of the folder, the folder named relative to the working folder
+        apply_file_fault("link_out", path, outside)
+        monkeypatch.chdir(root)
+        root = Path(".")
+    else:
+        input_content_fault(row, fault, path, root)
+    with time_limit(CASE_SECONDS), (unreadable(path) if fault == "unreadable" else contextlib.nullcontext()):
+        ended = library_call(lambda: read_input(row, root))
+    if ended.code == 2:
+        assert_refused(ended, path.name)
+        return
+    got, problems = ended.result
+    if row == "predictions":
+        assert got == intact
+        return
+    assert set(got) <= set(intact), "a silent wrong answer: an input read as something else"
+    if set(got) != set(intact) and fault not in ("missing", "folder"):  # what is left out is named (a folder: a folder)
+        assert any(Path(problem.path).name == path.name for problem in problems), problems
