@@ -240,7 +240,7 @@ def checkpoint_problem(folder: Path) -> str | None:
     try:
         weights = weight_files(folder) or sorted(folder.glob("*.safetensors"))
         if not weights:
-            return "no model weights"
+            return "no model weights (no model.safetensors)"
         for path in weights:
             check_weights_file(path)
     except (OSError, ValueError) as error:
@@ -394,8 +394,9 @@ def prepare_checkpoints(folder, record: RunRecord, resume: bool = True) -> Path 
     saved = folder / RunRecord.FILE
     # The record's own leftovers (a kill while it was being staged) are a run's files too.
     if folder.is_dir() and any(not p.name.startswith(f".{RunRecord.FILE}.") for p in folder.iterdir()):
-        if not (saved.is_file() or saved.is_symlink()):
-            raise FileExistsError(f"{folder} holds files that no nezha-hf run wrote; move them, or write elsewhere.")
+        if not os.path.lexists(saved):
+            raise FileExistsError(f"{folder} holds files but no {RunRecord.FILE} saying which nezha-hf run wrote them; "
+                                  "move them, or write elsewhere.")
         if not resume:  # whatever state the record is in
             shutil.rmtree(folder)
         else:

@@ -38,7 +38,7 @@ from transformers.utils import logging
 
 from .json_files import Anything, Integer, JSONFileError, Nullable, Object, String, checked, parse_json
 from .named_files import weight_files
-from .readers import MANIFEST_FILE, load_state_file, read_weights as read_weights_file, write_manifest
+from .readers import load_state_file, open_regular_file, read_weights as read_weights_file, write_manifest
 from .safe_output import claimed, disk_of, naming, no_room, staged_folder
 
 logger = logging.get_logger(__name__)
@@ -233,18 +233,30 @@ def _open_journal(journal: Path, record, resume: bool) -> None:
         elif any(part.stat().st_size for part in journal.glob("done-*.jsonl")):
             difference = _journal_difference(journal, record)
             if difference:
-                raise ValueError(f"{journal} holds the finished batches of another run: {difference}. Rerun as that "
+                raise ValueError(f"{journal} holds the finished batches of another run ({JOURNAL_RECORD} says: "
+                                 f"{difference}). Rerun as that "
                                  "run was to go on from them, or pass --no-resume (resume=False) to start over, which "
                                  "deletes them.")
     journal.mkdir(exist_ok=True)
     for part in journal.glob("done-*.jsonl"):
-        text = part.read_bytes()
+        text = _journal_part(part)
         if text and not text.endswith(b"\n"):
             part.write_bytes(text[: text.rfind(b"\n") + 1])
     # Written beside and renamed in: a kill mid-write leaves the old record, never a cut one.
     partial = journal / f"{JOURNAL_RECORD}.partial"
     partial.write_text(json.dumps(asdict(record)), encoding="utf-8")
     os.replace(partial, journal / JOURNAL_RECORD)
+
+
+def _journal_part(part: Path) -> bytes:
+    """The bytes of a journal's `done-N.jsonl`, a regular file (`open_regular_file`: a FIFO or a device there would
+    hang the reader or never end); an error naming it, and the way out, otherwise."""
+    try:
+        with open_regular_file(part) as file:
+            return file.read()
+    except (OSError, ValueError) as error:
+        raise ValueError(f"The progress journal {part.parent} is damaged ({error}): delete it, or pass --no-resume, to "
+                         "start over.") from None
 
 
 def _journal_difference(journal: Path, record) -> str | None:
@@ -264,7 +276,7 @@ def _read_journal(journal: Path, count: int, keys: list[str] | None, result_sche
                            "result": Anything()}, required=["index", "key", "result"])
     done = {}
     for part in sorted(journal.glob("done-*.jsonl")):
-        for number, line in enumerate(part.read_bytes().splitlines(), start=1):
+        for number, line in enumerate(_journal_part(part).splitlines(), start=1):
             try:
                 entry = parse_json(line.decode("utf-8"), f"line {number}", entry_schema)
                 index, result = entry["index"], entry["result"]
@@ -335,10 +347,9 @@ class DistributedCheckpointTrainer(Trainer):
                           "resumes from the last whole checkpoint") from error
 
     def _write_checkpoint(self, folder: Path, model, trial):
+        if self.args.should_save:  # a checkpoint of this step left by a killed run, or skipped: none of it may remain
+            shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True, exist_ok=True)
-        if self.args.should_save:  # a checkpoint of this step left by a killed run: none of its files may remain
-            (folder / MANIFEST_FILE).unlink(missing_ok=True)
-            shutil.rmtree(folder / OPTIMIZER_DCP, ignore_errors=True)
         with _one_process_is_fine():
             save_optimizer_distributed(self.model, self.optimizer, str(folder / OPTIMIZER_DCP))
         if self.args.should_save:

@@ -17,6 +17,7 @@ manifest does not hold is refused, naming the file.
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 from .json_files import Integer, Object, String, read_json
@@ -213,15 +214,21 @@ MANIFEST_SCHEMA = Object({
 }, required=["kind", "files"])
 
 
+# Files of the writers' own, never part of what a folder holds: locks and staging siblings (`safe_output`).
+_TRANSIENT = re.compile(r"\..*\.(lock|partial(-\w+)?|replaced-\w+)")
+
+
 def _covered_files(folder: Path) -> list[str]:
-    """The files below `folder` a manifest covers: every one but hidden ones (locks, staging), model cards and the
-    manifest itself, as paths below the folder. Links count as the files they are (links out are refused apart)."""
+    """The files below `folder` a manifest covers, as paths below it: every one (a distributed checkpoint's
+    `.metadata` included) but the writers' locks and staging siblings, model cards (`NOT_IN_MANIFESTS`), the
+    manifest itself and hidden folders (a Hub download's `.cache/`). Links count as the files they are (links out
+    are refused apart)."""
     names = []
     for directory, folders, files in os.walk(folder):
         folders[:] = sorted(name for name in folders if not name.startswith("."))
         for name in sorted(files):
             relative = (Path(directory) / name).relative_to(folder).as_posix()
-            if not name.startswith(".") and name not in NOT_IN_MANIFESTS and relative != MANIFEST_FILE:
+            if not _TRANSIENT.fullmatch(name) and name not in NOT_IN_MANIFESTS and relative != MANIFEST_FILE:
                 names.append(relative)
     return names
 

@@ -87,10 +87,16 @@ def unreadable(path: Path):
     """Opening `path` fails with EACCES, as for a file the process may not read (tests run as root, whom permissions
     do not stop): every open of Python and of the readers, `os.open` included."""
     target = os.path.realpath(path)
+    identity = _identity(target)  # this file: a new one written in its place is readable
     real_os_open, real_open = os.open, io.open
 
     def refused(file):
-        return isinstance(file, (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(file)) == target
+        if not isinstance(file, (str, bytes, os.PathLike)) or os.path.realpath(os.fsdecode(file)) != target:
+            return False
+        try:
+            return _identity(target) == identity
+        except FileNotFoundError:
+            return False
 
     def os_open(file, *args, **kwargs):
         if refused(file):
@@ -107,6 +113,11 @@ def unreadable(path: Path):
         patched.setattr(io, "open", open_)
         patched.setattr("builtins.open", open_)
         yield
+
+
+def _identity(path):
+    status = os.stat(path)
+    return status.st_dev, status.st_ino, status.st_mtime_ns, status.st_ctime_ns
 
 
 @contextlib.contextmanager
@@ -617,10 +628,10 @@ PRETRAIN = ["--max-length", "64", "--batch-size", "4", "--save-steps", "2", "--l
 CHECKPOINT_TARGETS = ["trainer_state.json", "model.safetensors", "optimizer/.metadata", "optimizer/__0_0.distcp",
                       "scheduler.pt", "rng_state.pth", "nezha_run.json", "nezha_manifest.json"]
 RUN_STATE_FORMS = {
-    ("checkpoint", "trainer_state.json"): {"wrong_shape", "out_of_range", "foreign", "mixed"},
+    ("checkpoint", "trainer_state.json"): {"wrong_shape", "out_of_range", "mixed"},
     ("checkpoint", "model.safetensors"): {"wrong_shape", "wrong_dtype", "non_finite", "foreign"},
     ("checkpoint", "optimizer/__0_0.distcp"): {"foreign", "mixed"},
-    ("checkpoint", "scheduler.pt"): {"swapped", "foreign"},
+    ("checkpoint", "scheduler.pt"): {"swapped"},
     ("checkpoint", "nezha_run.json"): {"wrong_shape", "foreign"},
     ("checkpoint", "nezha_manifest.json"): {"wrong_shape", "out_of_range", "foreign"},
     ("run_record", "nezha_run.json"): {"wrong_shape", "out_of_range", "foreign", "mixed"},
@@ -656,12 +667,15 @@ def run_state_fault(row: str, fault: str, checkpoints: Path, target: str, other:
     path, name = folder / target, Path(target).name
     source = other if row == "run_record" else other / "checkpoint-4"
     if fault == "foreign":
+        assert path.read_bytes() != (source / target).read_bytes(), "the other run's file is the same"
         shutil.copy(source / target, path)
         return [name]
-    if fault == "mixed":  # the optimizer of another checkpoint; a record of two runs
+    if fault == "mixed":  # the optimizer or state of another checkpoint; a record of two runs
         if row == "run_record":
             mine, theirs = json.loads(path.read_text()), json.loads((source / target).read_text())
             path.write_text(json.dumps({**mine, "settings": theirs["settings"], "base_content": "0" * 16}))
+        elif name == "trainer_state.json":
+            shutil.copy(checkpoints / "checkpoint-2" / target, path)
         else:
             shutil.rmtree(folder / "optimizer")
             shutil.copytree(checkpoints / "checkpoint-2" / "optimizer", folder / "optimizer")
