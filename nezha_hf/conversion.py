@@ -28,15 +28,15 @@ import transformers
 from safetensors.torch import save_file
 
 from .checkpoints import check_tokenizer_files, model_folder
-from .configuration_nezha import NezhaConfig, card_setting_problem
+from .configuration_nezha import NezhaConfig, NezhaConfigError, card_setting_problem
 from .extras import require_extra
 from .json_files import JSON_OBJECT, JSONFileError, read_json
 from .hub import export_remote_code, vocabulary_languages, write_model_card
 from .modeling_nezha import NEZHA_HEADS, POOLER_WEIGHT, NezhaForMaskedLM, nezha_head
 from .documents import read_text
 from .named_files import INDEX_SCHEMA, weight_files
-from .readers import read_weights
-from .safe_output import check_destination, staged_folder
+from .readers import first_line, open_regular_file, read_weights
+from .safe_output import check_destination, glob_escape, staged_folder
 
 REPORT_NAME = "conversion_report.json"
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
@@ -189,11 +189,18 @@ def read_tf_checkpoint(checkpoint: str | Path, report: "ConversionReport") -> tu
     require_extra("tf", "Reading TensorFlow checkpoints")
     import tensorflow as tf
 
+    checkpoint = Path(checkpoint)
+    # Its files, regular files before TensorFlow opens them (a FIFO would hang it), named in whatever it raises.
+    index = checkpoint.with_name(checkpoint.name + ".index")
+    files = [index, *sorted(checkpoint.parent.glob(glob_escape(checkpoint.name) + ".data-*-of-*"))]
+    for path in files:
+        open_regular_file(path).close()
+    where = f"{checkpoint} ({', '.join(path.name for path in files)})"
     try:
         reader = tf.train.load_checkpoint(str(checkpoint))
         shapes = reader.get_variable_to_shape_map()
     except Exception as error:  # TensorFlow raises several unrelated types for unreadable files
-        raise ConversionError(f"Could not read the TensorFlow checkpoint {checkpoint}: {error}") from error
+        raise ConversionError(f"Could not read the TensorFlow checkpoint {where}: {first_line(error)}") from None
     state, tf_names = {}, {}
     for name in sorted(shapes):
         reason = next((why for pattern, why in TF_TRAINING_STATE if re.search(pattern, name)), None)
@@ -203,7 +210,7 @@ def read_tf_checkpoint(checkpoint: str | Path, report: "ConversionReport") -> tu
         try:
             value = torch.from_numpy(reader.get_tensor(name).copy())
         except Exception as error:
-            raise ConversionError(f"Could not read variable {name} from {checkpoint}: {error}") from error
+            raise ConversionError(f"Could not read variable {name} from {where}: {first_line(error)}") from None
         if name.endswith("/kernel"):
             value = value.T.contiguous()
         state[_tf_to_pytorch_name(name)] = value
@@ -461,9 +468,11 @@ def _check_clean_load(loader, folder: Path, output: str, allowed_missing=frozens
 
 
 def _convert_state(
-    state, config_dict, report, work, architecture, allow_missing, max_relative_position, remote_code, source_names=None
+    state, config_dict, report, work, architecture, allow_missing, max_relative_position, remote_code, config_file,
+    source_names=None,
 ) -> ConversionReport:
-    """The steps shared by every source format, once its tensors have PyTorch BERT names; writes into `work`."""
+    """The steps shared by every source format, once its tensors have PyTorch BERT names (its config read from
+    `config_file`); writes into `work`."""
     if config_dict.get("model_type") not in BERT_FAMILY:
         raise ConversionError(
             f"{report.source} is a {config_dict['model_type']!r} checkpoint; only BERT-family checkpoints "
@@ -476,9 +485,11 @@ def _convert_state(
     if decoder and embeddings and not torch.equal(state[decoder], state[embeddings]):
         tie = False
         report.notes.append("the masked-LM decoder is not tied to the word embeddings: tie_word_embeddings=False")
-    config = nezha_config_from_bert(
-        config_dict, report.architecture, report, max_relative_position=max_relative_position, tie_word_embeddings=tie
-    )
+    try:
+        config = nezha_config_from_bert(config_dict, report.architecture, report,
+                                        max_relative_position=max_relative_position, tie_word_embeddings=tie)
+    except NezhaConfigError as error:
+        raise NezhaConfigError(f"{config_file}: {error}") from None
     # Model cards of this checkpoint and of models trained from it name the source (if it is a Hub id).
     source_id = config_dict.get("_name_or_path", "")
     is_hub_id = "/" in source_id and card_setting_problem("base_model", source_id) is None
@@ -600,7 +611,8 @@ def convert_bert(
         if add_characters_from:
             state, config_dict = add_characters(work, state, config_dict, characters, report,
                                                 " ".join(map(str, add_characters_from)))
-        _convert_state(state, config_dict, report, work, architecture, allow_missing, max_relative_position, remote_code)
+        _convert_state(state, config_dict, report, work, architecture, allow_missing, max_relative_position, remote_code,
+                       source / "config.json")
     return report
 
 
@@ -758,9 +770,8 @@ def convert_tf(
             _copy_tokenizer(None, work, report, vocab_file=vocab_file, do_lower_case=do_lower_case)
         else:
             report.notes.append("no vocab_file given: add the vocabulary before use")
-        _convert_state(
-            state, config_dict, report, work, architecture, allow_missing, max_relative_position, remote_code, tf_names
-        )
+        _convert_state(state, config_dict, report, work, architecture, allow_missing, max_relative_position, remote_code,
+                       config_file, tf_names)
     return report
 
 

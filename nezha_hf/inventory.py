@@ -172,7 +172,11 @@ FILES = (
             "convert tf", ("conversion.read_tf_checkpoint",),
             "a checkpoint TensorFlow reads, of BERT's or NEZHA's variables", "refused",
             {**_NOT_A_TOKENIZER, **_NOT_NAMED, "flipped": "a changed byte in a weight's value is another number",
-             "non_finite": "converted as it is, then refused where a NEZHA loads it"}),
+             "non_finite": "converted as it is, then refused where a NEZHA loads it",
+             "wrong_dtype": "not tried: Google's and Huawei's checkpoints hold float32 variables; another dtype is "
+                            "written as it is, and refused where the converted folder is verified",
+             "mixed": "an index and its data of two checkpoints is the `foreign` case: TensorFlow's checksums refuse it",
+             "relative": "a prefix is named as the user types it; the `foreign` and `swapped` cases name it so too"}),
     # --- caches
     FileRow("kernel_cache", "`$TORCH_EXTENSIONS_DIR/nezha_hf_fused_attention_*/`: the built kernel and "
             "`nezha_build.json`", "the fused attention engine, on first use in a process",

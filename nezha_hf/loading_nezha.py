@@ -257,7 +257,8 @@ class NezhaLoadingMixin:
         weights = ", ".join(os.path.basename(file) for file in files) or "its weights"
         non_finite = _non_finite(model)
         if non_finite:
-            raise ValueError(f"The checkpoint at {path} ({weights}) holds NaN or infinite values in "
+            raise ValueError(f"The checkpoint at {path} ({weights}) holds values that are not finite (NaN or "
+                             f"infinity) in "
                              f"{', '.join(non_finite[:3])}{' ...' if len(non_finite) > 3 else ''}: it is damaged, or "
                              "was saved from a training run that diverged.")
         # Built on the meta device, the model prepared nothing: now that its weights are placed, get its attention

@@ -947,3 +947,159 @@ def test_an_input_with_a_fault_is_left_out_and_named_or_refused(row, fault, inpu
     assert set(got) <= set(intact), "a silent wrong answer: an input read as something else"
     if set(got) != set(intact) and fault not in ("missing", "folder"):  # what is left out is named (a folder: a folder)
         assert any(Path(problem.path).name == path.name for problem in problems), problems
+
+
+# --- a TensorFlow checkpoint: `nezha-hf convert tf` -------------------------------------------------------------
+
+TF_TARGETS = ["model.ckpt.index", "model.ckpt.data-00000-of-00001", "bert_config.json"]
+TF_FORMS = {"bert_config.json": {"wrong_shape", "out_of_range", "foreign"},
+            "model.ckpt.data-00000-of-00001": {"foreign"}, "model.ckpt.index": {"swapped"}}
+
+
+@pytest.fixture(scope="module")
+def tf_checkpoints(tmp_path_factory):
+    """A Google-BERT TensorFlow checkpoint with its `bert_config.json`, and another of other weights."""
+    from helpers import SMALL_BERT, small_bert
+    from test_conversion import tf_variables, write_tf_checkpoint
+
+    root = tmp_path_factory.mktemp("tf")
+    for name, seed in (("tf", 0), ("other", 1)):
+        torch.manual_seed(seed)
+        bert = small_bert()
+        write_tf_checkpoint(tf_variables(bert, "bert"), root / name / "model.ckpt")
+        config = {k: v for k, v in bert.config.to_dict().items() if k in (*SMALL_BERT, "type_vocab_size")}
+        (root / name / "bert_config.json").write_text(json.dumps(config))
+    return root
+
+
+def convert_tf(folder: Path, output: Path) -> Ended:
+    return command("convert", "tf", folder / "model.ckpt", output, "--config", folder / "bert_config.json")
+
+
+def tf_cases():
+    for fault in inventory.FAULTS:
+        if fault in ROWS["tf_checkpoint"].excused:
+            continue
+        for target in TF_TARGETS:
+            if fault in FILE_FAULTS or fault in TF_FORMS[target]:
+                yield pytest.param(fault, target, id=f"tf-{fault}-{target}")
+
+
+def test_every_fault_of_the_tf_row_is_a_case_or_excused():
+    faults = {param.values[0] for param in tf_cases()}
+    missing = [fault for fault in inventory.FAULTS if fault not in ROWS["tf_checkpoint"].excused and fault not in faults]
+    assert not missing, f"tf_checkpoint: no case of {missing}; make one, or excuse it in nezha_hf/inventory.py"
+
+
+@pytest.mark.slow  # TensorFlow reads each case
+@pytest.mark.parametrize(("fault", "target"), list(tf_cases()))
+def test_a_tensorflow_checkpoint_with_a_fault_converts_as_it_is_or_is_refused_naming_it(fault, target, tf_checkpoints,
+                                                                                        tmp_path):
+    folder = tmp_path / "case" / "tf"
+    shutil.copytree(tf_checkpoints / "tf", folder)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    path, names = folder / target, [target]
+    if fault in FILE_FAULTS:
+        apply_file_fault(fault, path, outside)
+    elif fault == "foreign":
+        shutil.copy(tf_checkpoints / "other" / target, path)
+    elif fault == "swapped":
+        names.append(_swap(path, folder / "model.ckpt.data-00000-of-00001"))
+    else:
+        config = json.loads(path.read_text())
+        path.write_text(json.dumps([config] if fault == "wrong_shape" else {**config, "hidden_size": 33}))
+    output = tmp_path / "out"
+    with time_limit(CASE_SECONDS), (unreadable(path) if fault == "unreadable" else contextlib.nullcontext()):
+        ended = convert_tf(folder, output)
+    if ended.code == 0:  # then it is the checkpoint's own weights
+        intact = tmp_path / "intact"
+        assert convert_tf(tf_checkpoints / "tf", intact).code == 0
+        assert load_file(output / "model.safetensors").keys() == load_file(intact / "model.safetensors").keys()
+        assert all(torch.equal(a, b) for a, b in zip(load_file(output / "model.safetensors").values(),
+                                                     load_file(intact / "model.safetensors").values()))
+    else:
+        assert_refused(ended, *names)
+        assert not output.exists()
+
+
+# --- the kernel's build cache ---------------------------------------------------------------------------------------
+
+KERNEL_TARGETS = ["library", "nezha_build.json"]
+
+
+def kernel_cases():
+    for fault in inventory.FAULTS:
+        if fault in ROWS["kernel_cache"].excused:
+            continue
+        for target in KERNEL_TARGETS:
+            if fault in FILE_FAULTS or (fault == "wrong_shape" and target == "nezha_build.json"):
+                yield pytest.param(fault, target, id=f"kernel-{fault}-{target}")
+
+
+def test_every_fault_of_the_kernel_cache_row_is_a_case_or_excused():
+    faults = {param.values[0] for param in kernel_cases()}
+    missing = [fault for fault in inventory.FAULTS if fault not in ROWS["kernel_cache"].excused and fault not in faults]
+    assert not missing, f"kernel_cache: no case of {missing}; make one, or excuse it in nezha_hf/inventory.py"
+
+
+@pytest.fixture(scope="module")
+def kernel_build(tmp_path_factory):
+    """A copy of this environment's build of the kernel: its library and its record."""
+    from nezha_hf import fused_attention
+
+    assert fused_attention.fused_kernel() is not None, "the kernel did not build here"
+    build = fused_attention.build_directory()
+    assert fused_attention.built_kernel_problem(build) is None
+    copy = tmp_path_factory.mktemp("kernel") / build.name
+    copy.mkdir()
+    for name in (f"{build.name}.so", fused_attention.BUILD_RECORD):
+        shutil.copy(build / name, copy / name)
+    return copy
+
+
+@pytest.mark.parametrize(("fault", "target"), list(kernel_cases()))
+def test_a_damaged_build_of_the_kernel_is_named_and_built_again(fault, target, kernel_build, tmp_path):
+    """What `fused_attention` decides of a build before it loads it: a library that is not the one built here, or that
+    cannot be checked, is built again, with a warning naming it (`built_kernel_problem`); a missing library is built
+    (no problem to name). The rebuild itself runs in `test_a_replaced_kernel_library_is_built_again`."""
+    from nezha_hf.fused_attention import built_kernel_problem
+
+    build = tmp_path / kernel_build.name
+    shutil.copytree(kernel_build, build)
+    name = f"{build.name}.so" if target == "library" else target
+    path = build / name
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if fault in FILE_FAULTS:
+        apply_file_fault(fault, path, outside)
+    else:
+        path.write_text(json.dumps(["sha256"]))
+    with time_limit(CASE_SECONDS), (unreadable(path) if fault == "unreadable" else contextlib.nullcontext()):
+        problem = built_kernel_problem(build)
+    if fault == "missing" and target == "library":
+        assert problem is None  # nothing built: it is built
+    else:
+        assert problem and name in problem, problem
+
+
+@pytest.mark.slow  # builds the kernel (about a minute)
+def test_a_replaced_kernel_library_is_built_again(tmp_path):
+    """A library in the build cache that is not the one built here (a copy from elsewhere, a damaged disk) is built
+    again with a warning naming it, and the kernel then gives the model's outputs."""
+    import subprocess
+
+    from nezha_hf import fused_attention
+
+    cache = tmp_path / "extensions"
+    build = fused_attention.build_directory()
+    shutil.copytree(build, cache / build.name, ignore=shutil.ignore_patterns("*.lock", "lock"))
+    library = cache / build.name / f"{build.name}.so"
+    library.write_bytes(library.read_bytes()[: library.stat().st_size // 2])
+    code = ("import torch; from nezha_hf import fused_attention as f; kernel = f.fused_kernel(); "
+            "assert kernel is not None; print('loaded')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "TORCH_EXTENSIONS_DIR": str(cache)})
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]
+    assert f"is built again: {library}" in done.stderr, done.stderr[-3000:]
+    assert fused_attention.built_kernel_problem(cache / build.name) is None

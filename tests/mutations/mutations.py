@@ -514,7 +514,7 @@ MUTATIONS = [
              "    return read_json(Path(checkpoint) / TRAINER_STATE)",
              ["tests/test_reuse_and_damage.py", "-k", "wrong_shape"]),
     Mutation("a tokenizer's files are left to transformers' raw reads", "nezha_hf/checkpoints.py",
-             "    check_tokenizer_files(folder)\n    tokenizer = AutoTokenizer", "    tokenizer = AutoTokenizer",
+             "    check_tokenizer_files(folder)\n    try:\n", "    try:\n",
              UNTRUSTED_TESTS + ["-k", "tokenizer_loader_reads"]),
     Mutation("JSON is parsed before its depth is checked", "nezha_hf/json_files.py",
              "    if depth > max_depth:", "    if False:", UNTRUSTED_TESTS + ["-k", "nested or json_reader"]),
