@@ -148,7 +148,8 @@ def run_batches(state, count: int, batch_size: int, work, journal=None, record=N
     if journal is not None:
         journal = Path(journal)
         earlier_run = journal.is_dir() and resume
-        on_main(state, lambda: _open_journal(journal, record, resume))
+        with naming(journal):
+            on_main(state, lambda: _open_journal(journal, record, resume))
         done = _read_journal(journal, count, keys, result_schema)
         if earlier_run and state.is_main_process:
             logger.warning(f"Resuming: {len(done)} of {count} {unit} already done ({journal}).")
