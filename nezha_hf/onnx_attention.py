@@ -36,7 +36,7 @@ from onnxscript.onnx_opset import opset18
 
 # Scores of one chunk across batch and heads (float32: 64 MB), and the bounds on its rows, as the chunked engine.
 CHUNK_SCORES = 1 << 24
-MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 256
+MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 128
 # The additive mask of a key a query does not see: far below any score, and twice it (padding and a causal mask
 # added) still a float32 number, so a row never becomes NaN; exp of it is 0.
 MASKED = -1.0e30
@@ -107,13 +107,15 @@ def relative_attention_graph(g: _Nodes, query, key, value, table, key_is_valid, 
     band_rows = g.Slice(table, g.ints(1), g.ints(2 * K), axis[0])
     scaled = g.Mul(query, g.number(scaling, query))
     query_table = g.MatMul(scaled, g.Transpose(table, perm=[1, 0]))  # [batch, heads, queries, 2K + 1]
-    key_sides = [g.Add(key, left_row), key, g.Add(key, right_row)]
-    value_sides = [g.Add(value, left_row), value, g.Add(value, right_row)]
     if key_is_valid is not None:  # the padding mask as one more dimension: [q, 1] . [k, mask]
-        padding = g.Unsqueeze(g.Where(key_is_valid, g.number(0.0, query), g.number(MASKED, query)), g.ints(1, 3))
-        padding = g.Expand(padding, g.Concat(batch_heads, g.Shape(padding, start=2), axis=0))
-        key_sides = [g.Concat(side, padding, axis=-1) for side in key_sides]
+        mask = g.Unsqueeze(g.Where(key_is_valid, g.number(0.0, query), g.number(MASKED, query)), g.ints(1, 3))
+        key = g.Concat(key, g.Expand(mask, g.Concat(batch_heads, g.Shape(mask, start=2), axis=0)), axis=-1)
         scaled = g.Pad(scaled, g.ints(0, 0, 0, 0, 0, 0, 0, 1), g.number(1.0, query))
+        left_key, right_key = (g.Pad(row, g.ints(0, 1)) for row in (left_row, right_row))
+    else:
+        left_key, right_key = left_row, right_row
+    key_sides = [g.Add(key, left_key), key, g.Add(key, right_key)]
+    value_sides = [g.Add(value, left_row), value, g.Add(value, right_row)]
 
     chunks, rows = chunk_rows(g, g.ReduceProd(batch_heads, keepdims=0), queries, keys)
     padded_rows = g.Sub(g.Mul(chunks, rows), queries)
@@ -142,15 +144,20 @@ def relative_attention_graph(g: _Nodes, query, key, value, table, key_is_valid, 
     distance = b.Sub(b.Add(left_end, b.Range(bz, width, bone)), query_position)
     every_head = lambda index: b.Expand(index, b.Concat(batch_heads, b.Shape(index), axis=0))
     table_row = b.Add(b.Clip(distance, b.ints(-K, scalar=True), b.ints(K, scalar=True)), b.ints(K, scalar=True))
-    scores = [b.MatMul(chunk_query, b.Transpose(keys_in(side, n), perm=[0, 1, 3, 2])) for n, side in enumerate(key_sides)]
-    scores[1] = b.Add(scores[1], b.GatherElements(chunk_table, every_head(table_row), axis=3))
-    scores = b.Concat(*scores, axis=3)
+    # Scores in the order middle, far left, far right (a softmax does not mind the order; the values follow it).
+    far_keys = b.Concat(keys_in(key_sides[0], 0), keys_in(key_sides[2], 2), axis=2)
+    middle_scores = b.MatMul(chunk_query, b.Transpose(keys_in(key_sides[1], 1), perm=[0, 1, 3, 2]))
+    middle_scores = b.Add(middle_scores, b.GatherElements(chunk_table, every_head(table_row), axis=3))
+    scores = b.Concat(middle_scores, b.MatMul(chunk_query, b.Transpose(far_keys, perm=[0, 1, 3, 2])), axis=3)
     if causal:
-        scores = b.Add(scores, _causal_mask(b, query_position, keys, key_is_source, scores))
+        key_position = b.Concat(*(b.Range(*bounds, bone) for bounds in ((left_end, right_start), (bz, left_end),
+                                                                         (right_start, keys))), axis=0)
+        scores = b.Add(scores, _causal_mask(b, query_position, key_position, keys, key_is_source, scores))
     probabilities = b.Softmax(scores, axis=-1)
-    output = b.MatMul(probabilities, b.Concat(*(keys_in(side, n) for n, side in enumerate(value_sides)), axis=2))
+    values = b.Concat(*(keys_in(value_sides[n], n) for n in (1, 0, 2)), axis=2)
+    output = b.MatMul(probabilities, values)
     # The middle's value term: the band's 2K - 1 diagonals and the near tails' masses.
-    middle = b.Slice(probabilities, *ranges[1], bax[3])
+    middle = b.Slice(probabilities, b.ints(0), b.Unsqueeze(width, bax[0]), bax[3])
     band_key = b.Add(query_position, b.Range(b.ints(1 - K, scalar=True), b.ints(K, scalar=True), bone))
     in_middle = b.And(b.GreaterOrEqual(band_key, left_end), b.Less(band_key, right_start))
     band_column = b.Clip(b.Sub(band_key, left_end), bz, b.Max(b.Sub(width, bone), bz))
@@ -175,13 +182,12 @@ def relative_attention_graph(g: _Nodes, query, key, value, table, key_is_valid, 
     return output if seen is None else g.Mul(output, g.CastLike(seen, output))
 
 
-def _causal_mask(b: _Nodes, query_position, keys, key_is_source, like):
-    """The additive causal mask of a chunk, `[1 or batch, 1, rows, keys]`: a query sees the keys at or before it, and
-    the source keys (`attention_ops.visible_keys`)."""
-    key_position = b.Range(b.ints(0, scalar=True), keys, b.ints(1, scalar=True))
+def _causal_mask(b: _Nodes, query_position, key_position, keys, key_is_source, like):
+    """The additive causal mask of a chunk, `[1 or batch, 1, rows, keys]` for the keys at `key_position`: a query sees
+    the keys at or before it, and the source keys (`attention_ops.visible_keys`)."""
     allowed = b.LessOrEqual(key_position, query_position)  # [rows, keys]
     if key_is_source is not None:
-        allowed = b.Or(allowed, b.Unsqueeze(key_is_source, b.ints(1, 2)))  # [batch, 1, 1, keys]
+        allowed = b.Or(allowed, b.Unsqueeze(b.Gather(key_is_source, key_position, axis=1), b.ints(1, 2)))
     return b.Where(allowed, b.number(0.0, like), b.number(MASKED, like))
 
 
