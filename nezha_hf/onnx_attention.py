@@ -60,7 +60,7 @@ class _Nodes:
 
     def number(self, value, like):
         """A scalar of `like`'s float type."""
-        return self._emit("CastLike", (self._emit("Constant", (), {"value": ir.tensor(np.array(value, np.float32))}),
+        return self._emit("CastLike", (self._emit("Constant", (), {"value": ir.tensor(np.array(value, np.float64))}),
                                        like), {})
 
 
@@ -119,7 +119,7 @@ def relative_attention_graph(g: _Nodes, query, key, value, table, key_is_valid, 
 
     chunks, rows = chunk_rows(g, g.ReduceProd(batch_heads, keepdims=0), queries, keys)
     padded_rows = g.Sub(g.Mul(chunks, rows), queries)
-    row_padding = g.Concat(g.ints(0, 0, 0), g.Unsqueeze(padded_rows, axis[0]), g.ints(0, 0, 0, 0), axis=0)
+    row_padding = g.Concat(g.ints(0, 0, 0, 0, 0, 0), g.Unsqueeze(padded_rows, axis[0]), g.ints(0), axis=0)
     scaled, query_table = g.Pad(scaled, row_padding), g.Pad(query_table, row_padding)
 
     # The scan's body: the chunk whose first row is `start` -> its output [batch, rows, heads, d].
