@@ -2,6 +2,7 @@
 
     python benchmarks/serving.py                      # 12 layers at 128 / 512 / 2,048; 4 layers at 8,192 and 16,384
     python benchmarks/serving.py --layers 2 --lengths 128 512 --long-lengths --repeats 3 --output serving-quick
+    python benchmarks/serving.py --summarizer          # the exported summariser against PyTorch's (serving-summarizer)
 
 Base width (hidden 768, 12 heads, K = 64 for NEZHA), sequence classifiers with random weights, float32, batch 1, a
 batch of random ids with no padding (the mask is still an input of every graph). Rows, each a file exported here:
@@ -10,7 +11,9 @@ batch of random ids with no padding (the mask is still an input of every graph).
 - `nezha-ort-optimized`: that file through onnxruntime's transformer optimizer (`onnxruntime.transformers.optimizer`,
   `model_type="bert"`), kept only if its logits equal `nezha-ort`'s within 1e-4;
 - `bert-ort`: `BertForSequenceClassification` (SDPA) through transformers' `OnnxExporter`;
-- `bert-ort-optimized`: that file through onnxruntime's transformer optimizer (its fused `Attention`);
+- `bert-ort-optimized`: that file through onnxruntime's transformer optimizer;
+- `bert-ort-fused`: transformers' `OnnxExporter` with `OnnxConfig(ort_fusions="cpu")`, which fuses BERT's attention
+  into onnxruntime's own attention op;
 - `nezha-pytorch`: the NEZHA model in PyTorch (the default attention, the compiled kernel), for reference.
 
 Every run happens in a child process of its own, with onnxruntime (and PyTorch) on 1 thread: it loads the model, runs
@@ -20,11 +23,14 @@ within each of `--repeats` rounds; a cell is the median of its rounds, its memor
 `--long-lengths` use `--long-layers` layers; from `--nezha-only-from` on only NEZHA runs (BERT's `L x L` scores alone
 would need more memory than the machine has). Writes `benchmarks/results/<machine kind>/<output>.md` and `.json`
 (`machine.results_directory`), after every length.
+
+`--summarizer` times the demo's toy summariser (trained as `nezha-hf demo` trains it, quickly) and its export
+(`export_summarizer`, greedy) on the longest bundled judgment: extraction and 120 greedy tokens, PyTorch and
+onnxruntime on 1 thread, alternating, median of `--repeats`; writes `serving-summarizer.md` / `.json`.
 """
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -36,13 +42,21 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-KINDS = ("nezha-ort", "nezha-ort-optimized", "bert-ort", "bert-ort-optimized", "nezha-pytorch")
-ONNX_KINDS = KINDS[:4]
+KINDS = ("nezha-ort", "nezha-ort-optimized", "bert-ort", "bert-ort-optimized", "bert-ort-fused", "nezha-pytorch")
 
 
 def batch(length: int) -> dict[str, np.ndarray]:
     input_ids = np.random.default_rng(length).integers(1, 21128, (1, length))
     return {"input_ids": input_ids, "attention_mask": np.ones_like(input_ids), "token_type_ids": np.zeros_like(input_ids)}
+
+
+def resident_bytes(field: str) -> int:
+    """`VmHWM` (the process's peak resident memory) or `VmRSS` from /proc/self/status: per process image, unlike
+    `ru_maxrss`, which a child started from a large parent inherits."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field} (the memory figures need Linux)")
 
 
 def run_once(kind: str, path: str, length: int) -> dict:
@@ -71,12 +85,12 @@ def run_once(kind: str, path: str, length: int) -> dict:
 
         def call():
             return session.run(None, {name: inputs[name] for name in names})[0]
-    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    loaded = resident_bytes("VmHWM")
     call()
     wall, cpu = time.perf_counter(), time.thread_time()
     logits = call()
     return {"wall_s": time.perf_counter() - wall, "cpu_s": time.thread_time() - cpu, "loaded_bytes": loaded,
-            "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "logits": logits.tolist()}
+            "peak_bytes": resident_bytes("VmHWM"), "logits": logits.tolist()}
 
 
 def in_child(kind: str, path: Path, length: int) -> dict:
@@ -108,6 +122,8 @@ def export_models(layers: int, work: Path) -> dict[str, Path]:
     sample = {name: torch.from_numpy(value) for name, value in batch(16).items()}
     with exporter_notes_held_back():
         OnnxExporter().export(bert, sample, OnnxConfig(dynamic=True)).save_pretrained(work / "bert")
+        OnnxExporter().export(bert, sample, OnnxConfig(dynamic=True, ort_fusions="cpu")).save_pretrained(work / "fused")
+    paths["bert-ort-fused"] = work / "fused" / "model.onnx"
     for kind in ("nezha-ort", "bert-ort"):
         optimized = optimize(paths[kind], work / f"{kind}-optimized.onnx")
         if optimized is not None:
@@ -148,11 +164,15 @@ def main():
     parser.add_argument("--nezha-only-from", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", default="serving", help="file name stem in benchmarks/results/<machine kind>/")
+    parser.add_argument("--summarizer", action="store_true", help="time the exported summariser against PyTorch's")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         kind, path, length = args.child
         print(json.dumps(run_once(kind, path, int(length))))
+        return
+    if args.summarizer:
+        time_summarizer(args)
         return
 
     import torch
@@ -179,6 +199,59 @@ def main():
             rows.append(cell(length, layers, runs))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "logits"}), flush=True)
             write_results(rows, args, machine)
+
+
+def time_summarizer(args):
+    """The toy summariser and its export on the longest bundled judgment, alternating: seconds per judgment."""
+    import contextlib
+    import io
+
+    import torch
+
+    from benchmarks.machine import describe, results_directory, summary
+    from nezha_hf.cail import read_judgments
+    from nezha_hf.demo import EXAMPLES, summarizer_pipeline
+    from nezha_hf.export import export_summarizer
+    from nezha_hf.summarization import Summarizer, encode_document, load_exported_summarizer
+
+    torch.set_num_threads(1)
+    machine = describe(torch.float32)
+    print(summary(machine), flush=True)
+    judgment = max(read_judgments([EXAMPLES]), key=lambda j: len(j.text))
+    with tempfile.TemporaryDirectory() as work:
+        with contextlib.redirect_stdout(io.StringIO()):
+            summarizer_pipeline(Path(work), quick=True)
+        print(export_summarizer(Path(work) / "toy-summarizer", Path(work) / "onnx", greedy=True).summary(), flush=True)
+        summarizers = {"pytorch": Summarizer.from_pretrained(Path(work) / "toy-summarizer", num_beams=1),
+                       "onnxruntime": load_exported_summarizer(Path(work) / "onnx")}
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1  # as PyTorch
+        for part in (summarizers["onnxruntime"].extractor, summarizers["onnxruntime"].generator):
+            part.exported.to(session_options=options)
+        times = {name: [] for name in summarizers}
+        results = {}
+        for _ in range(args.repeats + 1):
+            for name, model in summarizers.items():
+                start = time.perf_counter()
+                results[name] = model.summarize([judgment], max_new_tokens=120)[0]
+                times[name].append(time.perf_counter() - start)
+        tokens = len(encode_document(summarizers["pytorch"].tokenizer, judgment.sentences)["input_ids"])
+    median = {name: statistics.median(samples[1:]) for name, samples in times.items()}
+    command = "python benchmarks/serving.py " + " ".join(sys.argv[1:])
+    lines = [f"Command: `{command.strip()}` (the demo's toy summariser and its export, greedy, the longest bundled "
+             f"judgment: {len(judgment.text):,} characters, {tokens:,} tokens; extraction and up to 120 new tokens; "
+             f"seconds, median of {args.repeats} after one warm-up, alternating)", "", summary(machine), "",
+             "| summariser | seconds | / PyTorch | same summary as PyTorch |", "|---|---|---|---|"]
+    for name in summarizers:
+        lines.append(f"| {name} | {median[name]:.3f} | {median[name] / median['pytorch']:.2f} | "
+                     f"{results[name] == results['pytorch']} |")
+    results_path = results_directory(machine)
+    (results_path / "serving-summarizer.md").write_text("\n".join(lines) + "\n")
+    (results_path / "serving-summarizer.json").write_text(json.dumps(
+        {"command": command, "machine": machine, "seconds": median, "samples": times, "tokens": tokens}, indent=1))
+    print("\n".join(lines), flush=True)
 
 
 def cell(length: int, layers: int, runs: dict[str, list[dict]]) -> dict:
