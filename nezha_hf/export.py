@@ -5,8 +5,10 @@
 
 The graph is made by PyTorch's dynamo exporter (`torch.onnx.export(..., dynamo=True)`) with a dynamic
 batch size and length, and takes `input_ids`, `attention_mask` and `token_type_ids`. ONNX has no
-NEZHA attention kernel, so the graph contains the gather formulation (`attn_implementation="eager"`):
-exact, but its scores are `L x L` per head (docs/serving.md: what that costs at long lengths).
+NEZHA attention, so the attention is written in standard ONNX operations by `onnx_attention`: queries in
+chunks (an ONNX `Scan`), linear memory, the relative terms as key and value shifts and one gather per chunk
+(docs/serving.md: how it compares with BERT in onnxruntime). Importing this module registers that graph
+with the exporters (`onnx_attention.register_onnx_attention`), transformers' included.
 Needs `pip install "nezha_hf[onnx]"` (onnx, onnxscript, onnxruntime).
 """
 
@@ -30,6 +32,7 @@ from .modeling_nezha import (
     NezhaForUniLM,
     NezhaPreTrainedModel,
 )
+from .relative_attention import Engine
 from .safe_output import check_destination, staged_file, staged_folder
 from .readers import write_manifest
 from .summarization import (
@@ -46,7 +49,16 @@ from .summarization import (
     summarizer_settings,
 )
 
+try:  # without the [onnx] extra there is nothing to register; the export functions say what to install
+    from .onnx_attention import register_onnx_attention
+except ImportError:
+    pass
+else:
+    register_onnx_attention()
+
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
+# The engine an exported copy runs: an op (`attention_ops.engine_op`) the exporters write as `onnx_attention`'s graph.
+EXPORTED_ENGINE = Engine.CHUNKED
 # Heads whose inputs are not the three above, or that generate: not exported.
 NOT_EXPORTED = (NezhaForUniLM, NezhaForSentenceExtraction)
 VERIFY_LENGTHS = (16, 80)
@@ -124,9 +136,11 @@ def _example(model, batch: int, length: int, seed: int) -> dict[str, torch.Tenso
 
 
 def _load(model_or_path) -> NezhaPreTrainedModel:
+    """The model to export, on `EXPORTED_ENGINE` and in eval mode (a model object is copied, and keeps its own)."""
     if isinstance(model_or_path, NezhaPreTrainedModel):
-        # A copy of the config: `_from_config` would otherwise switch the caller's model to eager too.
-        model = type(model_or_path)._from_config(copy.deepcopy(model_or_path.config), attn_implementation="eager")
+        # A copy of the config: `_from_config` would otherwise switch the caller's model's attention too.
+        model = type(model_or_path)._from_config(copy.deepcopy(model_or_path.config),
+                                                 attn_implementation=EXPORTED_ENGINE.value)
         model.load_state_dict(model_or_path.state_dict())
         return model.eval()
     from transformers import AutoConfig
@@ -136,7 +150,7 @@ def _load(model_or_path) -> NezhaPreTrainedModel:
     path = model_folder(model_or_path)
     config = AutoConfig.from_pretrained(path)
     head = nezha_head((config.architectures or ["NezhaModel"])[0])
-    return head.model_class.from_pretrained(path, attn_implementation="eager").eval()
+    return head.model_class.from_pretrained(path, attn_implementation=EXPORTED_ENGINE.value).eval()
 
 
 def export_onnx(model_or_path, output: str | os.PathLike, atol: float = 1e-4, overwrite: bool = False) -> OnnxExport:

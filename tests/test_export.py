@@ -218,8 +218,38 @@ def test_a_summariser_exports_whole_and_runs_on_onnxruntime(tmp_path, run_cli):
     done = run_cli("summarize", tmp_path / "onnx", EXAMPLES, "--max-new-tokens", "30")
     assert done.returncode == 0, done.stderr[-2000:]
     assert [json.loads(line)["summary"] for line in done.stdout.splitlines()] == [r["summary"] for r in expected]
+    assert_long_judgment_is_summarised(tmp_path, run_cli)
     assert_damage_is_named(tmp_path / "onnx", run_cli)
     assert_foreign_manifests_are_refused(tmp_path / "onnx", run_cli)
+
+
+def assert_long_judgment_is_summarised(tmp_path, run_cli):
+    """Issue 71: `summarize` on the exported folder reads a judgment of 16,384 tokens whole (the exported extractor's
+    attention in chunks, linear memory) and writes what the PyTorch summariser writes; its extraction probabilities
+    match PyTorch's."""
+    from nezha_hf.cail import read_judgments
+    from nezha_hf.demo import EXAMPLES
+    from nezha_hf.summarization import Summarizer, encode_document, load_exported_summarizer
+
+    bundled = [json.loads(line) for line in EXAMPLES.read_text(encoding="utf-8").splitlines() if line]
+    sentences = [sentence for record in bundled for sentence in record["text"]]
+    summarizer = Summarizer.from_pretrained(tmp_path / "toy-summarizer", num_beams=1)
+    text, tokens = [], 0
+    while tokens < 16384:  # the bundled judgments' sentences over and over, to 16,384 tokens
+        sentence = sentences[len(text) % len(sentences)]
+        text.append(sentence)
+        tokens = len(encode_document(summarizer.tokenizer, [s["sentence"] for s in text])["input_ids"])
+    text.pop()
+    (tmp_path / "long.jsonl").write_text(json.dumps({"id": "long", "summary": "", "text": text}, ensure_ascii=False)
+                                         + "\n", encoding="utf-8")
+    long_judgment = read_judgments([tmp_path / "long.jsonl"])
+    assert len(encode_document(summarizer.tokenizer, long_judgment[0].sentences)["input_ids"]) > 16000
+    exported = load_exported_summarizer(tmp_path / "onnx")
+    expected, got = (s.extract_probabilities(long_judgment)[0] for s in (summarizer, exported))
+    assert max(abs(a - b) for a, b in zip(expected, got, strict=True)) < 1e-4
+    done = run_cli("summarize", tmp_path / "onnx", tmp_path / "long.jsonl", "--max-new-tokens", "30")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["summary"] == summarizer.summarize(long_judgment, max_new_tokens=30)[0]["summary"]
 
 
 def assert_foreign_manifests_are_refused(exported, run_cli):
