@@ -26,15 +26,16 @@ from torch import nn
 
 from .checkpoints import model_folder
 from .extras import require_extra
+from .json_files import Anything, ListOf, Nullable, Object, String, read_json
 from .modeling_nezha import (
     NezhaForMultipleChoice,
     NezhaForSentenceExtraction,
     NezhaForUniLM,
     NezhaPreTrainedModel,
 )
+from .readers import write_manifest
 from .relative_attention import Engine
 from .safe_output import check_destination, staged_file, staged_folder
-from .readers import write_manifest
 from .summarization import (
     EXPORTED_KIND,
     EXTRACTOR_DIR,
@@ -57,6 +58,8 @@ else:
     register_onnx_attention()
 
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
+# What `export_onnx` reads of a model folder's config before loading it: the head it names.
+ARCHITECTURES = Object({"architectures": Nullable(ListOf(String(max_length=200)))}, others=Anything())
 # The engine an exported copy runs: an op (`attention_ops.engine_op`) the exporters write as `onnx_attention`'s graph.
 EXPORTED_ENGINE = Engine.CHUNKED
 # Heads whose inputs are not the three above, or that generate: not exported.
@@ -143,13 +146,11 @@ def _load(model_or_path) -> NezhaPreTrainedModel:
                                                  attn_implementation=EXPORTED_ENGINE.value)
         model.load_state_dict(model_or_path.state_dict())
         return model.eval()
-    from transformers import AutoConfig
-
     from .modeling_nezha import nezha_head
 
     path = model_folder(model_or_path)
-    config = AutoConfig.from_pretrained(path)
-    head = nezha_head((config.architectures or ["NezhaModel"])[0])
+    architectures = read_json(path / "config.json", ARCHITECTURES).get("architectures") or ["NezhaModel"]
+    head = nezha_head(architectures[0])
     return head.model_class.from_pretrained(path, attn_implementation=EXPORTED_ENGINE.value).eval()
 
 

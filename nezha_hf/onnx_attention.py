@@ -1,4 +1,4 @@
-"""NEZHA attention as an ONNX graph that onnxruntime runs well: queries in chunks (an ONNX `Loop`), linear memory.
+"""NEZHA attention as an ONNX graph that onnxruntime runs well: queries in chunks (an ONNX `Scan`), linear memory.
 
 ONNX has no NEZHA attention, and the decomposition every engine's op has (`attention_ops.gather_attention`) holds
 `L x L` scores per head, an `int64` index of the scores' size and a scatter for the value term: in onnxruntime that
@@ -17,7 +17,7 @@ instead (`register_onnx_attention`), for every engine's op. For the call's query
 Each chunk's scores are one `Softmax` over whole rows, and the padding mask rides in the matrix products as one
 more column (a column of ones on the queries, the additive mask on the keys): the score passes are BERT's (product,
 softmax, product) plus one `Concat` of the three ranges' products; the score scale is folded into the queries. A
-causal mask (a decoder, UniLM's prefix mask) is added to each chunk's scores. The loop carries nothing between
+causal mask (a decoder, UniLM's prefix mask) is added to each chunk's scores. The scan carries nothing between
 chunks but their outputs; a chunk's rows are chosen so that a call's scores stay within `CHUNK_SCORES` numbers
 (`chunk_rows`, computed in the graph from the call's sizes): memory grows linearly with the length.
 
