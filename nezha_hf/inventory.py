@@ -187,6 +187,15 @@ FILES = (
              "wrong_shape": "a library has no shape", "out_of_range": "a library has no values",
              "foreign": "another build's library is caught by its digest (the `flipped` case)",
              "mixed": "one file"}),
+    FileRow("triton_cache_archive", "the GPU check's carried Triton cache: `.gpu/triton-cache.tar.gz` or its parts "
+            "`.00`, `.01`, ...", "`benchmarks/gpu/gpu_check.py` on the device machine",
+            ("benchmarks/gpu/gpu_check.restore_cache", "benchmarks/gpu/gpu_check._read_part"),
+            "a gzip tar of regular files and folders inside the cache (no link of any kind, device or FIFO)",
+            "rebuilt", {**_JSON, **_NOT_NAMED, "relative": "its place is fixed", "swapped": "parts are read in "
+                        "their order, a swap is the `garbage` case", "wrong_shape": "an archive of other files is a "
+                        "cache Triton does not use: its kernels compile", "out_of_range": "no values",
+                        "foreign": "another machine's cache: Triton keys its kernels by their source and target",
+                        "mixed": "parts of two archives do not unpack (the `garbage` case)"}),
 )
 
 # Functions that read files (or list folders) without being a row's reader, and why that is not reading one: the

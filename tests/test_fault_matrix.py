@@ -1103,3 +1103,54 @@ def test_a_replaced_kernel_library_is_built_again(tmp_path):
     assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]
     assert f"is built again: {library}" in done.stderr, done.stderr[-3000:]
     assert fused_attention.built_kernel_problem(cache / build.name) is None
+
+
+# --- the GPU check's carried Triton cache --------------------------------------------------------------------------
+
+
+def archive_cases():
+    for fault in inventory.FAULTS:
+        if fault not in ROWS["triton_cache_archive"].excused:
+            assert fault in FILE_FAULTS, f"triton_cache_archive: no case of {fault}; make one, or excuse it"
+            yield pytest.param(fault, id=f"archive-{fault}")
+
+
+@pytest.mark.parametrize("fault", list(archive_cases()))
+def test_a_damaged_carried_triton_cache_is_named_and_its_kernels_compile(fault, tmp_path):
+    """`gpu_check.restore_cache` with a damaged part: one line of its log naming the part, nothing unpacked, and
+    the check goes on (its kernels compile in the run)."""
+    import tarfile
+
+    from benchmarks.gpu import gpu_check
+
+    source = tmp_path / "source"
+    (source / "kernels").mkdir(parents=True)
+    (source / "kernels" / "a.cubin").write_bytes(random.Random(0).randbytes(4096))
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    with tarfile.open(carried / "triton-cache.tar.gz.00", "w:gz") as archive:
+        archive.add(source / "kernels", arcname="kernels")
+    part = carried / "triton-cache.tar.gz.00"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    apply_file_fault(fault, part, outside)
+    cache, log = tmp_path / "cache", gpu_check.Log(tmp_path / "gpu-check.log")
+    parts = gpu_check.carried_cache(carried)
+    with time_limit(CASE_SECONDS), (unreadable(part) if fault == "unreadable" else contextlib.nullcontext()):
+        gpu_check.restore_cache(cache, parts, log)
+    text = (tmp_path / "gpu-check.log").read_text()
+    if fault == "missing":  # no part carried: nothing to name
+        assert "no Triton cache carried" in text, text
+    elif "restored" in text:  # a link out is read as the bytes it leads to: the same archive
+        assert fault == "link_out" and (cache / "kernels" / "a.cubin").read_bytes() == (
+            source / "kernels" / "a.cubin").read_bytes(), text
+    else:
+        assert part.name in text and "kernels compile in this run" in text, text
+        assert not cache.exists() or not any(cache.rglob("*.cubin")), sorted(cache.rglob("*"))
+
+
+def test_every_row_of_the_inventory_has_its_cases_here():
+    """No row of the table without its matrix: each group of cases above covers the rows it names."""
+    covered = {*MODEL_ROWS, *SUMMARIZER_ROWS, "run_record", "checkpoint", "journal", "judgments", "corpus",
+               "predictions", "tf_checkpoint", "kernel_cache", "triton_cache_archive"}
+    assert covered == set(ROWS), set(ROWS) ^ covered

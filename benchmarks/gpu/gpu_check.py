@@ -41,6 +41,7 @@ benchmarks/gpu/results/) and `triton-cache.tar.gz` (the compiled kernels and aut
 """
 
 import argparse
+import gzip
 import io
 import json
 import os
@@ -52,6 +53,7 @@ import tarfile
 import tempfile
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,19 +191,34 @@ def unsafe_member(member: tarfile.TarInfo, cache: Path) -> str | None:
     return None
 
 
+def _read_part(part: Path) -> bytes:
+    """A part of the carried cache, read as nezha_hf reads any file (a regular file: a FIFO would hang the check);
+    `regular_files` is loaded by its path, as the check runs before the package's requirements are installed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("regular_files", ROOT / "nezha_hf" / "regular_files.py")
+    regular_files = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regular_files)
+    with regular_files.open_regular_file(part) as file:
+        return file.read()
+
+
 def restore_cache(cache: Path, parts: list[Path], log: Log) -> None:
     """Unpack a carried Triton cache (one archive, or its parts in order) into `cache`: its regular files and folders,
     member by member, by name; an archive holding anything else (`unsafe_member`) is refused whole."""
     if not parts:
         log("setup: no Triton cache carried (.gpu/triton-cache.tar.gz): kernels compile in this run")
         return
-    data = b"".join(part.read_bytes() for part in parts)
+    names = ", ".join(part.name for part in parts)
     try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
+        data = b"".join(_read_part(part) for part in parts)
+        # Decompressed whole first: gzip's checksum is at its end, which a tar reader need not reach (a changed byte
+        # would be unpacked as a damaged kernel).
+        with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data)), mode="r:") as archive:
             members = archive.getmembers()
             problem = next((why for member in members if (why := unsafe_member(member, cache))), None)
             if problem:
-                log(f"setup: the carried Triton cache is refused ({problem}): kernels compile in this run")
+                log(f"setup: the carried Triton cache ({names}) is refused ({problem}): kernels compile in this run")
                 return
             for member in members:
                 target = cache / member.name
@@ -213,8 +230,8 @@ def restore_cache(cache: Path, parts: list[Path], log: Log) -> None:
                 descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
                 with os.fdopen(descriptor, "wb") as file, archive.extractfile(member) as source:
                     shutil.copyfileobj(source, file)
-    except (tarfile.TarError, EOFError, OSError) as error:
-        log(f"setup: the carried Triton cache could not be unpacked ({error}): kernels compile in this run")
+    except (tarfile.TarError, EOFError, OSError, ValueError, zlib.error) as error:
+        log(f"setup: the carried Triton cache ({names}) could not be unpacked ({error}): kernels compile in this run")
         return
     log(f"setup: Triton cache restored from {', '.join(part.name for part in parts)} ({len(data) / 2**20:.1f} MiB)")
 
