@@ -37,7 +37,19 @@ NAMING_FAULTS = ("subfolder", "hub_cache", "relative")
 # What no reader may raise: a Python error of its own, which names nothing.
 INTERNAL_ERRORS = (AttributeError, KeyError, IndexError, TypeError, RecursionError, UnicodeDecodeError, ZeroDivisionError,
                    AssertionError, NameError)
-CASE_SECONDS = 120  # a reader that waits on a FIFO or reads a device for ever fails the case instead of hanging
+CASE_SECONDS = 120
+
+
+def row_cases(row: str, targets: list[str], forms: dict, naming=()):
+    """`(fault, target)` for each fault `row` does not excuse: a file's own faults (`FILE_FAULTS`) on every target,
+    the `naming` faults on the first, the others on the targets whose `forms[target]` holds them."""
+    for fault in inventory.FAULTS:
+        if fault in ROWS[row].excused:
+            continue
+        for target in targets:
+            if (fault in FILE_FAULTS or fault in forms.get(target, ())
+                    or (fault in naming and target == targets[0])):
+                yield fault, target  # a reader that waits on a FIFO or reads a device for ever fails the case instead of hanging
 
 
 # --- faults -----------------------------------------------------------------------------------------------------
@@ -358,25 +370,10 @@ MODEL_FORMS = {
 
 
 def model_cases():
-    """Every fault the rows do not excuse, on each file of the row that can have it: the file's own faults on every
-    file, naming faults once per row, the others where `MODEL_FORMS` has a form."""
+    """Every fault the model rows do not excuse, on each file of the row that can have it."""
     for row, targets in MODEL_ROWS.items():
-        for fault in inventory.FAULTS:
-            if fault in ROWS[row].excused:
-                continue
-            for target in targets:
-                if fault in NAMING_FAULTS and target != targets[0]:
-                    continue
-                if fault not in FILE_FAULTS + NAMING_FAULTS and fault not in MODEL_FORMS[row, target]:
-                    continue
-                yield pytest.param(row, fault, target, id=f"{row}-{fault}-{target}")
-
-
-def test_every_fault_of_a_model_row_is_a_case_or_excused():
-    cases = {(param.values[0], param.values[1]) for param in model_cases()}
-    for row in MODEL_ROWS:
-        missing = [fault for fault in inventory.FAULTS if fault not in ROWS[row].excused and (row, fault) not in cases]
-        assert not missing, f"{row}: no case of {missing}; make one, or excuse it in nezha_hf/inventory.py"
+        for fault, target in row_cases(row, targets, {t: MODEL_FORMS[row, t] for t in targets}, NAMING_FAULTS):
+            yield pytest.param(row, fault, target, id=f"{row}-{fault}-{target}")
 
 
 @pytest.fixture(scope="module")
@@ -560,23 +557,9 @@ def summarizer_content_fault(fault: str, folder: Path, target: str, other: Path)
 
 def summarizer_cases():
     for row, kinds in SUMMARIZER_ROWS.items():
-        for fault in inventory.FAULTS:
-            if fault in ROWS[row].excused:
-                continue
-            for kind, targets in kinds.items():
-                for target in targets:
-                    if fault in NAMING_FAULTS and target != targets[0]:
-                        continue
-                    if fault not in FILE_FAULTS + NAMING_FAULTS and fault not in SUMMARIZER_FORMS[target]:
-                        continue
-                    yield pytest.param(row, kind, fault, target, id=f"{row}-{kind}-{fault}-{target}")
-
-
-def test_every_fault_of_a_summariser_row_is_a_case_or_excused():
-    cases = {(param.values[0], param.values[2]) for param in summarizer_cases()}
-    for row in SUMMARIZER_ROWS:
-        missing = [fault for fault in inventory.FAULTS if fault not in ROWS[row].excused and (row, fault) not in cases]
-        assert not missing, f"{row}: no case of {missing}; make one, or excuse it in nezha_hf/inventory.py"
+        for kind, targets in kinds.items():
+            for fault, target in row_cases(row, targets, SUMMARIZER_FORMS, ("relative",)):
+                yield pytest.param(row, kind, fault, target, id=f"{row}-{kind}-{fault}-{target}")
 
 
 @pytest.fixture(scope="module")
@@ -708,22 +691,10 @@ MANIFEST = "nezha_manifest.json"
 
 
 def run_state_cases():
-    targets = {"checkpoint": CHECKPOINT_TARGETS, "run_record": ["nezha_run.json"]}
-    for row in ("run_record", "checkpoint"):
-        for fault in inventory.FAULTS:
-            if fault in ROWS[row].excused:
-                continue
-            for target in targets[row]:
-                if fault not in FILE_FAULTS and fault not in RUN_STATE_FORMS.get((row, target), ()):
-                    continue
-                yield pytest.param(row, fault, target, id=f"{row}-{fault}-{target}")
-
-
-def test_every_fault_of_a_run_state_row_is_a_case_or_excused():
-    cases = {(param.values[0], param.values[1]) for param in run_state_cases()}
-    for row in ("run_record", "checkpoint"):
-        missing = [fault for fault in inventory.FAULTS if fault not in ROWS[row].excused and (row, fault) not in cases]
-        assert not missing, f"{row}: no case of {missing}; make one, or excuse it in nezha_hf/inventory.py"
+    for row, targets in (("run_record", ["nezha_run.json"]), ("checkpoint", CHECKPOINT_TARGETS)):
+        forms = {target: RUN_STATE_FORMS.get((row, target), set()) for target in targets}
+        for fault, target in row_cases(row, targets, forms):
+            yield pytest.param(row, fault, target, id=f"{row}-{fault}-{target}")
 
 
 @pytest.mark.slow  # a training run per case
@@ -806,18 +777,8 @@ def journal_fault(fault: str, journal: Path, target: str, other: Path) -> list[s
 
 
 def journal_cases():
-    for fault in inventory.FAULTS:
-        if fault in ROWS["journal"].excused:
-            continue
-        for target in JOURNAL_TARGETS:
-            if fault in FILE_FAULTS or fault in JOURNAL_FORMS[target]:
-                yield pytest.param(fault, target, id=f"journal-{fault}-{target}")
-
-
-def test_every_fault_of_the_journal_row_is_a_case_or_excused():
-    faults = {param.values[0] for param in journal_cases()}
-    missing = [fault for fault in inventory.FAULTS if fault not in ROWS["journal"].excused and fault not in faults]
-    assert not missing, f"journal: no case of {missing}; make one, or excuse it in nezha_hf/inventory.py"
+    for fault, target in row_cases("journal", JOURNAL_TARGETS, JOURNAL_FORMS):
+        yield pytest.param(fault, target, id=f"journal-{fault}-{target}")
 
 
 @pytest.mark.slow  # a summarising run per case
@@ -888,18 +849,8 @@ def input_content_fault(row: str, fault: str, path: Path, root: Path) -> None:
 
 def input_cases():
     for row in ("judgments", "corpus", "predictions"):
-        for fault in inventory.FAULTS:
-            if fault in ROWS[row].excused:
-                continue
-            if fault in (*FILE_FAULTS, "relative") or fault in INPUT_FORMS[row]:
-                yield pytest.param(row, fault, id=f"{row}-{fault}")
-
-
-def test_every_fault_of_an_input_row_is_a_case_or_excused():
-    cases = {(param.values[0], param.values[1]) for param in input_cases()}
-    for row in ("judgments", "corpus", "predictions"):
-        missing = [fault for fault in inventory.FAULTS if fault not in ROWS[row].excused and (row, fault) not in cases]
-        assert not missing, f"{row}: no case of {missing}; make one, or excuse it in nezha_hf/inventory.py"
+        for fault, _ in row_cases(row, [row], {row: INPUT_FORMS[row]}, ("relative",)):
+            yield pytest.param(row, fault, id=f"{row}-{fault}")
 
 
 def read_input(row: str, root: Path):
@@ -977,18 +928,8 @@ def convert_tf(folder: Path, output: Path) -> Ended:
 
 
 def tf_cases():
-    for fault in inventory.FAULTS:
-        if fault in ROWS["tf_checkpoint"].excused:
-            continue
-        for target in TF_TARGETS:
-            if fault in FILE_FAULTS or fault in TF_FORMS[target]:
-                yield pytest.param(fault, target, id=f"tf-{fault}-{target}")
-
-
-def test_every_fault_of_the_tf_row_is_a_case_or_excused():
-    faults = {param.values[0] for param in tf_cases()}
-    missing = [fault for fault in inventory.FAULTS if fault not in ROWS["tf_checkpoint"].excused and fault not in faults]
-    assert not missing, f"tf_checkpoint: no case of {missing}; make one, or excuse it in nezha_hf/inventory.py"
+    for fault, target in row_cases("tf_checkpoint", TF_TARGETS, TF_FORMS):
+        yield pytest.param(fault, target, id=f"tf-{fault}-{target}")
 
 
 @pytest.mark.slow  # TensorFlow reads each case
@@ -1029,18 +970,8 @@ KERNEL_TARGETS = ["library", "nezha_build.json"]
 
 
 def kernel_cases():
-    for fault in inventory.FAULTS:
-        if fault in ROWS["kernel_cache"].excused:
-            continue
-        for target in KERNEL_TARGETS:
-            if fault in FILE_FAULTS or (fault == "wrong_shape" and target == "nezha_build.json"):
-                yield pytest.param(fault, target, id=f"kernel-{fault}-{target}")
-
-
-def test_every_fault_of_the_kernel_cache_row_is_a_case_or_excused():
-    faults = {param.values[0] for param in kernel_cases()}
-    missing = [fault for fault in inventory.FAULTS if fault not in ROWS["kernel_cache"].excused and fault not in faults]
-    assert not missing, f"kernel_cache: no case of {missing}; make one, or excuse it in nezha_hf/inventory.py"
+    for fault, target in row_cases("kernel_cache", KERNEL_TARGETS, {"nezha_build.json": {"wrong_shape"}}):
+        yield pytest.param(fault, target, id=f"kernel-{fault}-{target}")
 
 
 @pytest.fixture(scope="module")
@@ -1109,10 +1040,8 @@ def test_a_replaced_kernel_library_is_built_again(tmp_path):
 
 
 def archive_cases():
-    for fault in inventory.FAULTS:
-        if fault not in ROWS["triton_cache_archive"].excused:
-            assert fault in FILE_FAULTS, f"triton_cache_archive: no case of {fault}; make one, or excuse it"
-            yield pytest.param(fault, id=f"archive-{fault}")
+    for fault, _ in row_cases("triton_cache_archive", ["part"], {}):
+        yield pytest.param(fault, id=f"archive-{fault}")
 
 
 @pytest.mark.parametrize("fault", list(archive_cases()))
@@ -1149,8 +1078,27 @@ def test_a_damaged_carried_triton_cache_is_named_and_its_kernels_compile(fault, 
         assert not cache.exists() or not any(cache.rglob("*.cubin")), sorted(cache.rglob("*"))
 
 
-def test_every_row_of_the_inventory_has_its_cases_here():
-    """No row of the table without its matrix: each group of cases above covers the rows it names."""
-    covered = {*MODEL_ROWS, *SUMMARIZER_ROWS, "run_record", "checkpoint", "journal", "judgments", "corpus",
-               "predictions", "tf_checkpoint", "kernel_cache", "triton_cache_archive"}
-    assert covered == set(ROWS), set(ROWS) ^ covered
+# Each row's cases, as (fault, target): the parametrisations above, read back.
+ROW_CASES = {
+    **{row: [(p.values[1], p.values[2]) for p in model_cases() if p.values[0] == row] for row in MODEL_ROWS},
+    **{row: [(p.values[2], p.values[3]) for p in summarizer_cases() if p.values[0] == row] for row in SUMMARIZER_ROWS},
+    **{row: [(p.values[1], p.values[2]) for p in run_state_cases() if p.values[0] == row]
+       for row in ("run_record", "checkpoint")},
+    "journal": [tuple(p.values) for p in journal_cases()],
+    **{row: [(p.values[1], row) for p in input_cases() if p.values[0] == row]
+       for row in ("judgments", "corpus", "predictions")},
+    "tf_checkpoint": [tuple(p.values) for p in tf_cases()],
+    "kernel_cache": [tuple(p.values) for p in kernel_cases()],
+    "triton_cache_archive": [(p.values[0], "part") for p in archive_cases()],
+}
+
+
+@pytest.mark.parametrize("row", sorted(ROWS))
+def test_every_fault_of_every_row_is_a_case_or_excused(row):
+    """Every row of the table has its cases here, and every fault of `FAULTS` is one of them or excused in the row
+    (with the reason, in nezha_hf/inventory.py)."""
+    assert row in ROW_CASES, f"{row}: no cases in the matrix"
+    tried = {fault for fault, _ in ROW_CASES[row]}
+    missing = [fault for fault in inventory.FAULTS if fault not in ROWS[row].excused and fault not in tried]
+    assert not missing, f"{row}: no case of {missing}; make one, or excuse it in nezha_hf/inventory.py"
+    assert not tried & set(ROWS[row].excused), f"{row}: tried and excused both: {tried & set(ROWS[row].excused)}"
