@@ -55,8 +55,10 @@ def row_cases(row: str, targets: list[str], forms: dict, naming=()):
 # --- faults -----------------------------------------------------------------------------------------------------
 
 
-def apply_file_fault(fault: str, path: Path, outside: Path) -> None:
-    """Damage `path` (a file) with one of `FILE_FAULTS`; `outside` is a folder outside the artifact for links."""
+def apply_file_fault(fault: str, path: Path, tmp_path: Path) -> None:
+    """Damage `path` (a file) with one of `FILE_FAULTS`; a link out leads to `tmp_path / "outside"`."""
+    outside = tmp_path / "outside"
+    outside.mkdir(exist_ok=True)
     data = path.read_bytes()
     if fault == "missing":
         path.unlink()
@@ -388,14 +390,12 @@ def test_a_model_folder_file_with_a_fault_gives_its_result_or_is_refused_naming_
                                                                                     monkeypatch):
     name = "sharded" if row == "weight_index" else "model"
     folder = artifact_copy(artifacts, name, tmp_path)
-    outside = tmp_path / "outside"
-    outside.mkdir()
     path = folder / target
     naming, names, intact = {}, [Path(target).name], intact_results[name]
     if fault in FILE_FAULTS:
-        apply_file_fault(fault, path, outside)
+        apply_file_fault(fault, path, tmp_path)
     elif fault in NAMING_FAULTS:
-        apply_file_fault("garbage", path, outside)  # damaged, and reached as transformers' loaders name it
+        apply_file_fault("garbage", path, tmp_path)  # damaged, and reached as transformers' loaders name it
         folder, naming = name_the_folder(fault, folder, tmp_path, monkeypatch)
         intact = intact[:1] if naming else intact
     else:
@@ -574,14 +574,12 @@ def test_a_summariser_file_with_a_fault_gives_its_summaries_or_is_refused_naming
                                                                                      summarizers, intact_summaries,
                                                                                      tmp_path, monkeypatch):
     folder = artifact_copy(summarizers, kind, tmp_path)
-    outside = tmp_path / "outside"
-    outside.mkdir()
     path = folder / target
     names = [Path(target).name]
     if fault in FILE_FAULTS:
-        apply_file_fault(fault, path, outside)
+        apply_file_fault(fault, path, tmp_path)
     elif fault == "relative":  # damaged, and the folder named relative to the working folder
-        apply_file_fault("garbage", path, outside)
+        apply_file_fault("garbage", path, tmp_path)
         monkeypatch.chdir(folder.parent)
         folder = Path(folder.name)
     else:
@@ -705,12 +703,10 @@ def test_a_run_state_file_with_a_fault_is_skipped_for_the_last_intact_checkpoint
     shutil.copytree(training_run, root, symlinks=True)
     checkpoints = root / "run.checkpoints"
     folder = checkpoints if row == "run_record" else checkpoints / "checkpoint-4"
-    outside = tmp_path / "outside"
-    outside.mkdir()
     path = folder / target
     names = [Path(target).name]
     if fault in FILE_FAULTS:
-        apply_file_fault(fault, path, outside)
+        apply_file_fault(fault, path, tmp_path)
     else:
         names = run_state_fault(row, fault, checkpoints, target, root / "other.checkpoints")
     with time_limit(CASE_SECONDS), (unreadable(path) if fault == "unreadable" else contextlib.nullcontext()):
@@ -788,12 +784,10 @@ def test_a_journal_file_with_a_fault_gives_the_summaries_or_is_refused_naming_it
     root = tmp_path / "case"
     shutil.copytree(journals, root, symlinks=True)
     journal = root / ".mine.jsonl.progress"
-    outside = tmp_path / "outside"
-    outside.mkdir()
     path = journal / target
     names = [target]
     if fault in FILE_FAULTS:
-        apply_file_fault(fault, path, outside)
+        apply_file_fault(fault, path, tmp_path)
     else:
         names = journal_fault(fault, journal, target, root / ".theirs.jsonl.progress")
     output = root / "mine.jsonl"
@@ -875,13 +869,11 @@ def test_an_input_with_a_fault_is_left_out_and_named_or_refused(row, fault, inpu
     root = tmp_path / "case"
     shutil.copytree(inputs, root, symlinks=True)
     path = root / {"judgments": "judgments/a.jsonl", "corpus": "corpus/a.jsonl", "predictions": "predictions.jsonl"}[row]
-    outside = tmp_path / "outside"
-    outside.mkdir()
     intact, _ = read_input(row, inputs)
     if fault in FILE_FAULTS:
-        apply_file_fault(fault, path, outside)
+        apply_file_fault(fault, path, tmp_path)
     elif fault == "relative":  # a link out of the folder, the folder named relative to the working folder
-        apply_file_fault("link_out", path, outside)
+        apply_file_fault("link_out", path, tmp_path)
         monkeypatch.chdir(root)
         root = Path(".")
     else:
@@ -938,11 +930,9 @@ def test_a_tensorflow_checkpoint_with_a_fault_converts_as_it_is_or_is_refused_na
                                                                                         tmp_path):
     folder = tmp_path / "case" / "tf"
     shutil.copytree(tf_checkpoints / "tf", folder)
-    outside = tmp_path / "outside"
-    outside.mkdir()
     path, names = folder / target, [target]
     if fault in FILE_FAULTS:
-        apply_file_fault(fault, path, outside)
+        apply_file_fault(fault, path, tmp_path)
     elif fault == "foreign":
         shutil.copy(tf_checkpoints / "other" / target, path)
     elif fault == "swapped":
@@ -1000,10 +990,8 @@ def test_a_damaged_build_of_the_kernel_is_named_and_built_again(fault, target, k
     shutil.copytree(kernel_build, build)
     name = f"{build.name}.so" if target == "library" else target
     path = build / name
-    outside = tmp_path / "outside"
-    outside.mkdir()
     if fault in FILE_FAULTS:
-        apply_file_fault(fault, path, outside)
+        apply_file_fault(fault, path, tmp_path)
     else:
         path.write_text(json.dumps(["sha256"]))
     with time_limit(CASE_SECONDS), (unreadable(path) if fault == "unreadable" else contextlib.nullcontext()):
@@ -1060,9 +1048,7 @@ def test_a_damaged_carried_triton_cache_is_named_and_its_kernels_compile(fault, 
     with tarfile.open(carried / "triton-cache.tar.gz.00", "w:gz") as archive:
         archive.add(source / "kernels", arcname="kernels")
     part = carried / "triton-cache.tar.gz.00"
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    apply_file_fault(fault, part, outside)
+    apply_file_fault(fault, part, tmp_path)
     cache, log = tmp_path / "cache", gpu_check.Log(tmp_path / "gpu-check.log")
     parts = gpu_check.carried_cache(carried)
     with time_limit(CASE_SECONDS), (unreadable(part) if fault == "unreadable" else contextlib.nullcontext()):
