@@ -42,24 +42,21 @@ def file_digest(path) -> str:
 
 # --- weights ------------------------------------------------------------------------------------------------------
 
-# The dtypes a weight may have; a tensor of another (an integer, a bool, float8) in a weights file is no model's
-# weight that nezha_hf loads, and transformers would cast it without a word.
+# The dtypes a weight may have; a tensor named as a weight (`...weight`, `...bias`, LayerNorm's old `gamma` / `beta`)
+# of another dtype (an integer, a bool, float8) is no weight nezha_hf loads, and transformers would cast it without a
+# word. Tensors of other names (an old release's integer `position_ids`) are the loader's to keep or drop.
 WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
-# Buffers older NEZHA and BERT releases saved with integer ids (`loading_nezha` drops them when loading).
-INTEGER_BUFFERS = ("position_ids", "token_type_ids", "positions_encoding")
+WEIGHT_NAMES = ("weight", "bias", "gamma", "beta")
 # torch's names of the weight dtypes, as safetensors names them.
 _SAFETENSORS_DTYPE = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}
 
 
-def _integer_buffer(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in INTEGER_BUFFERS
-
-
 def _check_weight_dtypes(path, dtypes: dict[str, str]) -> None:
-    """An `UnusableFile` naming the first tensor in `dtypes` (name -> safetensors dtype name) that no weight has."""
+    """An `UnusableFile` naming the first weight in `dtypes` (name -> safetensors dtype name) of a dtype no weight
+    has."""
     for name, dtype in dtypes.items():
-        if dtype not in WEIGHT_DTYPES and not _integer_buffer(name):
-            raise UnusableFile(path, f"tensor {name} is of dtype {dtype}, which no weight has (one of "
+        if dtype not in WEIGHT_DTYPES and name.rsplit(".", 1)[-1] in WEIGHT_NAMES:
+            raise UnusableFile(path, f"weight {name} is of dtype {dtype}, which no weight has (one of "
                                      f"{', '.join(WEIGHT_DTYPES)}): it is not a model's weights file")
 
 

@@ -551,7 +551,7 @@ MUTATIONS = [
              "            self.dropped.set()\n", "            pass\n",
              ["tests/test_nothing_lost.py", "-k", "finalizer"]),
     # --- export ---
-    Mutation("exporting a model object switches the caller's model to the L x L gather path", "nezha_hf/export.py",
-             "_from_config(copy.deepcopy(model_or_path.config), ", "_from_config(model_or_path.config, ",
+    Mutation("exporting a model object switches the caller's model to the exported engine", "nezha_hf/export.py",
+             "_from_config(copy.deepcopy(model_or_path.config),", "_from_config(model_or_path.config,",
              ["tests/test_export.py", "-m", "not slow"]),
 ]
