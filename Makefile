@@ -147,10 +147,12 @@ gpu-prepare:
 gpu-rehearse: $(VENV)/.test gpu-prepare
 	$(PY) benchmarks/gpu_check.py --rehearse --variant 'narrow NEZHA_CHECK_BLOCKS=forward=16x32x2x1'
 
-# The GPU gates (benchmarks/gpu_gates.py, docs/performance.md): NEZHA's Triton kernels compiled for an H100 on this
-# CPU and counted, failing where a gate is missed; the counts go to gpu-gates/gates.json, which the GPU check prints
-# beside its timings (run it before a GPU slot, after the kernels changed). Compiled by the GPU machine's Triton (3.6, in a venv of its own:
-# Triton needs no PyTorch to compile); `make gpu-gates GATES_PYTHON=$(PY)` compiles with the installed one instead.
+# The GPU gates (benchmarks/gpu_gates.py, docs/performance.md): what NEZHA's Triton launchers launch for the calls
+# users make, compiled for an H100 on this CPU through Triton's own autotuner and JIT against a fake GPU driver
+# (benchmarks/gpu_fake_driver.py) and counted, failing where a gate is missed; the counts go to gpu-gates/gates.json,
+# which the GPU check prints beside its timings (run it before a GPU slot, after the kernels changed). Run by the GPU
+# machine's Triton (3.6, in a venv of the same Python that has Triton only; the main environment's packages, PyTorch
+# among them, are appended to its path); `make gpu-gates GATES_PYTHON=$(PY)` runs with the installed one instead.
 GPU_TRITON := 3.6.0
 GATES_PYTHON ?= .venv-triton-$(GPU_TRITON)/bin/python
 .venv-triton-$(GPU_TRITON)/bin/python:

@@ -278,7 +278,7 @@ def gate_lines(timed: list[dict], gates_file: Path, triton_version: str | None) 
     ran (`configs` of each row of gpu-attention*.json), with the yardstick's at the same configuration."""
     chosen = {}  # (gates kernel, case, configuration) in order of first use
     for row in timed:
-        case = "bfloat16, dropout" if row.get("dropout") else "bfloat16"
+        case = "no mask, dropout" if row.get("dropout") else "no mask"  # the op's rows have no mask
         for kernel, config in row.get("configs", {}).items():
             chosen.setdefault((kernel, case, config), None)
     if not chosen:
@@ -302,7 +302,7 @@ def gate_lines(timed: list[dict], gates_file: Path, triton_version: str | None) 
             lines.append(f"| {kernel} | {case} | {config} | - | - | - | - | - | - |")
             continue
         tail, band = gpu_gates._tail(row), gpu_gates._band(row)
-        plain = counted.get((f"yardstick {kernel}", "bfloat16", config))
+        plain = counted.get((f"yardstick {kernel}", gpu_gates.YARDSTICK, config))
         plain_tail = gpu_gates._tail(plain) if plain else None
         tail_text = "-" if not tail else f"{tail['per_pair']:.2f}" + (
             f" ({tail['per_pair'] / plain_tail['per_pair']:.2f}x)" if plain_tail else "") + (

@@ -142,8 +142,10 @@ def _configs_for(configs, named_args, **kwargs):
 
 TUNING_KEY = ["LQ_CLASS", "LK_CLASS", "K", "BLOCK_D", "HAS_VALID", "CAUSAL", "HAS_SOURCE", "DROPOUT"]
 PRUNING = {"early_config_prune": _configs_for}
-# Values that change at every decoding step are not specialised on (no recompilation per step).
-STEP_VALUES = ["Lk", "offset"]
+# Values that change from call to call are not specialised on: those of a decoding step (no recompilation per step),
+# and dropout's seed, whose type is fixed too (`seed: tl.int64`): a seed that is a multiple of 16, or 1, or below
+# 2^31 would each compile kernels of their own in the middle of training.
+CALL_VALUES = ["Lk", "offset", "seed"]
 
 
 # --- tiles -------------------------------------------------------------------------------------------------------
@@ -668,13 +670,13 @@ def _store_output(Out, Lse, acc, row_max, row_sum, b, h, head, offs_m, offs_d, L
 
 
 @triton.autotune(configs=FORWARD_CONFIGS, key=[*TUNING_KEY, "SPLIT", "ROTATE"], prune_configs_by=PRUNING)
-@triton.jit(do_not_specialize=[*STEP_VALUES, "key_chunk", "splits"])
+@triton.jit(do_not_specialize=[*CALL_VALUES, "key_chunk", "splits"])
 def nezha_forward_kernel(
     Q, Kx, V, Table, Sinusoid, Out, Lse, Partial, PartialStats, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale_log2, seed, threshold, keep_scale, splits,
-    key_chunk, LQ_CLASS, LK_CLASS,
+    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale_log2, seed: tl.int64, threshold, keep_scale,
+    splits, key_chunk, LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, SPLIT: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -1010,14 +1012,14 @@ def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTe
 
 
 @triton.autotune(configs=KEY_VALUE_GRAD_CONFIGS, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=PRUNING)
-@triton.jit(do_not_specialize=STEP_VALUES)
+@triton.jit(do_not_specialize=CALL_VALUES)
 def nezha_key_value_grad_kernel(
     Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, DK, DV, KeyValid, KeyIsSource, KeyBounds,
     Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS,
-    LK_CLASS,
+    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale, scale_log2, seed: tl.int64, threshold, keep_scale,
+    LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -1225,13 +1227,13 @@ def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, 
 
 
 @triton.autotune(configs=QUERY_GRAD_CONFIGS, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=PRUNING)
-@triton.jit(do_not_specialize=STEP_VALUES)
+@triton.jit(do_not_specialize=CALL_VALUES)
 def nezha_query_grad_kernel(
     Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS,
-    LK_CLASS,
+    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale, scale_log2, seed: tl.int64, threshold, keep_scale,
+    LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

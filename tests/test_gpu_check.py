@@ -166,25 +166,26 @@ def test_the_summary_prints_the_gate_counts_of_each_configuration_timed(tmp_path
     counts = {(r["kernel"], r["case"], r["config_name"]): r for r in json.loads(GATES_36.read_text())["rows"]}
 
     def loop(kind, name, config):
-        return max((x for x in counts[(name, "bfloat16", config)]["loops"] if x["class"] == kind),
+        case = "yardstick" if name.startswith("yardstick") else "no mask"
+        return max((x for x in counts[(name, case, config)]["loops"] if x["class"] == kind),
                    key=lambda x: x["instructions"])
 
-    forward = counts[("nezha_forward_kernel", "bfloat16", CAPPED_FORWARD)]
+    forward = counts[("nezha_forward_kernel", "no mask", CAPPED_FORWARD)]
     tail, band = loop("tail", "nezha_forward_kernel", CAPPED_FORWARD), loop(
         "band", "nezha_forward_kernel", CAPPED_FORWARD)
     plain = loop("tail", "yardstick_forward_kernel", CAPPED_FORWARD)
-    assert (f"| forward | bfloat16 | {CAPPED_FORWARD} | {forward['registers']} | {forward['stack']} | "
+    assert (f"| forward | no mask | {CAPPED_FORWARD} | {forward['registers']} | {forward['stack']} | "
             f"{forward['blocks_per_sm']} | {forward['wgmma']} / {forward['mma_sync']} | "
             f"{tail['per_pair']:.2f} ({tail['per_pair'] / plain['per_pair']:.2f}x) | "
             f"{band['instructions'] / tail['instructions']:.2f} |") in summary
     # a tail loop's spills beside its count (none spills in today's counts: planted in a copy)
     planted = json.loads(GATES_36.read_text())
     key_value = next(r for r in planted["rows"] if (r["kernel"], r["case"], r["config_name"]) == (
-        "nezha_key_value_grad_kernel", "bfloat16", "64x128, 8 warps, 2 stages"))
+        "nezha_key_value_grad_kernel", "no mask", "64x128, 8 warps, 2 stages"))
     max((x for x in key_value["loops"] if x["class"] == "tail"), key=lambda x: x["instructions"])["spills"] = 3
     (tmp_path / "spilling.json").write_text(json.dumps(planted))
     assert ", 3 LDL/STL |" in gpu_check.summary_table(tmp_path, {}, tmp_path / "spilling.json")
-    assert "| dQ | bfloat16 | 32x32, 8 warps, 9 stages | - | - | - | - | - | - |" in summary
+    assert "| dQ | no mask | 32x32, 8 warps, 9 stages | - | - | - | - | - | - |" in summary
     assert "gates.json, Triton 3.6.0;" in summary
     _attention_results(tmp_path, [row], "3.9.0")
     assert "Triton 3.6.0, NOT this run's Triton 3.9.0" in gpu_check.summary_table(tmp_path, {}, GATES_36)
@@ -242,17 +243,17 @@ def test_a_gate_with_nothing_to_compare_with_fails_rather_than_passing_unchecked
     def without(kernel, case, config):
         return [r for r in rows if (r["kernel"], r["case"], r["config_name"]) != (kernel, case, config)]
 
-    failures = gpu_gates.gate_failures(without("yardstick_forward_kernel", "bfloat16", CAPPED_FORWARD))
-    assert f"forward (bfloat16), {CAPPED_FORWARD}: no counts of the yardstick at this configuration to compare " \
+    failures = gpu_gates.gate_failures(without("yardstick_forward_kernel", "yardstick", CAPPED_FORWARD))
+    assert f"forward (no mask), {CAPPED_FORWARD}: no counts of the yardstick at this configuration to compare " \
            "with" in failures
-    failures = gpu_gates.gate_failures(without("nezha_forward_kernel", "bfloat16", "64x64, 4 warps, 3 stages"))
-    assert ("forward (bfloat16, dropout), 64x64, 4 warps, 3 stages: no counts of the case without dropout at this "
+    failures = gpu_gates.gate_failures(without("nezha_forward_kernel", "no mask", "64x64, 4 warps, 3 stages"))
+    assert ("forward (no mask, dropout), 64x64, 4 warps, 3 stages: no counts of the case without dropout at this "
             "configuration to compare with") in failures
-    dropout_alone = [r for r in rows if r["case"] != "bfloat16" or r["kernel"].startswith("yardstick")]
+    dropout_alone = [r for r in rows if r["case"] in ("no mask, dropout", "padding, dropout", "yardstick")]
     assert not [line for line in gpu_gates.gate_failures(dropout_alone) if "no counts" in line]
     # a row whose band (or tail) loop was not found fails rather than skipping that loop's gates
     bandless = json.loads(json.dumps(rows))
-    forward = next(r for r in bandless if (r["kernel"], r["case"]) == ("nezha_forward_kernel", "bfloat16"))
+    forward = next(r for r in bandless if (r["kernel"], r["case"]) == ("nezha_forward_kernel", "no mask"))
     forward["loops"] = [loop for loop in forward["loops"] if loop["class"] != "band"]
-    assert (f"forward (bfloat16), {forward['config_name']}: no band loop found in its SASS to count"
+    assert (f"forward (no mask), {forward['config_name']}: no band loop found in its SASS to count"
             in gpu_gates.gate_failures(bandless))
