@@ -16,9 +16,9 @@ a decoding step's partial outputs; nothing per (query, table row).
   fails to compile (or launch) is set aside for its `Switches` and part (forward, decoding forward or backward) only,
   with one warning naming them: those calls raise `TritonKernelFailed` (an `EngineUnavailable`), which
   `relative_attention` hands to the next engine of the chain (`attention_ops.Engine`); calls with other switches still
-  run the kernels. Before the first
-  forward that needs gradients with a set of switches, the backward is compiled and run on a 32-token problem with
-  them, so that a backward that cannot compile is found while another engine can still take the call.
+  run the kernels. Before the first forward of a kind of call that needs gradients, the kernels its backward will
+  launch are compiled (Triton's warmup through the backward's launchers), so that a backward that cannot compile is
+  found while another engine can still take the call.
 - float32: every product is made in the kernels in IEEE float32, whatever `torch.backends.cuda.matmul.allow_tf32` or
   `torch.set_float32_matmul_precision` say: no PyTorch matrix product is on the path (PyTorch computes only the
   elementwise `D_i = dO_i . O_i`, the key bounds and flags).
@@ -98,18 +98,9 @@ class Switches:
                     OFFSET_IN_MEMORY=self.offset_on_device, WIDEN=kernels.INTERPRETING and self.dtype == torch.bfloat16,
                     IEEE=self.dtype == torch.float32, BLOCK_D=max(16, 1 << (self.head_size - 1).bit_length()))
 
-    def example(self, device: torch.device) -> AttentionProblem:
-        """A problem of 32 keys with these switches (every key valid, every key a source key)."""
-        flags = torch.ones(1, 32, dtype=torch.bool, device=device)
-        offset = torch.zeros((), dtype=torch.int64, device=device) if self.offset_on_device else 0
-        mask = RelativeAttentionMask(flags if self.padding else None, self.causal, flags if self.source_keys else None,
-                                     offset)
-        dropout = 0.125 if self.dropout else 0.0  # a whole number of the kernels' 1/256 steps: no warning of its own
-        return AttentionProblem(mask, self.head_size**-0.5, dropout, torch.zeros((), dtype=torch.int64))
-
 
 _set_aside: dict[tuple[str, Switches], str] = {}  # (part, switches) whose kernel failed here, and why
-_checked_backwards: set[tuple[Switches, torch.device]] = set()  # backwards that compiled and ran here
+_checked_backwards: set[tuple] = set()  # the kinds of call whose backward kernels compiled here (`_check_backward`)
 
 
 def interpreting() -> bool:
@@ -348,11 +339,19 @@ def triton_forward(query, key, value, table, problem: AttentionProblem) -> list[
     return [output, lse]
 
 
+def _launch(kernel, grid, warmup: bool, **arguments) -> None:
+    """Launch `kernel` on `grid`, or (`warmup`) only compile what that launch would launch: Triton's own warmup, through
+    the same autotuner pruning and JIT specialisation."""
+    if warmup:
+        kernel.warmup(grid=grid, **arguments)
+    else:
+        kernel[grid](**arguments)
+
+
 def triton_backward(grad_output, query, key, value, table, problem: AttentionProblem, output,
                     lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of query, key and value (`[batch, heads, length, head_size]`) by the Triton kernels; see
     `attention_ops.engine_op` (`grad_output` and `output` are `[batch, heads, queries, head_size]` views)."""
-    kernels = _kernels()
     batch, heads, queries, size = query.shape
     keys = key.shape[-2]
     grad_query = torch.zeros(batch, heads, queries, size, dtype=query.dtype, device=query.device)
@@ -362,6 +361,20 @@ def triton_backward(grad_output, query, key, value, table, problem: AttentionPro
         return grad_query, grad_key, grad_value
     switches = Switches.of(query, problem)
     _refuse_set_aside("backward", switches)
+    with _launching("backward", switches, query.device):
+        _backward_kernels(grad_output, query, key, value, table, problem, output, lse, switches,
+                          (grad_query, grad_key, grad_value), warmup=False)
+    return grad_query, grad_key, grad_value
+
+
+def _backward_kernels(grad_output, query, key, value, table, problem: AttentionProblem, output, lse,
+                      switches: Switches, grads: tuple, warmup: bool) -> None:
+    """Launch the backward's kernels into `grads` (`(grad_query, grad_key, grad_value)`), or (`warmup`) compile them
+    only (`_check_backward`)."""
+    kernels = _kernels()
+    grad_query, grad_key, grad_value = grads
+    batch, heads, queries, size = query.shape
+    keys = key.shape[-2]
     arguments = _arguments(query, key, value, table, problem, switches, kernels)
     rotation = _rotation(table, query.dtype, kernels)
     arguments.update(rotation)
@@ -376,20 +389,18 @@ def triton_backward(grad_output, query, key, value, table, problem: AttentionPro
                       RotDO=torch.empty(batch, heads, queries, size, dtype=query.dtype, device=query.device))
     shared = dict(Q=query, Kx=key, V=value, DO=grad_output, RowLse=row_lse, RowDot=row_dot, scale=problem.scaling,
                   **turned, **arguments, **_strides(grad_output, "o", "m"))
-    with _launching("backward", switches, query.device):
-        block = kernels.STATISTICS_BLOCK_M
-        kernels.nezha_row_statistics_kernel[(_blocks(queries, block) * batch * heads,)](
+    block = kernels.STATISTICS_BLOCK_M
+    _launch(kernels.nezha_row_statistics_kernel, (_blocks(queries, block) * batch * heads,), warmup,
             Q=query, DO=grad_output, O=output, Table=arguments["Table"], Sinusoid=rotation["Sinusoid"], Lse=lse,
             RowLse=row_lse, RowDot=row_dot, **turned,
             **_strides(query, "q", "m"), **_strides(grad_output, "o", "m"), **_strides(output, "y", "m"), heads=heads,
             Lq=queries, D=size, K=arguments["K"], scale_log2=arguments["scale_log2"],
             keep_rate=_keep_rate(arguments["keep_scale"]), DROPOUT=switches.dropout,
             ROTATE=rotation["ROTATE"], BLOCK_D=arguments["BLOCK_D"], BLOCK_M=block)
-        kernels.nezha_key_value_grad_kernel[lambda meta: (_blocks(keys, meta["BLOCK_N"]) * batch * heads,)](
-            DK=grad_key, DV=grad_value, **shared)
-        kernels.nezha_query_grad_kernel[lambda meta: (_blocks(queries, meta["BLOCK_M"]) * batch * heads,)](
-            DQ=grad_query, **shared)
-    return grad_query, grad_key, grad_value
+    _launch(kernels.nezha_key_value_grad_kernel, lambda meta: (_blocks(keys, meta["BLOCK_N"]) * batch * heads,),
+            warmup, DK=grad_key, DV=grad_value, **shared)
+    _launch(kernels.nezha_query_grad_kernel, lambda meta: (_blocks(queries, meta["BLOCK_M"]) * batch * heads,),
+            warmup, DQ=grad_query, **shared)
 
 
 def _forward_fake(query, key, value, table, problem):
@@ -408,27 +419,40 @@ _attention_op = engine_op(Engine.TRITON, triton_forward, _forward_fake, triton_b
 def triton_attention(query, key, value, table, problem: AttentionProblem) -> torch.Tensor:
     """NEZHA attention by the Triton kernels, `[batch, queries, heads, head_size]`; arguments as
     `fused_attention.fused_attention`. float32, bfloat16 and float16 on CUDA GPUs (CPU tensors under
-    TRITON_INTERPRET=1). Before the first call with a set of switches that needs gradients, the backward is compiled
-    and run on a small problem; raises `TritonKernelFailed` where a kernel the call needs failed to compile here."""
+    TRITON_INTERPRET=1). Before the first call of a kind that needs gradients, the kernels its backward will launch
+    are compiled (`_check_backward`); raises `TritonKernelFailed` where a kernel the call needs failed to compile
+    here."""
     if not tracing() and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        _check_backward(Switches.of(query, problem), query.device)
+        _check_backward(query, key, value, table, problem)
     return _attention_op(query, key, value, table, problem)
 
 
-def _check_backward(switches: Switches, device: torch.device) -> None:
-    """Compile and run the backward kernels for `switches` on `device` once per process, on a 32-token problem."""
+def _check_backward(query, key, value, table, problem: AttentionProblem) -> None:
+    """Compile the kernels this call's backward will launch, before its forward runs, so that a backward that cannot
+    compile is found while another engine can still take the call: Triton's warmup through the backward's own
+    launchers (`_backward_kernels`), with the call's tensors and table (its `K`, whether it goes by rotation), the
+    configurations the autotuner keeps for its lengths and switches, and the seed's type. Once per kind of call
+    (switches, device, length classes, table size and rotation); a backward whose arguments Triton specialises
+    otherwise (a gradient of other strides) compiles at its launch, as any kernel does."""
+    switches = Switches.of(query, problem)
     _refuse_set_aside("backward", switches)
-    if (switches, device) in _checked_backwards:
+    kernels = _kernels()
+    batch, heads, queries, size = query.shape
+    keys = key.shape[-2]
+    if queries == 0 or keys == 0:
         return
-    generator = torch.Generator().manual_seed(0)
-    query, key, value, grad_output = (torch.randn(1, 1, 32, switches.head_size, generator=generator).to(device,
-                                                                                                       switches.dtype)
-                                      for _ in range(4))
-    table = torch.zeros(9, switches.head_size, device=device, dtype=switches.dtype)
-    problem = switches.example(device)
-    output, lse = triton_forward(query, key, value, table, problem)
-    triton_backward(grad_output, query, key, value, table, problem, output.transpose(1, 2), lse)
-    _checked_backwards.add((switches, device))
+    rotate = query.dtype != torch.float32 and _is_exact_sinusoid(table, query.dtype)
+    kind = (switches, query.device, kernels.length_class(queries), kernels.length_class(keys), table.shape[0], rotate)
+    if kind in _checked_backwards:
+        return
+    # The forward's outputs as the backward receives them (`engine_op`): `[batch, heads, queries, d]` views.
+    output = query.new_empty(batch, queries, heads, size).transpose(1, 2)
+    lse = torch.empty(batch, heads, queries, dtype=torch.float32, device=query.device)
+    grads = tuple(torch.empty(batch, heads, length, size, dtype=query.dtype, device=query.device)
+                  for length in (queries, keys, keys))
+    with _launching("backward", switches, query.device):
+        _backward_kernels(output, query, key, value, table, problem, output, lse, switches, grads, warmup=True)
+    _checked_backwards.add(kind)
 
 
 __all__ = ["Switches", "TritonKernelFailed", "interpreting", "triton_attention", "triton_installed",

@@ -10,6 +10,7 @@ compiles, the kernels compiled ahead of time for an H100 (no GPU needed). Small 
 numpy."""
 
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -253,12 +254,12 @@ def test_a_kernel_that_fails_to_compile_is_one_warning_and_the_chunked_engine(ke
     it (on a small problem), so training falls back too instead of failing in `backward()`."""
     from nezha_hf import triton_kernels
 
-    class Broken:
+    class Broken:  # fails to compile: at its launch and at Triton's compile-only warmup alike
         def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise RuntimeError("PTX assembly aborted (simulated)")
+            return self.warmup
 
-            return launch
+        def warmup(self, *args, **kwargs):
+            raise RuntimeError("PTX assembly aborted (simulated)")
 
     monkeypatch.setattr(triton_kernels, kernel, Broken())
     leaves = [t.float().requires_grad_() for t in inputs(1, 2, 20, 20, 8)]
@@ -444,25 +445,73 @@ def test_dk_dv_tiles_draw_the_rule_at_every_tuned_block():
 
 class Launches:
     """Stands in for a kernel: records each launch's grid (and keyword switches) and runs nothing, or runs the real
-    kernel when `real` is given, or raises `error` when the switches match `failing_when`."""
+    kernel when `real` is given, or raises `error` when the switches match `failing_when`; the same for a warmup
+    (Triton's compile-only launch), recorded in `warmups`."""
 
     def __init__(self, real=None, error=None, failing_when=None):
-        self.real, self.error, self.failing_when, self.launches = real, error, failing_when or {}, []
+        self.real, self.error, self.failing_when, self.launches, self.warmups = real, error, failing_when or {}, [], []
+
+    def _fails(self, kwargs) -> bool:
+        return self.error is not None and all(kwargs.get(name) == value for name, value in self.failing_when.items())
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.launches.append((grid, kwargs))
-            if self.error is not None and all(kwargs.get(name) == value for name, value in self.failing_when.items()):
+            if self._fails(kwargs):
                 raise self.error
             if self.real is not None:
                 return self.real[grid](*args, **kwargs)
 
         return launch
 
+    def warmup(self, *args, grid, **kwargs):
+        self.warmups.append((grid, kwargs))
+        if self._fails(kwargs):
+            raise self.error
+        if self.real is not None:
+            return self.real.warmup(*args, grid=grid, **kwargs)
+
 
 def programs(grid, meta=None):
     """The grid of a launch as a tuple (a callable grid is given the interpreter's blocks)."""
     return tuple(grid(meta or {"BLOCK_M": 16, "BLOCK_N": 16})) if callable(grid) else tuple(grid)
+
+
+def described(arguments: dict) -> dict:
+    """A launch's arguments as Triton's JIT specialises on them: tensors by dtype, shape and strides, others by value."""
+    return {name: (value.dtype, value.shape, value.stride()) if isinstance(value, torch.Tensor) else value
+            for name, value in arguments.items()}
+
+
+def test_the_backward_check_compiles_the_kernels_the_backward_launches(monkeypatch):
+    """Before the first forward that needs gradients, the kernels its backward will launch are compiled (Triton's
+    warmup, through the backward's own launchers) with the arguments the backward then launches them with: the call's
+    table (the exact sinusoid, so the band by rotation) and K, its dtype and switches (padding, causal, dropout with
+    a 64-bit seed), its lengths and strides, the same grids; once per kind of call, not per call."""
+    from nezha_hf import triton_kernels as tk
+
+    names = ("nezha_row_statistics_kernel", *BACKWARD_KERNELS)
+    recorders = {name: Launches(real=getattr(tk, name)) for name in names}
+    for name, recorder in recorders.items():
+        monkeypatch.setattr(tk, name, recorder)
+    batch, heads, length, d = 2, 2, 40, 16
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in inputs(batch, heads, length, length, d))
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[1, 31:] = False
+    problem = AttentionProblem(RelativeAttentionMask(key_is_valid=valid, causal=True), d**-0.5, 0.25,
+                               torch.tensor(0x1234_5678_9ABC_DEF1))
+    table = ra.sinusoid_relative_table(20, d).to(torch.bfloat16)
+    for _ in range(2):
+        out = ta.triton_attention(q, k, v, table, problem)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype))
+    for name, recorder in recorders.items():
+        assert len(recorder.warmups) == 1 and len(recorder.launches) == 2, name
+        (grid, arguments), = recorder.warmups
+        assert arguments["ROTATE"] and arguments["K"] == 20
+        assert name not in BACKWARD_KERNELS or arguments["seed"] == 0x1234_5678_9ABC_DEF1
+        for launched_grid, launched in recorder.launches:
+            assert described(launched) == described(arguments), name
+            assert programs(launched_grid) == programs(grid), name
 
 
 def test_launch_grids_hold_any_number_of_heads(monkeypatch):
@@ -752,6 +801,44 @@ def test_a_planted_64_row_block_on_8_warps_fails_the_gpu_gates(tmp_path):
     assert twice and all("forward (no mask), 64x64, 8 warps, 3 stages:" in line for line in twice), done.stdout
     rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| forward | no mask |")]
     assert len(rows) == 3 and all(row[-2].strip() != "-" for row in rows), done.stdout  # each has a band loop
+
+
+@pytest.mark.slow
+def test_after_the_backward_check_the_backward_compiles_nothing(tmp_path):
+    """With Triton compiling for a (fake) H100 (`benchmarks/gpu_fake_driver.py`: Triton's own launch path, only the
+    launch stubbed): the check before a training forward compiles every kernel its backward launches, so the backward
+    itself compiles none (the JIT's caches unchanged by it), for a padded bfloat16 call with dropout and the model's
+    table, by rotation."""
+    script = tmp_path / "probe.py"
+    script.write_text(f"""
+import json, sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch
+from benchmarks import gpu_gates
+from benchmarks.gpu_fake_driver import fake_hopper
+from nezha_hf import relative_attention as ra, triton_attention as ta, triton_kernels as tk
+from nezha_hf.attention_ops import AttentionProblem, RelativeAttentionMask
+
+def compiled():
+    return {{name: len(gpu_gates._compiled(gpu_gates._jit(getattr(tk, name)))) for name in gpu_gates.NEZHA_KERNELS}}
+
+with fake_hopper() as gpu:
+    q, k, v = (torch.zeros(2, 256, 4, 64, dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for _ in range(3))
+    valid = torch.arange(256)[None, :] < torch.tensor([[256], [200]])
+    problem = AttentionProblem(RelativeAttentionMask(key_is_valid=valid), 0.125, 0.1, torch.tensor(0x123456789ABCD))
+    out = ta.triton_attention(q, k, v, ra.sinusoid_relative_table(64, 64).to(torch.bfloat16), problem)
+    checked = compiled()
+    out.backward(torch.ones_like(out))
+    print(json.dumps([checked, compiled(), gpu.launches()]))
+""")
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run([sys.executable, str(script)], env=environment, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    checked, after_backward, launches = json.loads(done.stdout.splitlines()[-1])
+    assert checked == after_backward, (checked, after_backward)
+    assert all(checked[name] >= 1 for name in ("nezha_row_statistics_kernel", *BACKWARD_KERNELS)), checked
+    assert launches >= 4  # the forward and the backward's three kernels reached the driver
 
 
 @pytest.mark.slow

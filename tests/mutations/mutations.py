@@ -341,6 +341,11 @@ MUTATIONS = [
     Mutation("triton: the key gradients' rotated band takes its tile's first query as the rotation's reference",
              "nezha_hf/triton_kernels.py", "    reference = m0 // ROTATION * ROTATION\n    sinusoid",
              "    reference = m0\n    sinusoid", ["tests/test_triton_attention.py", "-k", "rotation"]),
+    Mutation("triton: the backward's check compiles for a table of zeros (K = 4, no rotation), not the call's",
+             "nezha_hf/triton_attention.py",
+             "_backward_kernels(output, query, key, value, table, problem, output, lse, switches, grads, warmup=True)",
+             "_backward_kernels(output, query, key, value, torch.zeros(9, size, dtype=query.dtype), problem, output, "
+             "lse, switches, grads, warmup=True)", ["tests/test_triton_attention.py", "-k", "backward_check"]),
     Mutation("triton: the right tail's query gradient takes table row 2K - 1", "nezha_hf/triton_kernels.py",
              "    grad_q += mass[:, None] * _table_row(Table, 2 * K, D, offs_d)[None, :]",
              "    grad_q += mass[:, None] * _table_row(Table, 2 * K - 1, D, offs_d)[None, :]", TRITON_TESTS),
