@@ -14,15 +14,38 @@ real `CudaDriver` and `CudaLauncher` are built against it, so the host work of a
 compiled exactly as on a GPU machine; nothing runs on a device. The autotuner's benchmark runs each configuration
 once (compiling it) and ranks them in their order (`Benchmark`): the first configuration pruning leaves wins.
 
-Used by `gpu_gates.py` (what the launchers compile) and `gpu_host_time.py --fake-gpu` (Triton's host time on the
-CPU). Needs a C compiler (`cc`) and Triton's NVIDIA backend (its `cuda.h`).
+Used by `gpu_gates.py` (what the launchers compile), `host_overhead.py` (Triton's host time on the CPU) and
+`gpu_profile.py --fake-gpu`. Needs a C compiler (`cc`) and Triton's NVIDIA backend (its `cuda.h`). `run_under` runs a
+script under another Python's Triton (the GPU machine's 3.6, in a venv that has Triton only) with this Python's
+packages, PyTorch among them, after its own.
 """
+
+PACKAGES = "--packages"  # the argument `run_under` adds: where this Python's packages are
+
+
+def run_under(python: str, script: str, arguments: list[str]) -> int:
+    """Run `script arguments` with `python` (a venv of the same Python version with another Triton), this Python's
+    packages appended to its path (`PACKAGES`, which the script hands to `append_packages`); its exit status."""
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    return subprocess.run([python, script, *arguments, PACKAGES, sysconfig.get_paths()["purelib"]],
+                          env=environment).returncode
+
+
+def append_packages(packages: str | None) -> None:
+    """In a script `run_under` started: this Python's Triton first, then `packages` (PyTorch and the rest) after it."""
+    if packages:
+        import triton  # noqa: F401  (this Python's, before the packages appended)
+
+        sys.path.append(packages)
+
 
 import contextlib
 import ctypes
 import hashlib
 import os
 import subprocess
+import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 

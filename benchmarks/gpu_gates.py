@@ -48,7 +48,6 @@ import platform
 import re
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 from unittest import mock
@@ -56,6 +55,9 @@ from unittest import mock
 # Triton 3.9 warns unless told; floating-point contraction (fused multiply-adds) on, as Triton 3.6 on the GPU machine.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks import gpu_fake_driver  # noqa: E402  (imports nothing that needs Triton or PyTorch)
+
 KERNELS_FILE = ROOT / "nezha_hf" / "triton_kernels.py"
 
 # The calls the gates compile for (the H100 run's case): batch x heads x tokens x head size, the table's K.
@@ -140,6 +142,9 @@ def _jit(kernel):
 class _NoLaunch:
     """Stands for a kernel left out (`--only`): `kernel[grid](...)` does nothing."""
 
+    def __init__(self, kernel):
+        self.arg_names = kernel.arg_names  # the parameters the launchers pass
+
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
 
@@ -167,9 +172,7 @@ def _compile_calls(cases: list[str], only: list[str], planted: dict) -> dict:
     import torch
     import triton
 
-    sys.path.insert(0, str(ROOT))
     from benchmarks import triton_yardstick
-    from benchmarks.gpu_fake_driver import fake_hopper
     from nezha_hf import relative_attention, triton_attention
     from nezha_hf import triton_kernels as kernels
     from nezha_hf.attention_ops import AttentionProblem
@@ -207,11 +210,11 @@ def _compile_calls(cases: list[str], only: list[str], planted: dict) -> dict:
             triton_attention.triton_backward(output.transpose(1, 2), query, key, value, table, problem,
                                              output.transpose(1, 2), lse)
 
-    with fake_hopper() as gpu, contextlib.ExitStack() as patches:
+    with gpu_fake_driver.fake_hopper() as gpu, contextlib.ExitStack() as patches:
         for name in NEZHA_KERNELS:
             kernel = getattr(kernels, name)
             if only and SHORT[name] not in only:
-                patches.enter_context(mock.patch.object(kernels, name, _NoLaunch()))
+                patches.enter_context(mock.patch.object(kernels, name, _NoLaunch(kernel)))
             elif name in planted:
                 patches.enter_context(mock.patch.multiple(kernel, configs=kernel.configs,
                                                           early_config_prune=kernel.early_config_prune))
@@ -470,7 +473,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--triton-python", help="count under this Python's Triton (default: this one's)")
     parser.add_argument("--output", type=Path, help="write every count as JSON here")
-    parser.add_argument("--packages", help=argparse.SUPPRESS)  # a --triton-python worker: where PyTorch is
+    parser.add_argument(gpu_fake_driver.PACKAGES, help=argparse.SUPPRESS)  # under --triton-python: where PyTorch is
     parser.add_argument("--plant", action="append", default=[], metavar="KERNEL:M,N,WARPS,STAGES[,REGISTERS]",
                         help="add a configuration to a NEZHA kernel's tuned ones (to see a gate fail, or to try one; "
                              "REGISTERS caps a thread's, Triton's maxnreg), compiled for every case, even one whose "
@@ -480,13 +483,8 @@ def main(argv=None) -> int:
     parser.add_argument("--case", nargs="+", choices=list(CASES), help="compile these cases only")
     args = parser.parse_args(argv)
     if args.triton_python and not args.packages:  # the whole count in that Python, this one's packages after its own
-        environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-        return subprocess.run([args.triton_python, __file__, *(sys.argv[1:] if argv is None else argv), "--packages",
-                               sysconfig.get_paths()["purelib"]], env=environment).returncode
-    if args.packages:
-        import triton  # noqa: F401  (this Python's, before the packages appended)
-
-        sys.path.append(args.packages)
+        return gpu_fake_driver.run_under(args.triton_python, __file__, sys.argv[1:] if argv is None else argv)
+    gpu_fake_driver.append_packages(args.packages)
     planted = {}
     for text in args.plant:
         kernel, numbers = text.split(":")
@@ -498,7 +496,7 @@ def main(argv=None) -> int:
     if args.output:
         command = [str(Path(__file__).relative_to(ROOT)), *(arg for arg in (sys.argv[1:] if argv is None else argv))]
         if args.packages:
-            command = command[:command.index("--packages")]
+            command = command[:command.index(gpu_fake_driver.PACKAGES)]
         made = {"command": "python " + " ".join(command),
                 "machine": f"{platform.machine()} CPU ({os.cpu_count()} cores), no GPU: compiled for sm_90"}
         args.output.write_text(json.dumps({**made, **counts, "failures": failures}, indent=1) + "\n")

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import enum
 import math
+import operator
 import sys
 import typing
 from collections.abc import Callable
@@ -251,15 +252,8 @@ PROBLEM_FIELDS = _flat_fields()
 PROBLEM_SCHEMA = ", ".join(f"{schema} {name}" for name, schema, _ in PROBLEM_FIELDS)
 
 
-def _field_values(problem: AttentionProblem) -> list:
-    """The problem's leaf fields (`PROBLEM_FIELDS`) as they are."""
-    values = []
-    for _, _, path in PROBLEM_FIELDS:
-        value = problem
-        for name in path:
-            value = getattr(value, name)
-        values.append(value)
-    return values
+# The problem's leaf fields (`PROBLEM_FIELDS`) as they are, in one call (it runs at every call of an engine).
+_field_values = operator.attrgetter(*(".".join(path) for _, _, path in PROBLEM_FIELDS))
 
 
 def flatten(problem: AttentionProblem) -> list:
@@ -318,11 +312,14 @@ def _needs_dispatcher(device_types: str | None, *arguments) -> bool:
     tracing, under a Python dispatch or function mode (fake tensors, `FlopCounterMode`, `torch.device` as a context),
     inside a functorch transform (vmap, `torch.func.grad`), with a tensor subclass (DTensor) among `arguments`, or on
     a device the ops are not registered for (the ops then refuse it)."""
-    return (tracing() or torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
-            or torch._C._functorch.peek_interpreter_stack() is not None
-            or any(isinstance(argument, torch.Tensor) and (type(argument) is not torch.Tensor or device_types
-                                                            not in (None, argument.device.type))
-                   for argument in arguments))
+    if (tracing() or torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+            or torch._C._functorch.peek_interpreter_stack() is not None):
+        return True
+    for argument in arguments:  # a loop, not a generator: this runs at every call
+        if isinstance(argument, torch.Tensor) and (type(argument) is not torch.Tensor or (
+                device_types is not None and argument.device.type != device_types)):
+            return True
+    return False
 
 
 def _profiled_as(op: str):

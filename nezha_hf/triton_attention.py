@@ -96,7 +96,12 @@ class Switches:
         """The kernels' compile-time arguments."""
         return dict(HAS_VALID=self.padding, CAUSAL=self.causal, HAS_SOURCE=self.source_keys, DROPOUT=self.dropout,
                     OFFSET_IN_MEMORY=self.offset_on_device, WIDEN=kernels.INTERPRETING and self.dtype == torch.bfloat16,
-                    IEEE=self.dtype == torch.float32, BLOCK_D=max(16, 1 << (self.head_size - 1).bit_length()))
+                    IEEE=self.dtype == torch.float32, BLOCK_D=_head_block(self.head_size))
+
+
+def _head_block(head_size: int) -> int:
+    """The kernels' head-size block `BLOCK_D`: a power of two of at least 16."""
+    return max(16, 1 << (head_size - 1).bit_length())
 
 
 _set_aside: dict[tuple[str, Switches], str] = {}  # (part, switches) whose kernel failed here, and why
@@ -146,28 +151,40 @@ def _refuse_set_aside(part: str, switches: Switches) -> None:
         raise TritonKernelFailed(reason)
 
 
-@contextlib.contextmanager
-def _launching(part: str, switches: Switches, device: torch.device):
-    """Launch the `part` kernels on `device` (Triton launches on the current CUDA device). An out-of-memory error
-    passes as it is; any other sets the part aside for `switches` (one warning) and becomes `TritonKernelFailed`."""
-    with _device_guard(device):
-        try:
-            yield
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as error:
-            reason = (f"the Triton kernel failed to compile for the {part} with {switches} ({type(error).__name__}: "
-                      f"{error})")
-            if (part, switches) not in _set_aside:
-                _set_aside[(part, switches)] = reason
-                logger.warning(f"NEZHA attention: {reason}; from now on, for such calls, "
-                               f"{fallback_words(Engine.TRITON)}.")
-            raise TritonKernelFailed(reason) from error
+class _Launching:
+    """A context for launching a call's `part` kernels: on the queries' GPU (Triton launches on the current CUDA
+    device). An out-of-memory error passes as it is; any other sets the part aside for the call's `Switches` (one
+    warning) and becomes `TritonKernelFailed`."""
+
+    def __init__(self, part: str, query: torch.Tensor, problem: AttentionProblem):
+        self.part, self.query, self.problem, self.guard = part, query, problem, None
+
+    def __enter__(self):
+        self.guard = _device_guard(self.query.get_device())
+        if self.guard is not None:
+            self.guard.__enter__()
+
+    def __exit__(self, kind, error, trace) -> None:
+        if self.guard is not None:
+            self.guard.__exit__(kind, error, trace)
+        if not isinstance(error, Exception) or isinstance(error, torch.OutOfMemoryError):
+            return
+        switches = Switches.of(self.query, self.problem)
+        reason = (f"the Triton kernel failed to compile for the {self.part} with {switches} ({type(error).__name__}: "
+                  f"{error})")
+        if (self.part, switches) not in _set_aside:
+            _set_aside[(self.part, switches)] = reason
+            _checked_backwards.clear()  # a training call checks again, and finds its backward set aside
+            logger.warning(f"NEZHA attention: {reason}; from now on, for such calls, {fallback_words(Engine.TRITON)}.")
+        raise TritonKernelFailed(reason) from error
 
 
-def _device_guard(device: torch.device):
-    """A context in which `device` is the current CUDA device (nothing to do for the CPU's interpreted kernels)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+def _device_guard(index: int) -> torch.cuda.device | None:
+    """A context in which CUDA device `index` is the current one (Triton launches on the current device), or None
+    where it is already, or for the CPU's tensors (`index` -1: the interpreter's)."""
+    if index < 0 or index == torch.cuda.current_device():
+        return None
+    return torch.cuda.device(index)
 
 
 def _offset_on_device(offset: int | torch.Tensor, device: torch.device) -> bool:
@@ -182,11 +199,27 @@ def _decoding_splits(programs: int, queries: int, keys: int, device: torch.devic
     other calls `(1, keys)`."""
     if queries > kernels.DECODING_BLOCK_M:
         return 1, keys
-    processors = (INTERPRETER_PROCESSORS if device.type == "cpu"
-                  else torch.cuda.get_device_properties(device).multi_processor_count)
-    wanted = -(-2 * processors // programs)
+    wanted = -(-2 * _multiprocessors(device) // programs)
     chunk = kernels.SPLIT_GRANULE * max(1, -(-keys // (wanted * kernels.SPLIT_GRANULE)))
     return -(-keys // chunk), chunk
+
+
+_processors: dict[torch.device, int] = {}  # multiprocessors per device, asked once
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """The multiprocessors of `device`'s GPU: `INTERPRETER_PROCESSORS` under the interpreter; for CPU tensors with
+    Triton compiling, those of the GPU Triton's active driver stands for (`benchmarks/gpu_fake_driver.py`)."""
+    if interpreting():
+        return INTERPRETER_PROCESSORS
+    if device not in _processors:
+        if device.type == "cpu":
+            from triton.runtime import driver
+
+            _processors[device] = driver.active.utils.get_device_properties(0)["multiprocessor_count"]
+        else:
+            _processors[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _processors[device]
 
 
 def _forward_part(splits: int) -> str:
@@ -198,10 +231,10 @@ def _key_flags(flags: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor | 
     return None if flags is None else flags.to(device=key.device, dtype=torch.int8).contiguous()
 
 
-def _key_bounds(problem: AttentionProblem, key: torch.Tensor) -> torch.Tensor | None:
+def _key_bounds(mask: RelativeAttentionMask, key: torch.Tensor) -> torch.Tensor | None:
     """`[batch, 3]` int32 per sequence: its first valid key, last valid key + 1, and last valid source key + 1 (0 when
     none), so that the kernels skip the key blocks no query sees; None without padding or source keys."""
-    valid, source = problem.mask.key_is_valid, problem.mask.key_is_source
+    valid, source = mask.key_is_valid, mask.key_is_source
     if valid is None and source is None:
         return None
     batch, _, keys, _ = key.shape
@@ -215,6 +248,12 @@ def _key_bounds(problem: AttentionProblem, key: torch.Tensor) -> torch.Tensor | 
     return torch.stack((first, end, sources), 1).to(torch.int32)
 
 
+def _mask_tensors(mask: RelativeAttentionMask, key: torch.Tensor) -> dict:
+    """The kernels' `KeyValid`, `KeyIsSource` and `KeyBounds` of a mask (`_key_flags`, `_key_bounds`)."""
+    return dict(KeyValid=_key_flags(mask.key_is_valid, key), KeyIsSource=_key_flags(mask.key_is_source, key),
+                KeyBounds=_key_bounds(mask, key))
+
+
 def _strides(tensor: torch.Tensor, name: str, row: str, heads_first: bool = True) -> dict:
     """The kernels' stride arguments `stride_{name}b`, `...h`, `...{row}`, `...d` of a `[batch, heads, length, d]`
     tensor (`heads_first`) or a `[batch, length, heads, d]` one."""
@@ -223,23 +262,151 @@ def _strides(tensor: torch.Tensor, name: str, row: str, heads_first: bool = True
     return {f"stride_{name}b": b, f"stride_{name}h": heads, f"stride_{name}{row}": length, f"stride_{name}d": d}
 
 
-def _arguments(query, key, value, table, problem: AttentionProblem, switches: Switches, kernels) -> dict:
-    """The arguments every kernel of a call takes, by name: the table (in the queries' dtype, contiguous), the mask's
-    flags and bounds, the offset, the strides of `query`, `key` and `value`, the sizes, the scale, dropout's seed and
-    threshold, and the switches."""
+# --- a call's arguments, and its launches decided once per kind of call --------------------------------------------
+
+
+@dataclass(frozen=True)
+class _TableUse:
+    """What the kernels take of a table for queries of one dtype (`_table_use`)."""
+
+    table: torch.Tensor  # in the queries' dtype, contiguous
+    rotate: bool  # the band by rotation (`_rotation`)
+    sinusoid: torch.Tensor | None  # the sinusoid the band by rotation reads, when it does
+
+
+def _table_use(table: torch.Tensor, dtype: torch.dtype, kernels) -> _TableUse:
+    """The table as the kernels take it for queries of `dtype`, made once per table and version (`_derived`: a model's
+    layers share one table)."""
+
+    def make() -> _TableUse:
+        rotation = _rotation(table, dtype, kernels)
+        return _TableUse(table.to(dtype).contiguous(), rotation["ROTATE"], rotation["Sinusoid"])
+
+    return _derived(("table", dtype), make, table)
+
+
+def _kind(part: str, query, key, value, table, problem: AttentionProblem, rotate: bool, *others) -> tuple:
+    """What decides a call's launches besides its own values (`_call_values`): calls of one kind launch the same
+    compiled kernels on the same grids with the same other arguments (its `Switches`, sizes, strides, scale, dropout
+    rate, table size and whether the band goes by rotation; `others`: the strides of the backward's output and
+    gradient). Made of plain values, cheaply: it is made at every call."""
+    mask = problem.mask
+    offset, device = mask.query_offset, query.get_device()
+    return (part, query.dtype, device, query.shape, query.stride(), key.shape, key.stride(), value.stride(),
+            table.shape[0], rotate, mask.key_is_valid is not None, mask.causal, mask.key_is_source is not None,
+            isinstance(offset, torch.Tensor) and offset.get_device() == device, problem.scaling, problem.dropout,
+            *others)
+
+
+def _call_values(query, key, value, use: _TableUse, problem: AttentionProblem, offset_on_device: bool) -> dict:
+    """The kernels' arguments that change from call to call, by name (a planned launch takes every other from its
+    plan, `_Plan`): the inputs; the table as the kernels take it (`_table_use`) and the mask's flags and bounds (made
+    once per mask, `_derived`: a model's layers and their backward share one); the offset; dropout's seed."""
+    mask = problem.mask
+    values = dict(Q=query, Kx=key, V=value, Table=use.table, Sinusoid=use.sinusoid, KeyValid=None, KeyIsSource=None,
+                  KeyBounds=None, Offset=None, offset=0, seed=int(problem.seed) if problem.dropout > 0 else 0)
+    if mask.key_is_valid is not None or mask.key_is_source is not None:
+        values.update(_derived(("mask", key.device, key.shape[-2]), lambda: _mask_tensors(mask, key),
+                               mask.key_is_valid, mask.key_is_source))
+    if offset_on_device:
+        values["Offset"] = mask.query_offset
+    else:
+        values["offset"] = int(mask.query_offset)
+    return values
+
+
+def _arguments(query, key, table, problem: AttentionProblem, switches: Switches, kernels) -> dict:
+    """The arguments every kernel of a call takes that are the same for every call of its kind (`_kind`), but the
+    strides, by name: the sizes, the scale, dropout's threshold and scale, and the switches."""
     _, heads, queries, size = query.shape
-    keys, dropout, offset = key.shape[-2], problem.dropout, problem.mask.query_offset
+    keys = key.shape[-2]
     if not problem.scaling > 0:  # the kernels take a row's maximum before the scale (plain FlashAttention-2's way)
         raise TritonKernelFailed(f"the Triton kernels take a positive score scale, not {problem.scaling}")
     return dict(
-        Table=table.to(query.dtype).contiguous(), KeyValid=_key_flags(problem.mask.key_is_valid, key),
-        KeyIsSource=_key_flags(problem.mask.key_is_source, key), KeyBounds=_key_bounds(problem, key),
-        Offset=offset if switches.offset_on_device else None, offset=0 if switches.offset_on_device else int(offset),
-        **_strides(query, "q", "m"), **_strides(key, "k", "n"), **_strides(value, "v", "n"),
         heads=heads, Lq=queries, Lk=keys, D=size, K=(table.shape[0] - 1) // 2, scale_log2=problem.scaling * LOG2E,
-        seed=int(problem.seed) if dropout > 0 else 0, **_dropout_draws(dropout),
-        LQ_CLASS=kernels.length_class(queries), LK_CLASS=kernels.length_class(keys), **switches.constexprs(kernels),
+        **_dropout_draws(problem.dropout), LQ_CLASS=kernels.length_class(queries),
+        LK_CLASS=kernels.length_class(keys), **switches.constexprs(kernels),
     )
+
+
+class _Plan:
+    """One kernel's launch, decided for a kind of call (`_kind`) by the kind's first launch through Triton (the
+    autotuner's choice, the JIT's compiled kernel): the compiled kernel's launcher for its grid, every argument in the
+    kernel's order, and where a later call of the kind puts its own values (`_call_values`, outputs and scratch), with
+    whether each of its tensors was aligned to 16 bytes (the JIT specialised the kernel on that; the kind fixes the
+    rest of what it specialised on)."""
+
+    def __init__(self, kernel, grid, arguments: dict, compiled, call: dict):
+        config = getattr(kernel, "best_config", None)  # an autotuned kernel's choice for this kind
+        every = {**arguments, **(config.kwargs if config is not None else {})}
+        grid = tuple(grid(every) if callable(grid) else grid)
+        self.run = compiled[grid + (1,) * (3 - len(grid))]
+        names = kernel.arg_names
+        self.slots = [(index, name) for index, name in enumerate(names) if name in call]
+        self.aligned = [(name, call[name].data_ptr() % 16 == 0) for _, name in self.slots
+                        if isinstance(call[name], torch.Tensor)]
+        # without the call's own values: a plan holds no tensor of the call that made it
+        self.arguments = [None if name in call else every[name] for name in names]
+
+    def fits(self, call: dict) -> bool:
+        for name, aligned in self.aligned:
+            if (call[name].data_ptr() % 16 == 0) != aligned:
+                return False
+        return True
+
+    def launch(self, call: dict) -> None:
+        arguments = self.arguments.copy()
+        for index, name in self.slots:
+            arguments[index] = call[name]
+        self.run(*arguments)
+
+
+@dataclass
+class _Launches:
+    """Every kernel launch of a kind of call, planned (`_Plan`), in order; a forward's decoding splits."""
+
+    plans: list[_Plan]
+    splits: int = 1
+
+    def launch(self, call: dict) -> bool:
+        """Launch the plans with `call`'s values, unless a tensor of it is aligned otherwise than planned (False:
+        Triton's JIT launches that call)."""
+        for plan in self.plans:
+            if not plan.fits(call):
+                return False
+        for plan in self.plans:
+            plan.launch(call)
+        return True
+
+
+_plans: dict[tuple, _Launches] = {}  # the kinds of call planned here
+PLANNED_KINDS = 1024  # kinds kept at most (a decoding loop with a growing dynamic cache makes a kind per step)
+
+
+def _launch_all(kind: tuple, launches: list, call: dict, warmup: bool = False, splits: int = 1) -> None:
+    """Launch each `(kernel, grid, arguments)` through Triton (its autotuner and JIT) with the arguments that kernel
+    takes (`arguments` may hold more), or (`warmup`) only compile them; then plan the kind (`_Launches`) where every
+    launch ran a compiled kernel (under the interpreter none does: every call goes through Triton)."""
+    kernels = _kernels()
+    launched = []
+    for kernel, grid, arguments in launches:
+        names = set(kernel.arg_names)
+        own = {name: value for name, value in arguments.items() if name in names}
+        launched.append((kernel, grid, own, _launch(kernel, grid, warmup, **own)))
+    if not warmup and all(isinstance(compiled, kernels.triton.compiler.CompiledKernel) for *_, compiled in launched):
+        if len(_plans) >= PLANNED_KINDS:
+            _plans.clear()
+        _plans[kind] = _Launches([_Plan(kernel, grid, own, compiled, call) for kernel, grid, own, compiled in launched],
+                                 splits)
+
+
+def _launch(kernel, grid, warmup: bool, **arguments):
+    """Launch `kernel` on `grid`, or (`warmup`) only compile what that launch would launch: Triton's own warmup, through
+    the same autotuner pruning and JIT specialisation. What Triton returns: the compiled kernel launched, where it
+    compiles."""
+    if warmup:
+        return kernel.warmup(grid=grid, **arguments)
+    return kernel[grid](**arguments)
 
 
 def _keep_rate(keep_scale: float) -> float:
@@ -264,9 +431,38 @@ def _dropout_draws(dropout: float) -> dict:
     return dict(threshold=threshold, keep_scale=256 / (256 - threshold))
 
 
-# Tables compared with the sinusoid: (id, dtype) -> (a weak reference to the table, its version, whether it is).
-_exact_tables: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, bool]] = {}
+# Results made from tensors (`_derived`): (what, the sources' ids) -> (weak references to them, their versions, result).
+_derived_values: dict[tuple, tuple] = {}
 _sinusoids: dict[tuple, torch.Tensor] = {}  # (K, head size, dtype, device) -> the kernels' `Sinusoid`
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on `device`'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _derived(what: tuple, make, *sources: torch.Tensor | None, decided_on_host: bool = False):
+    """`make()`, the result `what` made from `sources` (tensors, or None), kept while each source lives unchanged (its
+    version): the layers of a model, which share one table and one mask, and their backward make it once. Made again
+    for inference tensors (which count no versions) and, unless the host decides it once for all (a Python value,
+    `decided_on_host`), while a CUDA graph is being captured: the graph must make it from its inputs at each replay."""
+    key = (what, *map(id, sources))
+    known = _derived_values.get(key)
+    device = next(source.device for source in sources if source is not None)
+    if known is not None and (decided_on_host or not _capturing(device)):
+        references, versions, result = known
+        for reference, version, source in zip(references, versions, sources):
+            if source is not None and (reference() is not source or source._version != version):
+                break
+        else:
+            return result
+    tensors = [source for source in sources if source is not None]
+    result = make()
+    if not any(tensor.is_inference() for tensor in tensors) and (decided_on_host or not _capturing(device)):
+        forget = lambda _, values=_derived_values: values.pop(key, None)  # noqa: E731 (a source was freed)
+        _derived_values[key] = (tuple(None if source is None else weakref.ref(source, forget) for source in sources),
+                                tuple(None if source is None else source._version for source in sources), result)
+    return result
 
 
 def _is_exact_sinusoid(table: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -274,16 +470,13 @@ def _is_exact_sinusoid(table: torch.Tensor, dtype: torch.dtype) -> bool:
     then the band tiles, forward and backward, go by rotation (`triton_kernels._rotated_band`), which holds for that
     table only; any other table takes the table's window. Compared once per table tensor and version (the comparison
     waits for the GPU), the answer kept while the table lives."""
-    key = (id(table), dtype)
-    version = None if table.is_inference() else table._version  # an inference tensor counts no versions: no reuse
-    known = _exact_tables.get(key)
-    if known is not None and known[0]() is table and version is not None and known[1] == version:
-        return known[2]
-    rows, size = table.shape
-    exact = rows % 2 == 1 and size % 2 == 0 and torch.equal(
-        table.to(dtype), sinusoid_relative_table((rows - 1) // 2, size).to(table.device, dtype))
-    _exact_tables[key] = (weakref.ref(table, lambda _: _exact_tables.pop(key, None)), version, exact)
-    return exact
+
+    def compare() -> bool:
+        rows, size = table.shape
+        return rows % 2 == 1 and size % 2 == 0 and torch.equal(
+            table.to(dtype), sinusoid_relative_table((rows - 1) // 2, size).to(table.device, dtype))
+
+    return _derived(("exact sinusoid", dtype), compare, table, decided_on_host=True)
 
 
 def _rotation(table: torch.Tensor, dtype: torch.dtype, kernels) -> dict:
@@ -315,37 +508,35 @@ def triton_forward(query, key, value, table, problem: AttentionProblem) -> list[
     lse = torch.empty(batch, heads, queries, dtype=torch.float32, device=query.device)
     if queries == 0 or keys == 0:
         return [output.zero_(), lse.fill_(float("-inf"))]
-    switches = Switches.of(query, problem)
-    splits, chunk = _decoding_splits(batch * heads, queries, keys, query.device, kernels)
-    part = _forward_part(splits)
-    _refuse_set_aside(part, switches)
-    arguments = _arguments(query, key, value, table, problem, switches, kernels)
-    outputs = dict(Out=output, Lse=lse, **_strides(output, "o", "m", heads_first=False))
-    arguments.update(_rotation(table, query.dtype, kernels))
-    grid = lambda meta: (_blocks(queries, meta["BLOCK_M"]) * splits * batch * heads,)  # noqa: E731
-    with _launching(part, switches, query.device):
-        if splits == 1:
-            kernels.nezha_forward_kernel[grid](Q=query, Kx=key, V=value, Partial=None, PartialStats=None, **outputs,
-                                               **arguments, splits=1, key_chunk=keys, SPLIT=False)
-        else:
-            rows = batch * heads * splits * queries
-            partial = torch.empty(rows, arguments["BLOCK_D"], dtype=torch.float32, device=query.device)
-            statistics = torch.empty(rows, 2, dtype=torch.float32, device=query.device)
-            kernels.nezha_forward_kernel[grid](Q=query, Kx=key, V=value, Partial=partial, PartialStats=statistics,
-                                               **outputs, **arguments, splits=splits, key_chunk=chunk, SPLIT=True)
-            kernels.nezha_merge_kernel[(_blocks(queries, kernels.DECODING_BLOCK_M) * batch * heads,)](
-                Partial=partial, PartialStats=statistics, **outputs, heads=heads, Lq=queries, D=size, splits=splits,
-                BLOCK_D=arguments["BLOCK_D"], BLOCK_M=kernels.DECODING_BLOCK_M)
-    return [output, lse]
-
-
-def _launch(kernel, grid, warmup: bool, **arguments) -> None:
-    """Launch `kernel` on `grid`, or (`warmup`) only compile what that launch would launch: Triton's own warmup, through
-    the same autotuner pruning and JIT specialisation."""
-    if warmup:
-        kernel.warmup(grid=grid, **arguments)
+    use = _table_use(table, query.dtype, kernels)
+    kind = _kind("forward", query, key, value, table, problem, use.rotate)
+    call = _call_values(query, key, value, use, problem, kind[13])
+    call.update(Out=output, Lse=lse, Partial=None, PartialStats=None)
+    planned = _plans.get(kind)
+    if planned is None:
+        splits, chunk = _decoding_splits(batch * heads, queries, keys, query.device, kernels)
+        _refuse_set_aside(_forward_part(splits), Switches.of(query, problem))
     else:
-        kernel[grid](**arguments)
+        splits = planned.splits
+    if splits > 1:  # each split's unnormalised output, maximum and sum, merged by `nezha_merge_kernel`
+        rows = batch * heads * splits * queries
+        call.update(Partial=torch.empty(rows, _head_block(size), dtype=torch.float32, device=query.device),
+                    PartialStats=torch.empty(rows, 2, dtype=torch.float32, device=query.device))
+    with _Launching(_forward_part(splits), query, problem):
+        if planned is not None and planned.launch(call):
+            return [output, lse]
+        splits, chunk = _decoding_splits(batch * heads, queries, keys, query.device, kernels)
+        arguments = {**_arguments(query, key, table, problem, Switches.of(query, problem), kernels), **call,
+                     "ROTATE": use.rotate, **_strides(query, "q", "m"), **_strides(key, "k", "n"),
+                     **_strides(value, "v", "n"), **_strides(output, "o", "m", heads_first=False), "splits": splits,
+                     "key_chunk": chunk, "SPLIT": splits > 1}
+        launches = [(kernels.nezha_forward_kernel,
+                     lambda meta: (_blocks(queries, meta["BLOCK_M"]) * splits * batch * heads,), arguments)]
+        if splits > 1:
+            launches.append((kernels.nezha_merge_kernel, (_blocks(queries, kernels.DECODING_BLOCK_M) * batch * heads,),
+                             dict(arguments, BLOCK_M=kernels.DECODING_BLOCK_M)))
+        _launch_all(kind, launches, call, splits=splits)
+    return [output, lse]
 
 
 def triton_backward(grad_output, query, key, value, table, problem: AttentionProblem, output,
@@ -354,53 +545,54 @@ def triton_backward(grad_output, query, key, value, table, problem: AttentionPro
     `attention_ops.engine_op` (`grad_output` and `output` are `[batch, heads, queries, head_size]` views)."""
     batch, heads, queries, size = query.shape
     keys = key.shape[-2]
-    grad_query = torch.zeros(batch, heads, queries, size, dtype=query.dtype, device=query.device)
-    grad_key = torch.zeros(batch, heads, keys, size, dtype=key.dtype, device=key.device)
-    grad_value = torch.zeros(batch, heads, keys, size, dtype=value.dtype, device=value.device)
     if queries == 0 or keys == 0:
-        return grad_query, grad_key, grad_value
-    switches = Switches.of(query, problem)
-    _refuse_set_aside("backward", switches)
-    with _launching("backward", switches, query.device):
-        _backward_kernels(grad_output, query, key, value, table, problem, output, lse, switches,
-                          (grad_query, grad_key, grad_value), warmup=False)
-    return grad_query, grad_key, grad_value
+        return tuple(torch.zeros(batch, heads, length, size, dtype=query.dtype, device=query.device)
+                     for length in (queries, keys, keys))
+    # Every element is written by the kernels (a key or query no other sees gets 0).
+    grads = tuple(torch.empty(batch, heads, length, size, dtype=query.dtype, device=query.device)
+                  for length in (queries, keys, keys))
+    with _Launching("backward", query, problem):
+        _backward_kernels(grad_output, query, key, value, table, problem, output, lse, grads, warmup=False)
+    return grads
 
 
-def _backward_kernels(grad_output, query, key, value, table, problem: AttentionProblem, output, lse,
-                      switches: Switches, grads: tuple, warmup: bool) -> None:
+def _backward_kernels(grad_output, query, key, value, table, problem: AttentionProblem, output, lse, grads: tuple,
+                      warmup: bool) -> None:
     """Launch the backward's kernels into `grads` (`(grad_query, grad_key, grad_value)`), or (`warmup`) compile them
     only (`_check_backward`)."""
     kernels = _kernels()
-    grad_query, grad_key, grad_value = grads
     batch, heads, queries, size = query.shape
     keys = key.shape[-2]
-    arguments = _arguments(query, key, value, table, problem, switches, kernels)
-    rotation = _rotation(table, query.dtype, kernels)
-    arguments.update(rotation)
+    use = _table_use(table, query.dtype, kernels)
+    kind = _kind("backward", query, key, value, table, problem, use.rotate, grad_output.stride(), output.stride())
+    call = _call_values(query, key, value, use, problem, kind[13])
     # Per query and tile class: the log-sum-exp less a tail's key term, D_i = dO_i . O_i less its output term; for the
     # band by rotation, its clipped pairs' terms and the queries and output gradients turned.
-    row_lse, row_dot = (torch.empty(batch, heads, 3, queries, dtype=torch.float32, device=query.device)
-                        for _ in range(2))
-    turned = dict(RowTerms=None, RotQ=None, RotDO=None)
-    if rotation["ROTATE"]:
-        turned = dict(RowTerms=torch.empty(batch, heads, 4, queries, dtype=torch.float32, device=query.device),
-                      RotQ=torch.empty(batch, heads, queries, size, dtype=query.dtype, device=query.device),
-                      RotDO=torch.empty(batch, heads, queries, size, dtype=query.dtype, device=query.device))
-    shared = dict(Q=query, Kx=key, V=value, DO=grad_output, RowLse=row_lse, RowDot=row_dot, scale=problem.scaling,
-                  **turned, **arguments, **_strides(grad_output, "o", "m"))
-    block = kernels.STATISTICS_BLOCK_M
-    _launch(kernels.nezha_row_statistics_kernel, (_blocks(queries, block) * batch * heads,), warmup,
-            Q=query, DO=grad_output, O=output, Table=arguments["Table"], Sinusoid=rotation["Sinusoid"], Lse=lse,
-            RowLse=row_lse, RowDot=row_dot, **turned,
-            **_strides(query, "q", "m"), **_strides(grad_output, "o", "m"), **_strides(output, "y", "m"), heads=heads,
-            Lq=queries, D=size, K=arguments["K"], scale_log2=arguments["scale_log2"],
-            keep_rate=_keep_rate(arguments["keep_scale"]), DROPOUT=switches.dropout,
-            ROTATE=rotation["ROTATE"], BLOCK_D=arguments["BLOCK_D"], BLOCK_M=block)
-    _launch(kernels.nezha_key_value_grad_kernel, lambda meta: (_blocks(keys, meta["BLOCK_N"]) * batch * heads,),
-            warmup, DK=grad_key, DV=grad_value, **shared)
-    _launch(kernels.nezha_query_grad_kernel, lambda meta: (_blocks(queries, meta["BLOCK_M"]) * batch * heads,),
-            warmup, DQ=grad_query, **shared)
+    call.update(DO=grad_output, O=output, Lse=lse, DQ=grads[0], DK=grads[1], DV=grads[2],
+                RowLse=torch.empty(batch, heads, 3, queries, dtype=torch.float32, device=query.device),
+                RowDot=torch.empty(batch, heads, 3, queries, dtype=torch.float32, device=query.device),
+                RowTerms=None, RotQ=None, RotDO=None)
+    if use.rotate:
+        call.update(RowTerms=torch.empty(batch, heads, 4, queries, dtype=torch.float32, device=query.device),
+                    RotQ=torch.empty(batch, heads, queries, size, dtype=query.dtype, device=query.device),
+                    RotDO=torch.empty(batch, heads, queries, size, dtype=query.dtype, device=query.device))
+    planned = _plans.get(kind)
+    if not warmup and planned is not None and planned.launch(call):
+        return
+    switches = Switches.of(query, problem)
+    _refuse_set_aside("backward", switches)
+    arguments = {**_arguments(query, key, table, problem, switches, kernels), **call, "ROTATE": use.rotate,
+                 "scale": problem.scaling, **_strides(query, "q", "m"), **_strides(key, "k", "n"),
+                 **_strides(value, "v", "n"), **_strides(grad_output, "o", "m"), **_strides(output, "y", "m")}
+    statistics = dict(arguments, keep_rate=_keep_rate(arguments["keep_scale"]), BLOCK_M=kernels.STATISTICS_BLOCK_M)
+    _launch_all(kind, [
+        (kernels.nezha_row_statistics_kernel, (_blocks(queries, kernels.STATISTICS_BLOCK_M) * batch * heads,),
+         statistics),
+        (kernels.nezha_key_value_grad_kernel, lambda meta: (_blocks(keys, meta["BLOCK_N"]) * batch * heads,),
+         arguments),
+        (kernels.nezha_query_grad_kernel, lambda meta: (_blocks(queries, meta["BLOCK_M"]) * batch * heads,),
+         arguments),
+    ], call, warmup)
 
 
 def _forward_fake(query, key, value, table, problem):
@@ -432,26 +624,23 @@ def _check_backward(query, key, value, table, problem: AttentionProblem) -> None
     compile is found while another engine can still take the call: Triton's warmup through the backward's own
     launchers (`_backward_kernels`), with the call's tensors and table (its `K`, whether it goes by rotation), the
     configurations the autotuner keeps for its lengths and switches, and the seed's type. Once per kind of call
-    (switches, device, length classes, table size and rotation); a backward whose arguments Triton specialises
+    (`_kind`: its switches, sizes, strides, table size and rotation; forgotten when a backward fails, so that a
+    kind whose backward was set aside goes to the next engine); a backward whose arguments Triton specialises
     otherwise (a gradient of other strides) compiles at its launch, as any kernel does."""
-    switches = Switches.of(query, problem)
-    _refuse_set_aside("backward", switches)
     kernels = _kernels()
     batch, heads, queries, size = query.shape
     keys = key.shape[-2]
-    if queries == 0 or keys == 0:
+    kind = _kind("backward check", query, key, value, table, problem, _table_use(table, query.dtype, kernels).rotate)
+    if kind in _checked_backwards or queries == 0 or keys == 0:
         return
-    rotate = query.dtype != torch.float32 and _is_exact_sinusoid(table, query.dtype)
-    kind = (switches, query.device, kernels.length_class(queries), kernels.length_class(keys), table.shape[0], rotate)
-    if kind in _checked_backwards:
-        return
+    _refuse_set_aside("backward", Switches.of(query, problem))
     # The forward's outputs as the backward receives them (`engine_op`): `[batch, heads, queries, d]` views.
     output = query.new_empty(batch, queries, heads, size).transpose(1, 2)
     lse = torch.empty(batch, heads, queries, dtype=torch.float32, device=query.device)
     grads = tuple(torch.empty(batch, heads, length, size, dtype=query.dtype, device=query.device)
                   for length in (queries, keys, keys))
-    with _launching("backward", switches, query.device):
-        _backward_kernels(output, query, key, value, table, problem, output, lse, switches, grads, warmup=True)
+    with _Launching("backward", query, problem):
+        _backward_kernels(output, query, key, value, table, problem, output, lse, grads, warmup=True)
     _checked_backwards.add(kind)
 
 

@@ -255,6 +255,8 @@ def test_a_kernel_that_fails_to_compile_is_one_warning_and_the_chunked_engine(ke
     from nezha_hf import triton_kernels
 
     class Broken:  # fails to compile: at its launch and at Triton's compile-only warmup alike
+        arg_names = getattr(triton_kernels, kernel).arg_names
+
         def __getitem__(self, grid):
             return self.warmup
 
@@ -444,12 +446,13 @@ def test_dk_dv_tiles_draw_the_rule_at_every_tuned_block():
 
 
 class Launches:
-    """Stands in for a kernel: records each launch's grid (and keyword switches) and runs nothing, or runs the real
-    kernel when `real` is given, or raises `error` when the switches match `failing_when`; the same for a warmup
-    (Triton's compile-only launch), recorded in `warmups`."""
+    """Stands in for kernel `real`: records each launch's grid (and keyword switches) and runs the real kernel (or
+    nothing, unless `run`), or raises `error` when the switches match `failing_when`; the same for a warmup (Triton's
+    compile-only launch), recorded in `warmups`."""
 
-    def __init__(self, real=None, error=None, failing_when=None):
-        self.real, self.error, self.failing_when, self.launches, self.warmups = real, error, failing_when or {}, [], []
+    def __init__(self, real, error=None, failing_when=None, run=True):
+        self.real, self.error, self.failing_when, self.run = real, error, failing_when or {}, run
+        self.launches, self.warmups, self.arg_names = [], [], real.arg_names  # the parameters the launcher passes
 
     def _fails(self, kwargs) -> bool:
         return self.error is not None and all(kwargs.get(name) == value for name, value in self.failing_when.items())
@@ -459,7 +462,7 @@ class Launches:
             self.launches.append((grid, kwargs))
             if self._fails(kwargs):
                 raise self.error
-            if self.real is not None:
+            if self.run:
                 return self.real[grid](*args, **kwargs)
 
         return launch
@@ -468,7 +471,7 @@ class Launches:
         self.warmups.append((grid, kwargs))
         if self._fails(kwargs):
             raise self.error
-        if self.real is not None:
+        if self.run:
             return self.real.warmup(*args, grid=grid, **kwargs)
 
 
@@ -514,14 +517,39 @@ def test_the_backward_check_compiles_the_kernels_the_backward_launches(monkeypat
             assert programs(launched_grid) == programs(grid), name
 
 
+def test_a_masks_flags_are_made_once_per_mask_and_again_when_it_changes_or_in_a_cuda_graph(monkeypatch):
+    """The kernels' key flags and bounds of a mask (and the table in the queries' dtype) are made once per mask tensor
+    and reused by later calls with it (a model's layers and their backward share one mask): again after the mask
+    changes in place (its version), for another mask, and at every call while a CUDA graph is being captured (the
+    graph must make them from its inputs at each replay); the outputs stay the reference's."""
+    made = []
+    mask_tensors = ta._mask_tensors
+    monkeypatch.setattr(ta, "_mask_tensors", lambda *args: made.append(1) or mask_tensors(*args))
+    q, k, v = inputs(1, 2, 20, 20, 8, seed=4)
+    valid = torch.ones(1, 20, dtype=torch.bool)
+    valid[0, 15:] = False
+    for _ in range(3):
+        compare(q, k, v, 4, RelativeAttentionMask(key_is_valid=valid), reference.allowed_mask(20, valid))
+    assert len(made) == 1, made
+    valid[0, 12:] = False  # in place: its version changes
+    compare(q, k, v, 4, RelativeAttentionMask(key_is_valid=valid), reference.allowed_mask(20, valid))
+    assert len(made) == 2
+    other = valid.clone()
+    compare(q, k, v, 4, RelativeAttentionMask(key_is_valid=other), reference.allowed_mask(20, other))
+    assert len(made) == 3
+    monkeypatch.setattr(ta, "_capturing", lambda device: True)
+    compare(q, k, v, 4, RelativeAttentionMask(key_is_valid=other), reference.allowed_mask(20, other))
+    assert len(made) == 5  # the forward's and the backward's
+
+
 def test_launch_grids_hold_any_number_of_heads(monkeypatch):
     """CUDA allows at most 65,535 programs on a grid's second and third axes: batch x heads = 70,000 must not sit
     there (the launches are recorded, not run). And the kernels run on the tensors' GPU, not the current one."""
     from nezha_hf import triton_kernels
 
-    launchers = {name: Launches() for name in ("nezha_forward_kernel", "nezha_row_statistics_kernel",
-                                                "nezha_key_value_grad_kernel", "nezha_query_grad_kernel",
-                                                "nezha_merge_kernel")}
+    launchers = {name: Launches(getattr(triton_kernels, name), run=False)
+                 for name in ("nezha_forward_kernel", "nezha_row_statistics_kernel", "nezha_key_value_grad_kernel",
+                              "nezha_query_grad_kernel", "nezha_merge_kernel")}
     for name, launcher in launchers.items():
         monkeypatch.setattr(triton_kernels, name, launcher, raising=False)
     batch, heads, length, d = 2, 35_000, 20, 8
@@ -537,8 +565,9 @@ def test_launch_grids_hold_any_number_of_heads(monkeypatch):
         axes = programs(grid)
         assert all(axis <= 65_535 for axis in axes[1:]), (name, axes)
         assert math.prod(axes) == blocks * batch * heads, (name, axes)
-    assert ta._device_guard(torch.device("cuda", 1)).idx == 1
-    assert not isinstance(ta._device_guard(torch.device("cpu")), torch.cuda.device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert ta._device_guard(1).idx == 1
+    assert ta._device_guard(0) is None and ta._device_guard(-1) is None  # the current GPU; the CPU's tensors
 
 
 def test_out_of_memory_reaches_the_caller_and_the_engine_stays_usable(monkeypatch):
@@ -551,7 +580,7 @@ def test_out_of_memory_reaches_the_caller_and_the_engine_stays_usable(monkeypatc
     table = ra.sinusoid_relative_table(4, 8)
     module = torch.nn.Module().eval()
     monkeypatch.setattr(triton_kernels, "nezha_forward_kernel",
-                        Launches(error=torch.OutOfMemoryError("CUDA out of memory (simulated)")))
+                        Launches(real, error=torch.OutOfMemoryError("CUDA out of memory (simulated)")))
     with pytest.raises(torch.OutOfMemoryError, match="simulated"):
         ra.relative_attention(module, q, k, v, None, 8**-0.5, relative_table=table, requested=ra.Engine.TRITON)
     monkeypatch.setattr(triton_kernels, "nezha_forward_kernel", real)
@@ -701,7 +730,7 @@ def compile_for_a_gpu(architecture: int = 90) -> None:
 
     class Compile:
         def __init__(self, kernel):
-            self.kernel = kernel
+            self.kernel, self.arg_names = kernel, kernel.arg_names
 
         def __getitem__(self, grid):
             def launch(**arguments):
@@ -842,6 +871,91 @@ with fake_hopper() as gpu:
 
 
 @pytest.mark.slow
+def test_a_planned_launch_passes_what_tritons_own_launch_passes(tmp_path):
+    """A kind of call's first launch goes through Triton (autotuner, JIT binder) and plans the kind; later calls of the
+    kind launch the compiled kernels by their plan (`triton_attention._Plan`). Against a fake H100, with Triton
+    compiling: each planned launch hands Triton's launcher the grid and arguments Triton's own launch of the same call
+    hands it (the inputs and cached tensors the same objects, the outputs and scratch made alike, every other value
+    equal), for a forward, a padded training step with dropout (the backward's three kernels) and a decoding step
+    with a static cache (split and merged); and a call whose tensor is aligned otherwise goes through Triton."""
+    script = tmp_path / "probe.py"
+    script.write_text(f"""
+import json, sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch
+from triton.backends.nvidia import driver as nvidia
+from benchmarks.gpu_fake_driver import fake_hopper
+from nezha_hf import relative_attention as ra, triton_attention as ta
+from nezha_hf.attention_ops import AttentionProblem, RelativeAttentionMask
+
+recorded = []
+original = nvidia.CudaLauncher.__call__
+def record(self, *args):
+    recorded.append(args)
+    return original(self, *args)
+nvidia.CudaLauncher.__call__ = record
+
+def described(arguments):
+    return [("tensor", a.dtype, tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else
+            a if isinstance(a, (int, float, bool, str, type(None))) else type(a).__name__ for a in arguments]
+
+def launches(step, planned):
+    if not planned:
+        ta._plans.clear()
+    recorded.clear()
+    step()
+    return list(recorded)
+
+table = ra.sinusoid_relative_table(64, 64).to(torch.bfloat16)
+valid = torch.arange(300)[None, :] < torch.tensor([[300], [250]])
+problems = {{
+    "forward": AttentionProblem(RelativeAttentionMask(), 0.125),
+    "training": AttentionProblem(RelativeAttentionMask(key_is_valid=valid), 0.125, 0.1, torch.tensor(0x123456789ABC)),
+    "decoding": AttentionProblem(RelativeAttentionMask(key_is_valid=valid, causal=True,
+                                                       query_offset=torch.tensor(299)), 0.125),
+}}
+results = {{}}
+with fake_hopper():
+    for name, problem in problems.items():
+        queries = 1 if name == "decoding" else 300
+        q = torch.zeros(2, queries, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (torch.zeros(2, 4, 300, 64, dtype=torch.bfloat16) for _ in range(2))
+        if name == "training":
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            grad = torch.ones(2, queries, 4, 64, dtype=torch.bfloat16)
+            step = lambda: ta.triton_attention(q, k, v, table, problem).backward(grad)
+        else:
+            step = lambda: ta.triton_attention(q, k, v, table, problem)
+        step()  # compiles, tunes and plans
+        own, planned = launches(step, planned=False), launches(step, planned=True)
+        identical = [[a is b for a, b in zip(x, y) if isinstance(a, torch.Tensor)] for x, y in zip(own, planned)]
+        results[name] = [len(own), [described(x) for x in own] == [described(x) for x in planned],
+                         sum(map(sum, identical)), [x[:3] for x in own] == [x[:3] for x in planned]]
+    # a query aligned otherwise than the planned call's: Triton's own launch (a kernel compiled for it)
+    problem, k, v = problems["forward"], k.detach(), v.detach()
+    ta.triton_attention(torch.zeros(2, 300, 4, 64, dtype=torch.bfloat16).transpose(1, 2), k, v, table, problem)
+    q = torch.zeros(2 * 300 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 300, 4, 64).transpose(1, 2)
+    planned = []
+    launch = ta._Plan.launch
+    ta._Plan.launch = lambda plan, call: planned.append(1) or launch(plan, call)
+    recorded.clear()
+    ta.triton_attention(q, k, v, table, problem)
+    results["misaligned"] = [q.data_ptr() % 16, len(planned), len(recorded)]
+print(json.dumps(results))
+""")
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run([sys.executable, str(script)], env=environment, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    for name, kernels in (("forward", 1), ("training", 4), ("decoding", 2)):  # training: its forward and backward
+        count, alike, identical, grids = results[name]
+        assert count == kernels and alike and grids, (name, results[name])
+        assert identical >= 3 * kernels - 2, (name, results[name])  # at least the inputs, passed as they are
+    assert results["misaligned"][0] != 0 and results["misaligned"][1:] == [0, 1], results["misaligned"]
+
+
+@pytest.mark.slow
 def test_dk_dv_draws_compile_for_a_gpu_where_the_threshold_is_one(tmp_path):
     """Triton's JIT makes an integer argument equal to 1 a constant: a dropout rate that rounds to 1/256 gives dK/dV's
     draws a threshold that is a Python int, not a tensor (the interpreter, which the other tests run under, passes
@@ -940,7 +1054,7 @@ def test_backward_band_by_rotation_matches_the_window(mask_kind, dropout, K, len
     output, lse = ta.triton_forward(q, k, v, table, problem)
     rotated = ta.triton_backward(grad, q, k, v, table, problem, output.transpose(1, 2), lse)
     monkeypatch.setattr(ta, "_rotation", lambda *args: dict(ROTATE=False, Sinusoid=None))
-    windowed = ta.triton_backward(grad, q, k, v, table, problem, output.transpose(1, 2), lse)
+    windowed = ta.triton_backward(grad, q, k, v, table.clone(), problem, output.transpose(1, 2), lse)  # a new table
     for kernel in backward:
         assert [switches.get("ROTATE") for _, switches in kernel.launches] == [True, False]
     assert tk.ROTATION_ROWS >= 16
@@ -960,7 +1074,7 @@ def test_band_by_rotation_with_dropout_keeps_the_windows_mask(K, length, monkeyp
     problem = AttentionProblem(RelativeAttentionMask(), 16**-0.5, 0.3, torch.tensor(11))
     rotated, _ = ta.triton_forward(q, k, v, table, problem)
     monkeypatch.setattr(ta, "_rotation", lambda *args: dict(ROTATE=False, Sinusoid=None))
-    windowed, _ = ta.triton_forward(q, k, v, table, problem)
+    windowed, _ = ta.triton_forward(q, k, v, table.clone(), problem)  # a new table: its use made again
     assert [switches["ROTATE"] for _, switches in launches.launches] == [True, False]
     torch.testing.assert_close(rotated.double(), windowed.double(), atol=5e-3, rtol=0)
 
