@@ -219,6 +219,26 @@ def test_the_model_profile_rehearsed_gives_host_and_kernel_time_per_layer(unmeas
     assert "Batch 2: NEZHA's host time per layer" in (tmp_path / "gpu-profile.md").read_text()
 
 
+@pytest.mark.slow
+def test_the_model_profile_against_a_fake_gpu_gives_host_time_per_layer(tmp_path):
+    """`gpu_profile.py --fake-gpu`: the 12-layer model's host time per layer on the CPU, NEZHA's Triton engine
+    launching through Triton's whole launch path against a fake H100 (so Triton compiles: a process without the
+    interpreter), beside BERT-SDPA's, each at three lengths and fitted to no tokens, with and without the profiler."""
+    import os
+    import subprocess
+
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "benchmarks/gpu_profile.py", "--fake-gpu", "--results", str(tmp_path)],
+                          cwd=ROOT, env=environment, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu-profile-fake-gpu.json").read_text())
+    assert [(row["model"], row["tokens"]) for row in result["rows"]] == [
+        (model, tokens) for tokens in (8, 16, 32) for model in ("NEZHA (nezha_triton)", "BERT-SDPA")]
+    assert all(row["ranges"] == 12 * result["sizes"]["passes"] and row["pass_cpu_ms"] > 0 for row in result["rows"])
+    nezha, bert = result["host_us_per_layer"].values()
+    assert result["ratio"] == nezha / bert and "host time per layer" in (tmp_path / "gpu-profile-fake-gpu.md").read_text()
+
+
 def test_the_model_profile_ends_in_one_line_when_nezha_did_not_run_triton(triton_unusable, unmeasured_machine,
                                                                           tmp_path, capsys):
     from benchmarks import gpu_profile
