@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import enum
 import math
-import operator
 import sys
 import typing
 from collections.abc import Callable
@@ -252,18 +251,26 @@ PROBLEM_FIELDS = _flat_fields()
 PROBLEM_SCHEMA = ", ".join(f"{schema} {name}" for name, schema, _ in PROBLEM_FIELDS)
 
 
-# The problem's leaf fields (`PROBLEM_FIELDS`) as they are, in one call (it runs at every call of an engine).
-_field_values = operator.attrgetter(*(".".join(path) for _, _, path in PROBLEM_FIELDS))
+def _field_values(problem: AttentionProblem) -> list:
+    """The problem's leaf fields (`PROBLEM_FIELDS`) as they are (plain attribute reads: torch.compile traces them)."""
+    values = []
+    for _, _, path in PROBLEM_FIELDS:
+        value = problem
+        for name in path:
+            value = getattr(value, name)
+        values.append(value)
+    return values
 
 
-def flatten(problem: AttentionProblem) -> list:
-    """The problem as the ops' flat arguments (`PROBLEM_FIELDS`): offsets and seeds as tensors."""
+def flatten(problem: AttentionProblem, device: torch.device | None = None) -> list:
+    """The problem as the ops' flat arguments (`PROBLEM_FIELDS`): offsets and seeds as tensors, those made from an int
+    or None on `device` (the CPU's when None)."""
     values = []
     for (_, schema, _), value in zip(PROBLEM_FIELDS, _field_values(problem)):
         if schema == "Tensor" and not isinstance(value, torch.Tensor):  # an int offset, or no seed
             # `torch.tensor`, not `as_tensor`: under torch.export an offset is a symbolic size (the cache length),
             # which `as_tensor` would freeze into a constant of the traced length.
-            value = torch.tensor(0 if value is None else value, dtype=torch.int64)
+            value = torch.tensor(0 if value is None else value, dtype=torch.int64, device=device)
         values.append(value)
     return values
 
@@ -448,7 +455,9 @@ def engine_op(engine: Engine, forward: Callable, forward_fake: Callable, backwar
 
     def attention(query, key, value, table, problem: AttentionProblem) -> torch.Tensor:
         if _needs_dispatcher(device_types, query, key, value, table, *_field_values(problem)):
-            return forward_op(query, key, value, table, *flatten(problem))[0]
+            # Traced, the tensors made of ints go to the queries' device: a compiled graph that makes one on the CPU
+            # is not captured by CUDA graphs.
+            return forward_op(query, key, value, table, *flatten(problem, query.device if tracing() else None))[0]
         with _profiled_as(forward_op.name()):
             if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value, table)):
                 return DirectAttention.apply(problem, query, key, value, table)[0]

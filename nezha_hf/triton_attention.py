@@ -78,24 +78,26 @@ class Switches:
     source_keys: bool  # UniLM's prefix mask (under `causal`)
     dropout: bool
     offset_on_device: bool  # the queries' offset is a tensor the kernels read
+    seed_on_device: bool  # dropout's seed is a tensor the kernels read
 
     @classmethod
     def of(cls, query: torch.Tensor, problem: AttentionProblem) -> "Switches":
         mask = problem.mask
         return cls(query.dtype, query.shape[-1], mask.key_is_valid is not None, bool(mask.causal),
                    problem.mask.key_is_source is not None, problem.dropout > 0,
-                   _offset_on_device(mask.query_offset, query.device))
+                   _offset_on_device(query, mask.query_offset), _seed_on_device(problem))
 
     def __str__(self) -> str:
         named = (("padding", self.padding), ("causal", self.causal), ("UniLM source keys", self.source_keys),
-                 ("dropout", self.dropout), ("the offset on the GPU", self.offset_on_device))
+                 ("dropout", self.dropout), ("the offset on the GPU", self.offset_on_device),
+                 ("the seed on the GPU", self.seed_on_device))
         return ", ".join([str(self.dtype).removeprefix("torch."), f"head size {self.head_size}",
                           *(name for name, on in named if on)])
 
     def constexprs(self, kernels) -> dict:
         """The kernels' compile-time arguments."""
         return dict(HAS_VALID=self.padding, CAUSAL=self.causal, HAS_SOURCE=self.source_keys, DROPOUT=self.dropout,
-                    OFFSET_IN_MEMORY=self.offset_on_device, WIDEN=kernels.INTERPRETING and self.dtype == torch.bfloat16,
+                    OFFSET_IN_MEMORY=self.offset_on_device, SEED_IN_MEMORY=self.seed_on_device, WIDEN=kernels.INTERPRETING and self.dtype == torch.bfloat16,
                     IEEE=self.dtype == torch.float32, BLOCK_D=_head_block(self.head_size))
 
 
@@ -187,10 +189,17 @@ def _device_guard(index: int) -> torch.cuda.device | None:
     return torch.cuda.device(index)
 
 
-def _offset_on_device(offset: int | torch.Tensor, device: torch.device) -> bool:
+def _offset_on_device(query: torch.Tensor, offset: int | torch.Tensor) -> bool:
     """Whether the kernels read the queries' offset from memory: a tensor on the queries' device, whose value the host
-    would have to wait for. An int, or a tensor on the CPU (where `attention_ops.flatten` puts an int), is read here."""
-    return isinstance(offset, torch.Tensor) and offset.device == device
+    would have to wait for. An int, or a tensor on the CPU with GPU queries, is read here."""
+    return isinstance(offset, torch.Tensor) and offset.get_device() == query.get_device()
+
+
+def _seed_on_device(problem: AttentionProblem) -> bool:
+    """Whether the kernels read dropout's seed from memory: a tensor on a GPU (a traced call's, drawn there so that a
+    CUDA graph draws it at each replay; read on the host it would wait for the GPU). A seed on the CPU (an eager call's)
+    is read here."""
+    return problem.dropout > 0 and isinstance(problem.seed, torch.Tensor) and problem.seed.device.type != "cpu"
 
 
 def _decoding_splits(programs: int, queries: int, keys: int, device: torch.device, kernels) -> tuple[int, int]:
@@ -291,24 +300,27 @@ def _kind(part: str, query, key, value, table, problem: AttentionProblem, rotate
     rate, table size and whether the band goes by rotation; `others`: the strides of the backward's output and
     gradient). Made of plain values, cheaply: it is made at every call."""
     mask = problem.mask
-    offset, device = mask.query_offset, query.get_device()
-    return (part, query.dtype, device, query.shape, query.stride(), key.shape, key.stride(), value.stride(),
-            table.shape[0], rotate, mask.key_is_valid is not None, mask.causal, mask.key_is_source is not None,
-            isinstance(offset, torch.Tensor) and offset.get_device() == device, problem.scaling, problem.dropout,
-            *others)
+    return (part, query.dtype, query.get_device(), query.shape, query.stride(), key.shape, key.stride(),
+            value.stride(), table.shape[0], rotate, mask.key_is_valid is not None, mask.causal,
+            mask.key_is_source is not None, _offset_on_device(query, mask.query_offset), _seed_on_device(problem),
+            problem.scaling, problem.dropout, *others)
 
 
-def _call_values(query, key, value, use: _TableUse, problem: AttentionProblem, offset_on_device: bool) -> dict:
+def _call_values(query, key, value, use: _TableUse, problem: AttentionProblem) -> dict:
     """The kernels' arguments that change from call to call, by name (a planned launch takes every other from its
     plan, `_Plan`): the inputs; the table as the kernels take it (`_table_use`) and the mask's flags and bounds (made
     once per mask, `_derived`: a model's layers and their backward share one); the offset; dropout's seed."""
     mask = problem.mask
     values = dict(Q=query, Kx=key, V=value, Table=use.table, Sinusoid=use.sinusoid, KeyValid=None, KeyIsSource=None,
-                  KeyBounds=None, Offset=None, offset=0, seed=int(problem.seed) if problem.dropout > 0 else 0)
+                  KeyBounds=None, Offset=None, offset=0, Seed=None, seed=0)
+    if _seed_on_device(problem):
+        values["Seed"] = problem.seed
+    elif problem.dropout > 0:
+        values["seed"] = int(problem.seed)
     if mask.key_is_valid is not None or mask.key_is_source is not None:
         values.update(_derived(("mask", key.device, key.shape[-2]), lambda: _mask_tensors(mask, key),
                                mask.key_is_valid, mask.key_is_source))
-    if offset_on_device:
+    if _offset_on_device(query, mask.query_offset):
         values["Offset"] = mask.query_offset
     else:
         values["offset"] = int(mask.query_offset)
@@ -510,7 +522,7 @@ def triton_forward(query, key, value, table, problem: AttentionProblem) -> list[
         return [output.zero_(), lse.fill_(float("-inf"))]
     use = _table_use(table, query.dtype, kernels)
     kind = _kind("forward", query, key, value, table, problem, use.rotate)
-    call = _call_values(query, key, value, use, problem, kind[13])
+    call = _call_values(query, key, value, use, problem)
     call.update(Out=output, Lse=lse, Partial=None, PartialStats=None)
     planned = _plans.get(kind)
     if planned is None:
@@ -565,7 +577,7 @@ def _backward_kernels(grad_output, query, key, value, table, problem: AttentionP
     keys = key.shape[-2]
     use = _table_use(table, query.dtype, kernels)
     kind = _kind("backward", query, key, value, table, problem, use.rotate, grad_output.stride(), output.stride())
-    call = _call_values(query, key, value, use, problem, kind[13])
+    call = _call_values(query, key, value, use, problem)
     # Per query and tile class: the log-sum-exp less a tail's key term, D_i = dO_i . O_i less its output term; for the
     # band by rotation, its clipped pairs' terms and the queries and output gradients turned.
     call.update(DO=grad_output, O=output, Lse=lse, DQ=grads[0], DK=grads[1], DV=grads[2],

@@ -433,6 +433,15 @@ def _program(blocks, heads, Offset, offset, OFFSET_IN_MEMORY: tl.constexpr):
     return block, head, (head // heads).to(tl.int64), (head % heads).to(tl.int64), offset
 
 
+@triton.jit
+def _seed(Seed, seed, SEED_IN_MEMORY: tl.constexpr):
+    """Dropout's seed: `seed`, or (`SEED_IN_MEMORY`) the one at `Seed`, a tensor on the GPU (a traced call's: read on
+    the host it would wait for the GPU, and a CUDA graph would keep the value it was captured with)."""
+    if SEED_IN_MEMORY:
+        seed = tl.load(Seed)
+    return seed
+
+
 # --- forward -----------------------------------------------------------------------------------------------------
 
 
@@ -672,14 +681,14 @@ def _store_output(Out, Lse, acc, row_max, row_sum, b, h, head, offs_m, offs_d, L
 @triton.autotune(configs=FORWARD_CONFIGS, key=[*TUNING_KEY, "SPLIT", "ROTATE"], prune_configs_by=PRUNING)
 @triton.jit(do_not_specialize=[*CALL_VALUES, "key_chunk", "splits"])
 def nezha_forward_kernel(
-    Q, Kx, V, Table, Sinusoid, Out, Lse, Partial, PartialStats, KeyValid, KeyIsSource, KeyBounds, Offset,
+    Q, Kx, V, Table, Sinusoid, Out, Lse, Partial, PartialStats, KeyValid, KeyIsSource, KeyBounds, Offset, Seed,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
     heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale_log2, seed: tl.int64, threshold, keep_scale,
     splits, key_chunk, LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
-    OFFSET_IN_MEMORY: tl.constexpr, SPLIT: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, SPLIT: tl.constexpr, ROTATE: tl.constexpr,
+    WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One block of queries of one head against its keys, or (`SPLIT`) against the `key_chunk` keys of one split:
     the output and log-sum-exp, or the split's unnormalised output, maximum and sum (`Partial`, `PartialStats`).
@@ -689,6 +698,7 @@ def nezha_forward_kernel(
     not read them."""
     query_blocks = tl.cdiv(Lq, BLOCK_M)
     block, head, b, h, offset = _program(query_blocks * splits, heads, Offset, offset, OFFSET_IN_MEMORY)
+    seed = _seed(Seed, seed, SEED_IN_MEMORY)
     block, split = block % query_blocks, block // query_blocks
     m0 = block * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -1015,19 +1025,20 @@ def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTe
 @triton.jit(do_not_specialize=CALL_VALUES)
 def nezha_key_value_grad_kernel(
     Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, DK, DV, KeyValid, KeyIsSource, KeyBounds,
-    Offset,
+    Offset, Seed,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
     heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale, scale_log2, seed: tl.int64, threshold, keep_scale,
     LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
-    OFFSET_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One block of keys of one head: `dK = scale sum_i dS_ij q_i` and `dV = sum_i P~_ij dO_i` (`[batch, heads, keys,
     d]` contiguous), over the query blocks that see any of its keys: left tail, band, then right tail tiles
     (`_program` numbers the programs). `ROTATE`: the band by rotation, as the forward's (`_rotated_key_value_tile`)."""
     block, head, b, h, offset = _program(tl.cdiv(Lk, BLOCK_N), heads, Offset, offset, OFFSET_IN_MEMORY)
+    seed = _seed(Seed, seed, SEED_IN_MEMORY)
     n0 = block * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -1230,18 +1241,20 @@ def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, 
 @triton.jit(do_not_specialize=CALL_VALUES)
 def nezha_query_grad_kernel(
     Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
+    Seed,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
     heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale, scale_log2, seed: tl.int64, threshold, keep_scale,
     LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
-    OFFSET_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One block of queries of one head: `dQ = scale sum_j dS_ij (k_j + T[r])` (`[batch, heads, queries, d]`
     contiguous), over the key blocks the forward visits (`_program` numbers the programs). `ROTATE`: the band by
     rotation, as the forward's (`_rotated_query_band`)."""
     block, head, b, h, offset = _program(tl.cdiv(Lq, BLOCK_M), heads, Offset, offset, OFFSET_IN_MEMORY)
+    seed = _seed(Seed, seed, SEED_IN_MEMORY)
     m0 = block * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)

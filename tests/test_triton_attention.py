@@ -156,6 +156,26 @@ def test_a_dropout_rate_that_rounds_to_none_or_all_is_the_next_engines(dropout):
         run(q.float(), k.float(), v.float(), 4, dropout=dropout)
 
 
+def test_a_seed_read_from_memory_draws_the_mask_a_seed_read_on_the_host_draws(monkeypatch):
+    """A traced call's seed is a tensor on the GPU, which the kernels read from memory (`SEED_IN_MEMORY`); an eager
+    call's, on the CPU, is read on the host: the same seed keeps the same pairs either way, forward and backward
+    (here the kernels are made to read a CPU seed from memory)."""
+    q, k, v = (t.float().requires_grad_() for t in inputs(1, 2, 40, 40, 16, seed=6))
+    grad = torch.randn(1, 40, 2, 16, generator=torch.Generator().manual_seed(2))
+    problem = AttentionProblem(RelativeAttentionMask(), 0.25, 0.25, torch.tensor(0x1234_5678_9ABC))
+    table = ra.sinusoid_relative_table(4, 16)
+    results = []
+    for in_memory in (False, True):
+        monkeypatch.setattr(ta, "_seed_on_device", lambda problem, in_memory=in_memory: in_memory)
+        out = ta.triton_attention(q, k, v, table, problem)
+        results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
+    assert ta.Switches.of(q, problem).seed_on_device
+    for host, memory in zip(*results):
+        assert torch.equal(host, memory)
+    undropped = ta.triton_attention(q, k, v, table, dataclasses.replace(problem, dropout=0.0))
+    assert not torch.allclose(results[0][0], undropped)  # pairs were dropped
+
+
 def test_dropout_of_one_drops_everything_forward_and_backward():
     """A rate of exactly 1 runs on the kernels (every draw below 256) and drops every pair: the output and all three
     gradients are 0, not NaN (the backward once divided `D` by `keep_scale`, which is 0 there)."""
@@ -227,6 +247,67 @@ def test_cached_generation_matches_eager():
         got = model.generate(ids, **settings)
     assert torch.equal(got, expected)
     assert {call.ran for call in calls} == {ra.Engine.TRITON} and any(call.cached for call in calls)
+
+
+# The factories a graph may make a tensor with: without a device they make it on the CPU.
+FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.randint, torch.rand,
+             torch.randn, torch.scalar_tensor, torch.zeros_like, torch.ones_like, torch.empty_like}
+
+
+def one_graph_on_the_inputs_device(model, **inputs) -> "torch.fx.GraphModule":
+    """`model(**inputs)` traced by torch.compile: one graph, no break (`torch._dynamo.explain`), in which every tensor
+    the graph makes is made on a device it names (one made on the CPU by default would keep a GPU's compiled graph
+    from CUDA graphs, mode="reduce-overhead"), and the Triton engine's op is called; returns the graph."""
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(**inputs)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+    graph = explanation.graphs[0]
+    made = [node for node in graph.graph.nodes if node.op == "call_function" and node.target in FACTORIES]
+    assert made and all("device" in node.kwargs for node in made), [(node.target, node.kwargs) for node in made]
+    assert not [node for node in graph.graph.nodes if node.op == "get_attr"], "a tensor constant of the graph's own"
+    assert any("nezha_hf.triton_forward" in str(node.target) for node in graph.graph.nodes)
+    return graph
+
+
+def test_a_compiled_training_step_and_decoding_step_are_one_graph_made_for_cuda_graphs():
+    """A training step (dropout, padding: the seed drawn in the graph, on the queries' device, where the kernels
+    read it) and a decoding step on transformers' static cache (the offset a tensor the kernels read) compile to one
+    graph each with nothing on the CPU by default (`one_graph_on_the_inputs_device`); the compiled training step's
+    backward runs the Triton op's and matches eager's (dropout 0 there, so the two can be compared)."""
+    from transformers import StaticCache
+
+    torch.manual_seed(0)
+    model = NezhaForUniLM(tiny_config(num_hidden_layers=1, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
+    model.set_attn_implementation("nezha_triton")
+    ids = torch.randint(5, 99, (2, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    graph = one_graph_on_the_inputs_device(model.train(), input_ids=ids, attention_mask=mask)
+    seeds = [node for node in graph.graph.nodes if node.target is torch.randint]
+    assert seeds and all(node.kwargs["device"] == ids.device for node in seeds)
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    grads = []
+    for run in (compiled, model):
+        model.zero_grad()
+        run(input_ids=ids, attention_mask=mask).logits.float().pow(2).mean().backward()
+        grads.append(model.nezha.encoder.layer[0].attention.self.query.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+    model.eval()
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        prefill = model(input_ids=ids[:, :12], attention_mask=mask[:, :12], past_key_values=cache, use_cache=True,
+                        cache_position=torch.arange(12))
+        step = dict(input_ids=prefill.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True,
+                    attention_mask=torch.cat([mask[:, :12], torch.ones(2, 20, dtype=mask.dtype)], 1),
+                    cache_position=torch.tensor([12]))
+        one_graph_on_the_inputs_device(model, **step)
+    torch._dynamo.reset()
 
 
 def test_without_triton_one_warning_and_the_chunked_engine(monkeypatch):
