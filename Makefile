@@ -136,6 +136,8 @@ bench-bfloat16: $(VENV)/.test
 # package index, Python 3.12 and transformers 5.17. What it lacks travels in .gpu/ (ignored by git; the device call
 # carries it): the wheel of the transformers .ci/constraints.txt names. Its requirements are met there
 # (huggingface_hub >= 1.31: 1.33; tokenizers 0.23: 0.23.2; safetensors >= 0.8: 0.8.0), which the check verifies first.
+# The next GPU slot: `make gpu-prepare` here, then one device call, `python3 benchmarks/gpu_check.py` carrying .gpu:
+# correctness, the op against SDPA, host against wall time per call (gpu_host_time.py), the model, its profile.
 GPU_WHEELS := .gpu/wheels
 gpu-prepare:
 	mkdir -p $(GPU_WHEELS)

@@ -14,6 +14,8 @@ It sets itself up on the machine's own packages and runs each step in a fresh pr
 3. correctness against the float64 formula (gpu_correctness.py): a failed case ends the run before any timing;
 4. the attention op against SDPA's FlashAttention (gpu_attention.py), with the plain FlashAttention-2 Triton kernel
    (the yardstick) on the same tensors and blocks, and the decoding step eager and under torch.compile;
+4b. host time against wall time per call, NEZHA's and SDPA's, and a cProfile of NEZHA's training step
+   (gpu_host_time.py);
 5. a 12-layer base-width model at 2,048 tokens, bfloat16, forward and forward+backward, against BERT-SDPA
    (attention.py --device cuda), with both models' error against float64;
 6. the model profiled: host time against kernel time per layer, batch 1 and 8 at 2,048 tokens, NEZHA against
@@ -97,7 +99,7 @@ class Variant:
         return cls(name, dict(pair.split("=", 1) for pair in pairs))
 
 
-STEP_NAMES = ["environment", "correctness", "attention op", "model", "model profile", "variants"]
+STEP_NAMES = ["environment", "correctness", "attention op", "host time", "model", "model profile", "variants"]
 
 
 def steps(rehearse: bool, work: Path, variants: list[Variant] = ()) -> list[Step]:
@@ -119,6 +121,8 @@ def steps(rehearse: bool, work: Path, variants: list[Variant] = ()) -> list[Step
         # bfloat16 only (the targets' dtype; with float16 too the first run's compilation ran past the budget)
         Step("attention op", ["benchmarks/gpu_attention.py", *mode, *results, *lengths, "--dtypes", "bfloat16",
                               "--yardstick", "--compile", "--profile"], 180 * scale, timed=True),
+        # host against wall time per call, NEZHA's and SDPA's (the attention op's kernels compiled and tuned by now)
+        Step("host time", ["benchmarks/gpu_host_time.py", *mode, *results], 60 * scale, timed=True),
         Step("model", ["benchmarks/attention.py", *model, "--dtype", "bfloat16", "--eager-up-to", "0", *results,
                        "--output", "attention-cuda-bfloat16"], 150 * scale, timed=True),
         Step("model profile", ["benchmarks/gpu_profile.py", *mode, *results], 90 * scale, timed=True),
@@ -353,6 +357,11 @@ def summary_table(work: Path, statuses: dict, gates_file: Path = GATES) -> str:
                          f"{entry.get('ratio_train', float('nan')):.2f}x BERT-SDPA's")
         for kind, error in model["accuracy"].items():
             lines.append(f"Model error against float64 ({kind}): {error['relative']:.2e}")
+    host = read("gpu-host-time.json")
+    if host:
+        lines += ["", "Host time per call (ms): NEZHA host / wall, SDPA host / wall", ""]
+        lines += [f"- {row['call']}: NEZHA {row['NEZHA_host_ms']:.3f} / {row['NEZHA_wall_ms']:.3f}, SDPA "
+                  f"{row['SDPA_host_ms']:.3f} / {row['SDPA_wall_ms']:.3f}" for row in host["rows"]]
     profile = read("gpu-profile.json")
     if profile:
         lines += ["", "Model profile, per layer (forward): host ms / kernel ms", ""]

@@ -144,6 +144,26 @@ def test_the_gpu_check_runs_each_variant_in_a_fresh_process_and_one_that_fails_a
     assert "Variant narrow:" in summary
 
 
+@pytest.mark.slow
+def test_the_gpu_check_times_host_against_wall_time_per_call_beside_sdpa(unmeasured_machine, monkeypatch, tmp_path):
+    """Rehearsed: the check's host-time step (gpu_host_time.py, in a fresh process) times each call NEZHA's and
+    SDPA's way, host and wall, profiles NEZHA's training step, and the summary lists every call."""
+    from benchmarks import gpu_check, gpu_host_time
+
+    monkeypatch.setattr(gpu_check, "CARRIED", tmp_path / "nothing-carried")
+    results = tmp_path / "out"
+    assert gpu_check.main(["--rehearse", "--only", "host time", "--results", str(results)]) == 0
+    summary = (results / "summary.md").read_text()
+    assert "| host time | passed (" in summary and "Host time per call (ms)" in summary
+    assert all(f"- {call}: NEZHA " in summary for call in gpu_host_time.CALLS)
+    with tarfile.open(results / "results.tar.gz") as archive:
+        rows = json.load(archive.extractfile("gpu-host-time.json"))["rows"]
+        profiled = archive.extractfile("gpu-host-time.md").read().decode()
+    assert [row["call"] for row in rows] == list(gpu_host_time.CALLS)
+    assert all(row[f"{engine}_wall_ms"] >= row[f"{engine}_host_ms"] > 0 for row in rows for engine in ("NEZHA", "SDPA"))
+    assert "under cProfile" in profiled and "triton_attention" in profiled
+
+
 def _attention_results(work: Path, rows: list[dict], triton: str) -> None:
     (work / "gpu-attention.json").write_text(json.dumps({"machine": {"software": {"triton": triton}}, "rows": rows}))
 
