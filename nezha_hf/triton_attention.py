@@ -448,9 +448,9 @@ _derived_values: dict[tuple, tuple] = {}
 _sinusoids: dict[tuple, torch.Tensor] = {}  # (K, head size, dtype, device) -> the kernels' `Sinusoid`
 
 
-def _capturing(device: torch.device) -> bool:
-    """Whether a CUDA graph is being captured on `device`'s current stream."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def _capturing(tensor: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of `tensor`'s GPU."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _derived(what: tuple, make, *sources: torch.Tensor | None, decided_on_host: bool = False):
@@ -460,17 +460,16 @@ def _derived(what: tuple, make, *sources: torch.Tensor | None, decided_on_host: 
     `decided_on_host`), while a CUDA graph is being captured: the graph must make it from its inputs at each replay."""
     key = (what, *map(id, sources))
     known = _derived_values.get(key)
-    device = next(source.device for source in sources if source is not None)
-    if known is not None and (decided_on_host or not _capturing(device)):
+    tensors = [source for source in sources if source is not None]
+    if known is not None and (decided_on_host or not _capturing(tensors[0])):
         references, versions, result = known
         for reference, version, source in zip(references, versions, sources):
             if source is not None and (reference() is not source or source._version != version):
                 break
         else:
             return result
-    tensors = [source for source in sources if source is not None]
     result = make()
-    if not any(tensor.is_inference() for tensor in tensors) and (decided_on_host or not _capturing(device)):
+    if not any(tensor.is_inference() for tensor in tensors) and (decided_on_host or not _capturing(tensors[0])):
         forget = lambda _, values=_derived_values: values.pop(key, None)  # noqa: E731 (a source was freed)
         _derived_values[key] = (tuple(None if source is None else weakref.ref(source, forget) for source in sources),
                                 tuple(None if source is None else source._version for source in sources), result)
@@ -626,7 +625,7 @@ def triton_attention(query, key, value, table, problem: AttentionProblem) -> tor
     TRITON_INTERPRET=1). Before the first call of a kind that needs gradients, the kernels its backward will launch
     are compiled (`_check_backward`); raises `TritonKernelFailed` where a kernel the call needs failed to compile
     here."""
-    if not tracing() and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad) and not tracing():
         _check_backward(query, key, value, table, problem)
     return _attention_op(query, key, value, table, problem)
 
