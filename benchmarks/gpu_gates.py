@@ -20,14 +20,16 @@ registers), shared memory, blocks per H100 multiprocessor (65,536 registers, 228
 per block is reserved, 64 warps), HGMMA (wgmma) and HMMA (mma.sync) instructions, and for each loop of the SASS (a
 backward branch; `nvdisasm`) its instructions per warp per tile, per (query, key) pair (times the warps, over the
 tile's pairs) and its local-memory loads and stores (`LDL`/`STL`: spills). A loop is the band's when an instruction
-of it comes from a band helper's source lines (`BAND_HELPERS`), a tail's otherwise.
+of it comes from a band helper's source lines (`BAND_HELPERS`), a masked tail loop's when one comes from the mask's
+(`MASK_HELPERS`: a mask with gaps, or dK/dV's key blocks cut by padding or source keys; these loops are counted and
+gated for spills only), a tail's otherwise.
 
 The gates (`gate_failures`), for the forward, dK/dV and dQ kernels of every case but decoding (whose kernels, and
 the row statistics and merge kernels, are counted and reported); the script exits 1 when one fails, naming each:
 - every bfloat16 product is a wgmma (no HMMA);
 - no 64-row block on 8 warps: no product has fewer rows than its warps cover (16 per warp along the rows), which
   would compute the same rows twice;
-- no spills in tail loops, nor in band loops;
+- no spills in tail loops, nor in band loops or masked tail loops;
 - the forward at 2 blocks per multiprocessor or more;
 - tail-loop instructions per pair at most 1.1x the yardstick's (same configuration; the cases without dropout);
 - a band tile at most 2.5 tail tiles (instructions per loop iteration);
@@ -88,6 +90,9 @@ NEZHA_KERNELS = ("nezha_forward_kernel", "nezha_merge_kernel", "nezha_row_statis
 # The helpers of `triton_kernels.py` that only band tiles run: a loop holding their lines is the band's.
 BAND_HELPERS = ("_by_pair", "_add_times_window", "_rotated_band_tile", "_rotated_key_value_tile",
                 "_rotated_query_tile")
+# The helper that masks a tile's pairs: a tail loop holding its lines is a masked one (masks with gaps; dK/dV's key
+# blocks that padding or source keys cut), not the plain tail loop that runs every block padding leaves whole.
+MASK_HELPERS = ("_visible",)
 
 # An H100's multiprocessor (../shared/docs/gpu-measuring.md).
 SM_REGISTERS, SM_SHARED, BLOCK_RESERVED_SHARED, SM_WARPS, SM_BLOCKS = 65536, 228 * 1024, 1024, 64, 32
@@ -179,7 +184,7 @@ def _compile_calls(cases: list[str], only: list[str], planted: dict) -> dict:
 
     assert not kernels.INTERPRETING, "Triton was imported under TRITON_INTERPRET"
     assert Path(kernels.__file__).resolve() == KERNELS_FILE, f"imported {kernels.__file__}, not {KERNELS_FILE}"
-    band_lines = _band_lines(kernels)
+    band_lines, mask_lines = _helper_lines(kernels, BAND_HELPERS), _helper_lines(kernels, MASK_HELPERS)
     table = relative_attention.sinusoid_relative_table(K, HEAD_SIZE).to(torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     rows, seen, failures = [], set(), []
@@ -191,7 +196,8 @@ def _compile_calls(cases: list[str], only: list[str], planted: dict) -> dict:
             for key, compiled in _compiled(jit).items():
                 if (name, key) not in seen:
                     seen.add((name, key))
-                    found.append(count(name, case, compiled, band_lines if module is kernels else set()))
+                    lines = (band_lines, mask_lines) if module is kernels else (set(), set())
+                    found.append(count(name, case, compiled, *lines))
                     print(f"compiled {SHORT[name]} ({case}), {found[-1]['config_name']}", file=sys.stderr, flush=True)
         return found
 
@@ -282,12 +288,12 @@ def config_name(config: dict) -> str:
     return name + (f", {config['maxnreg']} registers" if config.get("maxnreg") else "")
 
 
-def _band_lines(module) -> set[int]:
-    """The source lines of the band helpers of `module` (`BAND_HELPERS` that it has)."""
+def _helper_lines(module, helpers: tuple[str, ...]) -> set[int]:
+    """The source lines of `helpers` of `module` (those it has)."""
     import inspect
 
     lines = set()
-    for name in BAND_HELPERS:
+    for name in helpers:
         helper = getattr(module, name, None)
         if helper is not None:
             source, first = inspect.getsourcelines(getattr(helper, "fn", helper))
@@ -295,9 +301,10 @@ def _band_lines(module) -> set[int]:
     return lines
 
 
-def sass_loops(sass: str, source_file: str, band_lines: set[int]) -> list[dict]:
-    """The innermost loops of an `nvdisasm -c -gi` listing, in program order: `{"class": "band" or "tail",
-    "instructions", "spills"}` (`LDL`/`STL`), a loop being the code from a label to a branch back to it."""
+def sass_loops(sass: str, source_file: str, band_lines: set[int], mask_lines: set[int] = frozenset()) -> list[dict]:
+    """The innermost loops of an `nvdisasm -c -gi` listing, in program order: `{"class": "band", "masked" or "tail",
+    "instructions", "spills"}` (`LDL`/`STL`), a loop being the code from a label to a branch back to it; a loop is
+    the band's where it holds a line of `band_lines`, else masked where it holds one of `mask_lines`."""
     entries, labels = [], {}  # (instruction, its source lines: the inlined function's and each caller's); label
     lines, chain = set(), False  # consecutive comments name one instruction's inlining chain, one call each
     for text in sass.splitlines():
@@ -319,8 +326,9 @@ def sass_loops(sass: str, source_file: str, band_lines: set[int]) -> list[dict]:
     result = []
     for start, end in sorted(innermost):
         body = entries[start:end + 1]
-        band = any(lines & band_lines for _, lines in body)
-        result.append({"class": "band" if band else "tail", "instructions": len(body),
+        kind = ("band" if any(lines & band_lines for _, lines in body) else
+                "masked" if any(lines & mask_lines for _, lines in body) else "tail")
+        result.append({"class": kind, "instructions": len(body),
                        "spills": sum(bool(re.search(r"\b(LDL|STL)\b", text)) for text, _ in body)})
     return result
 
@@ -353,7 +361,7 @@ def _compiled_config(compiled) -> dict:
     return config
 
 
-def count(name: str, case: str, compiled, band_lines: set[int]) -> dict:
+def count(name: str, case: str, compiled, band_lines: set[int], mask_lines: set[int]) -> dict:
     """The counts of one compiled kernel (the module docstring's)."""
     config = _compiled_config(compiled)
     with tempfile.TemporaryDirectory() as scratch:
@@ -371,7 +379,7 @@ def count(name: str, case: str, compiled, band_lines: set[int]) -> dict:
     blocks = min(SM_REGISTERS // (per_warp * warps), SM_SHARED // (shared + BLOCK_RESERVED_SHARED),
                  SM_WARPS // warps, SM_BLOCKS)
     pairs = config["BLOCK_M"] * config.get("BLOCK_N", 1)
-    loops = sass_loops(sass, str(Path(compiled.src.fn.fn.__code__.co_filename).resolve()), band_lines)
+    loops = sass_loops(sass, str(Path(compiled.src.fn.fn.__code__.co_filename).resolve()), band_lines, mask_lines)
     for loop in loops:
         loop["per_pair"] = loop["instructions"] * warps / pairs
     return {"kernel": name, "case": case, "config": config, "config_name": config_name(config),
@@ -394,6 +402,12 @@ def _band(row: dict) -> dict | None:
     return max(bands, key=lambda loop: loop["instructions"]) if bands else None
 
 
+def _masked(row: dict) -> dict | None:
+    """The costliest masked tail loop of a row (`MASK_HELPERS`)."""
+    masked = [loop for loop in row["loops"] if loop["class"] == "masked"]
+    return max(masked, key=lambda loop: loop["instructions"]) if masked else None
+
+
 def gated(row: dict) -> bool:
     """Whether the gates hold a row to them: the forward, dK/dV and dQ kernels of every case but the reported ones."""
     return row["kernel"] in YARDSTICK_OF and row["case"] in CASES and row["case"] not in REPORTED_ONLY
@@ -414,12 +428,14 @@ def gate_failures(rows: list[dict]) -> list[str]:
         if row["duplicated_products"]:
             failures.append(f"{name}: products computed twice ({', '.join(row['duplicated_products'])}): a block of "
                             "fewer rows than its warps cover")
-        tail, band = _tail(row), _band(row)
+        tail, band, masked = _tail(row), _band(row), _masked(row)
         for what, found in (("tail", tail), ("band", band)):
             if not found:  # a gate of a loop not found would pass unchecked
                 failures.append(f"{name}: no {what} loop found in its SASS to count")
             elif found["spills"]:
                 failures.append(f"{name}: {found['spills']} spill loads/stores in a {what} loop")
+        if masked and masked["spills"]:
+            failures.append(f"{name}: {masked['spills']} spill loads/stores in a masked tail loop")
         if row["kernel"] == "nezha_forward_kernel" and row["blocks_per_sm"] < FORWARD_BLOCKS_PER_SM:
             failures.append(f"{name}: {row['blocks_per_sm']} block(s) per multiprocessor, the forward needs "
                             f"{FORWARD_BLOCKS_PER_SM}")
@@ -451,10 +467,10 @@ def gate_failures(rows: list[dict]) -> list[str]:
 def table(rows: list[dict]) -> str:
     """The counts as a Markdown table."""
     lines = ["| kernel | case | block, warps, stages | registers | stack (spills, bytes) | shared KB | blocks/SM | "
-             "wgmma / mma.sync | tail loop: instructions (per pair) | band loop: instructions (tail tiles) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "wgmma / mma.sync | tail loop: instructions (per pair) | band loop: instructions (tail tiles) | "
+             "masked tail loop |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        tail, band = _tail(row), _band(row)
+        tail, band, masked = _tail(row), _band(row), _masked(row)
         tail_text = f"{tail['instructions']} ({tail['per_pair']:.2f})" if tail else "-"
         if tail and tail["spills"]:
             tail_text += f", {tail['spills']} LDL/STL"
@@ -463,9 +479,11 @@ def table(rows: list[dict]) -> str:
             band_text = f"{band['instructions']}" + (f" ({band['instructions'] / tail['instructions']:.2f})"
                                                       if tail else "")
             band_text += f", {band['spills']} LDL/STL" if band["spills"] else ""
+        masked_text = "-" if not masked else f"{masked['instructions']}" + (
+            f", {masked['spills']} LDL/STL" if masked["spills"] else "")
         lines.append(f"| {SHORT[row['kernel']]} | {row['case']} | {row['config_name']} | {row['registers']} | "
                      f"{row['stack']} | {row['shared'] / 1024:.0f} | {row['blocks_per_sm']} | "
-                     f"{row['wgmma']} / {row['mma_sync']} | {tail_text} | {band_text} |")
+                     f"{row['wgmma']} / {row['mma_sync']} | {tail_text} | {band_text} | {masked_text} |")
     return "\n".join(lines)
 
 

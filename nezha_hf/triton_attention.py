@@ -97,7 +97,8 @@ class Switches:
     def constexprs(self, kernels) -> dict:
         """The kernels' compile-time arguments."""
         return dict(HAS_VALID=self.padding, CAUSAL=self.causal, HAS_SOURCE=self.source_keys, DROPOUT=self.dropout,
-                    OFFSET_IN_MEMORY=self.offset_on_device, SEED_IN_MEMORY=self.seed_on_device, WIDEN=kernels.INTERPRETING and self.dtype == torch.bfloat16,
+                    OFFSET_IN_MEMORY=self.offset_on_device, SEED_IN_MEMORY=self.seed_on_device,
+                    WIDEN=kernels.INTERPRETING and self.dtype == torch.bfloat16,
                     IEEE=self.dtype == torch.float32, BLOCK_D=_head_block(self.head_size))
 
 
@@ -241,8 +242,11 @@ def _key_flags(flags: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor | 
 
 
 def _key_bounds(mask: RelativeAttentionMask, key: torch.Tensor) -> torch.Tensor | None:
-    """`[batch, 3]` int32 per sequence: its first valid key, last valid key + 1, and last valid source key + 1 (0 when
-    none), so that the kernels skip the key blocks no query sees; None without padding or source keys."""
+    """`[batch, 4]` int32 per sequence: its first valid key, last valid key + 1, last valid source key + 1 (0 when
+    none), so that the kernels skip the key blocks no query sees, and whether its valid keys, and its valid source keys
+    from the first valid one, are each one run (1), as padding on either side and UniLM's source leave them, so that
+    the kernels mask only the blocks their ends cut (0: a mask with gaps, every tail block masked); None without
+    padding or source keys."""
     valid, source = mask.key_is_valid, mask.key_is_source
     if valid is None and source is None:
         return None
@@ -252,9 +256,14 @@ def _key_bounds(mask: RelativeAttentionMask, key: torch.Tensor) -> torch.Tensor 
              else valid.to(key.device, torch.bool))
     first = torch.where(valid, position, keys).amin(1)
     end = torch.where(valid, position + 1, 0).amax(1)
-    sources = (torch.zeros_like(end) if source is None
-               else torch.where(valid & source.to(key.device, torch.bool), position + 1, 0).amax(1))
-    return torch.stack((first, end, sources), 1).to(torch.int32)
+    one_run = valid.sum(1) == (end - first).clamp_min(0)
+    if source is None:
+        sources = torch.zeros_like(end)
+    else:
+        valid_source = valid & source.to(key.device, torch.bool)
+        sources = torch.where(valid_source, position + 1, 0).amax(1)
+        one_run &= valid_source.sum(1) == (sources - first).clamp_min(0)
+    return torch.stack((first, end, sources, one_run), 1).to(torch.int32)
 
 
 def _mask_tensors(mask: RelativeAttentionMask, key: torch.Tensor) -> dict:

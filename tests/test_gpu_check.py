@@ -16,7 +16,7 @@ from test_benchmarks import triton_unusable, unmeasured_machine  # noqa: E402, F
 
 GATES_36 = ROOT / "benchmarks" / "results" / "gpu-gates" / "gates.json"
 INTERPRETER_BLOCKS = "16x32, 4 warps, 1 stages"  # the kernels' one configuration under the interpreter
-CAPPED_FORWARD = "128x64, 8 warps, 3 stages, 128 registers"  # a tuned forward configuration, held to 128 registers
+TUNED_FORWARD = "64x64, 4 warps, 3 stages"  # the forward's tuned configuration
 
 
 @pytest.fixture
@@ -176,7 +176,7 @@ def test_the_summary_prints_the_gate_counts_of_each_configuration_timed(tmp_path
     row = {"case": "forward+backward", "dtype": "bfloat16", "queries": 2048, "keys": 2048, "dropout": 0.0,
            "target": 1.3, "met": False, "nezha_ms": 2.0, "sdpa_ms": 0.7, "ratio": 2.0 / 0.7, "sdpa_backend": "flash",
            "yardstick_ms": 0.8, "nezha_over_yardstick": 2.5, "yardstick_over_sdpa": 0.8 / 0.7,
-           "configs": {"forward": CAPPED_FORWARD, "dK/dV": "64x128, 8 warps, 2 stages",
+           "configs": {"forward": TUNED_FORWARD, "dK/dV": "64x128, 8 warps, 2 stages",
                        "dQ": "32x32, 8 warps, 9 stages"}}
     _attention_results(tmp_path, [row], "3.6.0")
     summary = gpu_check.summary_table(tmp_path, {"attention op": "passed (9 s)"}, GATES_36)
@@ -190,11 +190,11 @@ def test_the_summary_prints_the_gate_counts_of_each_configuration_timed(tmp_path
         return max((x for x in counts[(name, case, config)]["loops"] if x["class"] == kind),
                    key=lambda x: x["instructions"])
 
-    forward = counts[("nezha_forward_kernel", "no mask", CAPPED_FORWARD)]
-    tail, band = loop("tail", "nezha_forward_kernel", CAPPED_FORWARD), loop(
-        "band", "nezha_forward_kernel", CAPPED_FORWARD)
-    plain = loop("tail", "yardstick_forward_kernel", CAPPED_FORWARD)
-    assert (f"| forward | no mask | {CAPPED_FORWARD} | {forward['registers']} | {forward['stack']} | "
+    forward = counts[("nezha_forward_kernel", "no mask", TUNED_FORWARD)]
+    tail, band = loop("tail", "nezha_forward_kernel", TUNED_FORWARD), loop(
+        "band", "nezha_forward_kernel", TUNED_FORWARD)
+    plain = loop("tail", "yardstick_forward_kernel", TUNED_FORWARD)
+    assert (f"| forward | no mask | {TUNED_FORWARD} | {forward['registers']} | {forward['stack']} | "
             f"{forward['blocks_per_sm']} | {forward['wgmma']} / {forward['mma_sync']} | "
             f"{tail['per_pair']:.2f} ({tail['per_pair'] / plain['per_pair']:.2f}x) | "
             f"{band['instructions'] / tail['instructions']:.2f} |") in summary
@@ -283,11 +283,11 @@ def test_a_gate_with_nothing_to_compare_with_fails_rather_than_passing_unchecked
     def without(kernel, case, config):
         return [r for r in rows if (r["kernel"], r["case"], r["config_name"]) != (kernel, case, config)]
 
-    failures = gpu_gates.gate_failures(without("yardstick_forward_kernel", "yardstick", CAPPED_FORWARD))
-    assert f"forward (no mask), {CAPPED_FORWARD}: no counts of the yardstick at this configuration to compare " \
+    failures = gpu_gates.gate_failures(without("yardstick_forward_kernel", "yardstick", TUNED_FORWARD))
+    assert f"forward (no mask), {TUNED_FORWARD}: no counts of the yardstick at this configuration to compare " \
            "with" in failures
-    failures = gpu_gates.gate_failures(without("nezha_forward_kernel", "no mask", "64x64, 4 warps, 3 stages"))
-    assert ("forward (no mask, dropout), 64x64, 4 warps, 3 stages: no counts of the case without dropout at this "
+    failures = gpu_gates.gate_failures(without("nezha_query_grad_kernel", "no mask", "128x32, 8 warps, 2 stages"))
+    assert ("dQ (no mask, dropout), 128x32, 8 warps, 2 stages: no counts of the case without dropout at this "
             "configuration to compare with") in failures
     dropout_alone = [r for r in rows if r["case"] in ("no mask, dropout", "padding, dropout", "yardstick")]
     assert not [line for line in gpu_gates.gate_failures(dropout_alone) if "no counts" in line]
