@@ -98,8 +98,8 @@ mutations: $(VENV)/.test
 # Every file of benchmarks/results/, as docs/performance.md and docs/conversion.md quote them (about 50 minutes on 2
 # cores). Each names the CPU it ran on and its matmul throughput, and the speed figures go to the folder of that kind
 # of CPU (benchmarks/results/amx/, avx512-bf16/, ...); 2 layers of base width keep the long inputs affordable.
-# Serving from onnxruntime: 12 layers to 2,048 tokens, 4 at 8,192 and 16,384 (NEZHA alone there: BERT's scores would
-# not fit in 24 GiB), every run in a process of its own for its peak memory.
+# 2,048-token serving runs alone, at batch 1: at batch 8 onnxruntime (L x L scores) was killed for memory on a 24 GiB
+# machine.
 BENCH := $(PY) benchmarks/attention.py --layers 2
 bench: $(VENV)/.test bench-bfloat16
 	$(BENCH) --lengths 512 2048 8192 --eager-up-to 512 --memory-lengths 8192 --output attention
@@ -119,8 +119,8 @@ bench: $(VENV)/.test bench-bfloat16
 	$(BENCH) --attention nezha_chunked --lengths --memory-lengths 8192 --memory-runs 1 --memory-method tensors \
 	  --output attention-chunked-tensors
 	$(PY) benchmarks/generate.py --layers 2 --new-tokens 64
-	$(PY) benchmarks/serving.py --repeats 3 --output serving
-	$(PY) benchmarks/serving.py --summarizer
+	$(PY) benchmarks/serving.py --layers 2 --repeats 2 --lengths 128 512 --output serving
+	$(PY) benchmarks/serving.py --layers 2 --repeats 2 --lengths 2048 --batches 1 --output serving-2048
 	$(PY) benchmarks/long_inputs.py --pretrain-steps 100
 	-$(PY) benchmarks/kernel_profile.py --dtype float32 --lengths 512 2048 8192
 
@@ -136,6 +136,8 @@ bench-bfloat16: $(VENV)/.test
 # package index, Python 3.12 and transformers 5.17. What it lacks travels in .gpu/ (ignored by git; the device call
 # carries it): the wheel of the transformers .ci/constraints.txt names. Its requirements are met there
 # (huggingface_hub >= 1.31: 1.33; tokenizers 0.23: 0.23.2; safetensors >= 0.8: 0.8.0), which the check verifies first.
+# The next GPU slot: `make gpu-prepare` here, then one device call, `python3 benchmarks/gpu/gpu_check.py` carrying .gpu:
+# correctness, the op against SDPA, host against wall time per call (gpu_host_time.py), the model, its profile.
 GPU_WHEELS := .gpu/wheels
 gpu-prepare:
 	mkdir -p $(GPU_WHEELS)
@@ -147,11 +149,12 @@ gpu-prepare:
 gpu-rehearse: $(VENV)/.test gpu-prepare
 	$(PY) benchmarks/gpu/gpu_check.py --rehearse --variant 'narrow NEZHA_CHECK_BLOCKS=forward=16x32x2x1'
 
-# The GPU gates (benchmarks/gpu/gpu_gates.py, docs/performance.md): NEZHA's Triton kernels compiled for an H100 on
-# this CPU and counted, failing where a gate is missed; the counts go to benchmarks/gpu/results/gates.json, which the
-# GPU check prints beside its timings (run it before a GPU slot, after the kernels changed). Compiled by the GPU
-# machine's Triton (3.6, in a venv of its own: Triton needs no PyTorch to compile); `make gpu-gates GATES_PYTHON=$(PY)`
-# compiles with the installed one instead.
+# The GPU gates (benchmarks/gpu/gpu_gates.py, docs/performance.md): what NEZHA's Triton launchers launch for the calls
+# users make, compiled for an H100 on this CPU through Triton's own autotuner and JIT against a fake GPU driver
+# (benchmarks/gpu/gpu_fake_driver.py) and counted, failing where a gate is missed; the counts go to benchmarks/gpu/results/gates.json,
+# which the GPU check prints beside its timings (run it before a GPU slot, after the kernels changed). Run by the GPU
+# machine's Triton (3.6, in a venv of the same Python that has Triton only; the main environment's packages, PyTorch
+# among them, are appended to its path); `make gpu-gates GATES_PYTHON=$(PY)` runs with the installed one instead.
 GPU_TRITON := 3.6.0
 GATES_PYTHON ?= .venv-triton-$(GPU_TRITON)/bin/python
 .venv-triton-$(GPU_TRITON)/bin/python:

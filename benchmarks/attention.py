@@ -64,11 +64,13 @@ BASE = dict(
 
 
 def build(kind: str, dropout: float = 0.0, layers: int = 12, attention: str | None = None, device: str = "cpu",
-          dtype: str = "float32"):
+          dtype: str = "float32", **widths):
     """BERT-SDPA ("bert"), NEZHA with `attention` ("nezha") or NEZHA eager ("nezha-eager"), on `device`, in `dtype`
-    ("bert-eager": BERT's eager attention, the float64 reference of `accuracy`)."""
+    ("bert-eager": BERT's eager attention, the float64 reference of `accuracy`); `widths` replace `BASE`'s (e.g.
+    `hidden_size`)."""
     torch.manual_seed(0)
-    sizes = {**BASE, "num_hidden_layers": layers, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+    sizes = {**BASE, **widths, "num_hidden_layers": layers, "hidden_dropout_prob": dropout,
+             "attention_probs_dropout_prob": dropout}
     if kind.startswith("bert"):
         implementation = "eager" if kind == "bert-eager" else "sdpa"
         model = BertModel._from_config(BertConfig(**sizes, max_position_embeddings=16384),

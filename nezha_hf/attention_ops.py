@@ -251,17 +251,26 @@ PROBLEM_FIELDS = _flat_fields()
 PROBLEM_SCHEMA = ", ".join(f"{schema} {name}" for name, schema, _ in PROBLEM_FIELDS)
 
 
-def flatten(problem: AttentionProblem) -> list:
-    """The problem as the ops' flat arguments (`PROBLEM_FIELDS`): offsets and seeds as tensors."""
+def _field_values(problem: AttentionProblem) -> list:
+    """The problem's leaf fields (`PROBLEM_FIELDS`) as they are (plain attribute reads: torch.compile traces them)."""
     values = []
-    for _, schema, path in PROBLEM_FIELDS:
+    for _, _, path in PROBLEM_FIELDS:
         value = problem
         for name in path:
             value = getattr(value, name)
+        values.append(value)
+    return values
+
+
+def flatten(problem: AttentionProblem, device: torch.device | None = None) -> list:
+    """The problem as the ops' flat arguments (`PROBLEM_FIELDS`): offsets and seeds as tensors, those made from an int
+    or None on `device` (the CPU's when None)."""
+    values = []
+    for (_, schema, _), value in zip(PROBLEM_FIELDS, _field_values(problem)):
         if schema == "Tensor" and not isinstance(value, torch.Tensor):  # an int offset, or no seed
             # `torch.tensor`, not `as_tensor`: under torch.export an offset is a symbolic size (the cache length),
             # which `as_tensor` would freeze into a constant of the traced length.
-            value = torch.tensor(0 if value is None else value, dtype=torch.int64)
+            value = torch.tensor(0 if value is None else value, dtype=torch.int64, device=device)
         values.append(value)
     return values
 
@@ -310,11 +319,14 @@ def _needs_dispatcher(device_types: str | None, *arguments) -> bool:
     tracing, under a Python dispatch or function mode (fake tensors, `FlopCounterMode`, `torch.device` as a context),
     inside a functorch transform (vmap, `torch.func.grad`), with a tensor subclass (DTensor) among `arguments`, or on
     a device the ops are not registered for (the ops then refuse it)."""
-    return (tracing() or torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
-            or torch._C._functorch.peek_interpreter_stack() is not None
-            or any(isinstance(argument, torch.Tensor) and (type(argument) is not torch.Tensor or device_types
-                                                            not in (None, argument.device.type))
-                   for argument in arguments))
+    if (tracing() or torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+            or torch._C._functorch.peek_interpreter_stack() is not None):
+        return True
+    for argument in arguments:  # a loop, not a generator: this runs at every call
+        if isinstance(argument, torch.Tensor) and (type(argument) is not torch.Tensor or (
+                device_types is not None and argument.device.type != device_types)):
+            return True
+    return False
 
 
 def _profiled_as(op: str):
@@ -396,18 +408,31 @@ def engine_op(engine: Engine, forward: Callable, forward_fake: Callable, backwar
         return (*grads, None, *([None] * len(fields)))  # nothing for the table or the problem
 
     class DirectAttention(torch.autograd.Function):
-        """The op's forward and autograd rules, for eager calls (see `_needs_dispatcher`)."""
+        """The op's forward and autograd rules, for eager calls (see `_needs_dispatcher`): the problem is kept as it
+        is (no fields flattened into tensors), and the backward gets it as the forward did."""
 
         @staticmethod
         def forward(ctx, problem, *inputs):  # with `ctx`, not a `setup_context`: `apply` binds no signature per call
-            output = forward(*inputs[:tensors], problem)
-            setup_context(ctx, inputs, output)
+            output = forward(*inputs, problem)
+            ctx.problem = problem
+            ctx.save_for_backward(*inputs, *output)
             ctx.mark_non_differentiable(*output[1:])
             return tuple(output)
 
         @staticmethod
         def backward(ctx, *grads):
-            return None, *backward_step(ctx, grads)
+            saved = ctx.saved_tensors
+            output, *statistics = saved[tensors:]
+            arguments = (grads[0].transpose(1, 2), *saved[:tensors])
+            outputs = [output.transpose(1, 2), *statistics]
+            # The registered op where it is needed: a second derivative asked for (its autograd refuses one), modes.
+            if torch.is_grad_enabled() or _needs_dispatcher(device_types, *arguments, *outputs,
+                                                            *_field_values(ctx.problem)):
+                result = backward_op(*arguments, *flatten(ctx.problem), outputs)
+            else:
+                with _profiled_as(backward_op.name()):
+                    result = backward(*arguments, ctx.problem, *outputs)
+            return None, *result, None  # nothing for the problem or the table
 
     def no_double_backward(ctx, *grads):
         raise RuntimeError(
@@ -428,14 +453,23 @@ def engine_op(engine: Engine, forward: Callable, forward_fake: Callable, backwar
         # Zeros made functionally: exporters refuse a graph that writes into a tensor it made (`zero_`).
         return [output, *(torch.zeros_like(saved) for saved in forward_fake(query, key, value, table, problem)[1:])]
 
+    def direct(query, key, value, table, problem: AttentionProblem) -> torch.Tensor:
+        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                        or table.requires_grad):
+            return DirectAttention.apply(problem, query, key, value, table)[0]
+        return forward(query, key, value, table, problem)[0]
+
+    forward_name = forward_op.name()
+
     def attention(query, key, value, table, problem: AttentionProblem) -> torch.Tensor:
-        fields = flatten(problem)
-        if _needs_dispatcher(device_types, query, key, value, table, *fields):
-            return forward_op(query, key, value, table, *fields)[0]
-        with _profiled_as(forward_op.name()):
-            if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value, table)):
-                return DirectAttention.apply(problem, query, key, value, table, *fields)[0]
-            return forward(query, key, value, table, problem)[0]
+        if _needs_dispatcher(device_types, query, key, value, table, *_field_values(problem)):
+            # Traced, the tensors made of ints go to the queries' device: a compiled graph that makes one on the CPU
+            # is not captured by CUDA graphs.
+            return forward_op(query, key, value, table, *flatten(problem, query.device if tracing() else None))[0]
+        if torch._C._autograd._profiler_enabled():  # a range named as the registered op's (`_profiled_as`)
+            with _profiled_as(forward_name):
+                return direct(query, key, value, table, problem)
+        return direct(query, key, value, table, problem)
 
     attention.forward_op, attention.backward_op = forward_op, backward_op
     return attention

@@ -34,6 +34,8 @@ from onnxscript import BOOL, INT64
 from onnxscript.function_libs.torch_lib.tensor_typing import TFloat
 from onnxscript.onnx_opset import opset18
 
+from .attention_ops import max_relative_position
+
 # Scores of one chunk across batch and heads (float32: 64 MB), and the bounds on its rows, as the chunked engine.
 CHUNK_SCORES = 1 << 24
 MIN_CHUNK_ROWS, MAX_CHUNK_ROWS = 16, 128
@@ -91,8 +93,8 @@ def relative_attention_graph(g: _Nodes, query, key, value, table, key_is_valid, 
     value `[batch, heads, keys, d]`, the `(2K + 1) x d` table, the mask's parts as `attention_ops.RelativeAttentionMask`
     holds them (`key_is_valid` / `key_is_source` `[batch, keys]` bool or None, `query_offset` an int64 scalar).
     Returns the output `[batch, queries, heads, d]`."""
-    K = (table.shape[0] - 1) // 2
-    zero, one = g.ints(0, scalar=True), g.ints(1, scalar=True)
+    K = max_relative_position(table)
+    zero = g.ints(0, scalar=True)
     axis = {n: g.ints(n) for n in range(4)}
     shape = g.Shape(query)
     batch_heads = g.Slice(shape, g.ints(0), g.ints(2))

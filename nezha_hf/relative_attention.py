@@ -134,11 +134,12 @@ def _three_regions_unusable(situation: Situation) -> str | None:
     return _no_probabilities(situation)
 
 
-def _dropout_seed(dropout: float) -> torch.Tensor:
-    """The seed of one call's dropout mask, drawn from torch's generator (so `torch.manual_seed` reproduces it)."""
+def _dropout_seed(dropout: float, device: torch.device | None = None) -> torch.Tensor | None:
+    """The seed of one call's dropout mask, drawn from torch's generator on `device` (the CPU's when None; so
+    `torch.manual_seed` reproduces it), or None without dropout."""
     if dropout == 0:
-        return torch.zeros((), dtype=torch.int64)
-    return torch.randint(0, 1 << 62, (), dtype=torch.int64)
+        return None
+    return torch.randint(0, 1 << 62, (), dtype=torch.int64, device=device)
 
 
 def _op_engine(attention: Callable) -> Callable:
@@ -287,7 +288,6 @@ def relative_attention(
     """
     mask = attention_mask if attention_mask is not None else RelativeAttentionMask()
     dropout = dropout if module.training else 0.0
-    problem = AttentionProblem(mask, scaling, dropout, _dropout_seed(dropout))
     situation = Situation(
         device=query.device.type, dtype=query.dtype, query_length=query.shape[-2], key_length=key.shape[-2],
         K=max_relative_position(relative_table),
@@ -296,6 +296,10 @@ def relative_attention(
         requested=requested,
     )
     engine, why = choose_engine(requested, situation)
+    # Traced for the Triton kernels, the seed is drawn on the queries' device, where the kernels read it: a compiled
+    # graph that made it on the CPU would not be captured by CUDA graphs (and a graph drawn once would keep its mask).
+    seed_device = query.device if situation.tracing and engine is Engine.TRITON else None
+    problem = AttentionProblem(mask, scaling, dropout, _dropout_seed(dropout, seed_device))
     if situation.wants_probabilities and requested is not Engine.GATHER:
         logger.warning_once(f"NEZHA attention {requested.value!r}: {why}; these calls run the gather engine.")
     # The Triton engine takes the model's table itself (it converts it, and checks once per table that it is the

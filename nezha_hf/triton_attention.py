@@ -16,9 +16,9 @@ a decoding step's partial outputs; nothing per (query, table row).
   fails to compile (or launch) is set aside for its `Switches` and part (forward, decoding forward or backward) only,
   with one warning naming them: those calls raise `TritonKernelFailed` (an `EngineUnavailable`), which
   `relative_attention` hands to the next engine of the chain (`attention_ops.Engine`); calls with other switches still
-  run the kernels. Before the first
-  forward that needs gradients with a set of switches, the backward is compiled and run on a 32-token problem with
-  them, so that a backward that cannot compile is found while another engine can still take the call.
+  run the kernels. Before the first forward of a kind of call that needs gradients, the kernels its backward will
+  launch are compiled (Triton's warmup through the backward's launchers), so that a backward that cannot compile is
+  found while another engine can still take the call.
 - float32: every product is made in the kernels in IEEE float32, whatever `torch.backends.cuda.matmul.allow_tf32` or
   `torch.set_float32_matmul_precision` say: no PyTorch matrix product is on the path (PyTorch computes only the
   elementwise `D_i = dO_i . O_i`, the key bounds and flags).
@@ -29,7 +29,6 @@ a decoding step's partial outputs; nothing per (query, table row).
   copy per call).
 """
 
-import contextlib
 import importlib.util
 import math
 import os
@@ -79,38 +78,37 @@ class Switches:
     source_keys: bool  # UniLM's prefix mask (under `causal`)
     dropout: bool
     offset_on_device: bool  # the queries' offset is a tensor the kernels read
+    seed_on_device: bool  # dropout's seed is a tensor the kernels read
 
     @classmethod
     def of(cls, query: torch.Tensor, problem: AttentionProblem) -> "Switches":
         mask = problem.mask
         return cls(query.dtype, query.shape[-1], mask.key_is_valid is not None, bool(mask.causal),
                    problem.mask.key_is_source is not None, problem.dropout > 0,
-                   _offset_on_device(mask.query_offset, query.device))
+                   _offset_on_device(query, mask.query_offset), _seed_on_device(problem))
 
     def __str__(self) -> str:
         named = (("padding", self.padding), ("causal", self.causal), ("UniLM source keys", self.source_keys),
-                 ("dropout", self.dropout), ("the offset on the GPU", self.offset_on_device))
+                 ("dropout", self.dropout), ("the offset on the GPU", self.offset_on_device),
+                 ("the seed on the GPU", self.seed_on_device))
         return ", ".join([str(self.dtype).removeprefix("torch."), f"head size {self.head_size}",
                           *(name for name, on in named if on)])
 
     def constexprs(self, kernels) -> dict:
         """The kernels' compile-time arguments."""
         return dict(HAS_VALID=self.padding, CAUSAL=self.causal, HAS_SOURCE=self.source_keys, DROPOUT=self.dropout,
-                    OFFSET_IN_MEMORY=self.offset_on_device, WIDEN=kernels.INTERPRETING and self.dtype == torch.bfloat16,
-                    IEEE=self.dtype == torch.float32, BLOCK_D=max(16, 1 << (self.head_size - 1).bit_length()))
+                    OFFSET_IN_MEMORY=self.offset_on_device, SEED_IN_MEMORY=self.seed_on_device,
+                    WIDEN=kernels.INTERPRETING and self.dtype == torch.bfloat16,
+                    IEEE=self.dtype == torch.float32, BLOCK_D=_head_block(self.head_size))
 
-    def example(self, device: torch.device) -> AttentionProblem:
-        """A problem of 32 keys with these switches (every key valid, every key a source key)."""
-        flags = torch.ones(1, 32, dtype=torch.bool, device=device)
-        offset = torch.zeros((), dtype=torch.int64, device=device) if self.offset_on_device else 0
-        mask = RelativeAttentionMask(flags if self.padding else None, self.causal, flags if self.source_keys else None,
-                                     offset)
-        dropout = 0.125 if self.dropout else 0.0  # a whole number of the kernels' 1/256 steps: no warning of its own
-        return AttentionProblem(mask, self.head_size**-0.5, dropout, torch.zeros((), dtype=torch.int64))
+
+def _head_block(head_size: int) -> int:
+    """The kernels' head-size block `BLOCK_D`: a power of two of at least 16."""
+    return max(16, 1 << (head_size - 1).bit_length())
 
 
 _set_aside: dict[tuple[str, Switches], str] = {}  # (part, switches) whose kernel failed here, and why
-_checked_backwards: set[tuple[Switches, torch.device]] = set()  # backwards that compiled and ran here
+_checked_backwards: set[tuple] = set()  # the kinds of call whose backward kernels compiled here (`_check_backward`)
 
 
 def interpreting() -> bool:
@@ -156,34 +154,53 @@ def _refuse_set_aside(part: str, switches: Switches) -> None:
         raise TritonKernelFailed(reason)
 
 
-@contextlib.contextmanager
-def _launching(part: str, switches: Switches, device: torch.device):
-    """Launch the `part` kernels on `device` (Triton launches on the current CUDA device). An out-of-memory error
-    passes as it is; any other sets the part aside for `switches` (one warning) and becomes `TritonKernelFailed`."""
-    with _device_guard(device):
-        try:
-            yield
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as error:
-            reason = (f"the Triton kernel failed to compile for the {part} with {switches} ({type(error).__name__}: "
-                      f"{error})")
-            if (part, switches) not in _set_aside:
-                _set_aside[(part, switches)] = reason
-                logger.warning(f"NEZHA attention: {reason}; from now on, for such calls, "
-                               f"{fallback_words(Engine.TRITON)}.")
-            raise TritonKernelFailed(reason) from error
+class _Launching:
+    """A context for launching a call's `part` kernels: on the queries' GPU (Triton launches on the current CUDA
+    device). An out-of-memory error passes as it is; any other sets the part aside for the call's `Switches` (one
+    warning) and becomes `TritonKernelFailed`."""
+
+    def __init__(self, part: str, query: torch.Tensor, problem: AttentionProblem):
+        self.part, self.query, self.problem, self.guard = part, query, problem, None
+
+    def __enter__(self):
+        self.guard = _device_guard(self.query.get_device())
+        if self.guard is not None:
+            self.guard.__enter__()
+
+    def __exit__(self, kind, error, trace) -> None:
+        if self.guard is not None:
+            self.guard.__exit__(kind, error, trace)
+        if not isinstance(error, Exception) or isinstance(error, torch.OutOfMemoryError):
+            return
+        switches = Switches.of(self.query, self.problem)
+        reason = (f"the Triton kernel failed to compile for the {self.part} with {switches} ({type(error).__name__}: "
+                  f"{error})")
+        if (self.part, switches) not in _set_aside:
+            _set_aside[(self.part, switches)] = reason
+            _checked_backwards.clear()  # a training call checks again, and finds its backward set aside
+            logger.warning(f"NEZHA attention: {reason}; from now on, for such calls, {fallback_words(Engine.TRITON)}.")
+        raise TritonKernelFailed(reason) from error
 
 
-def _device_guard(device: torch.device):
-    """A context in which `device` is the current CUDA device (nothing to do for the CPU's interpreted kernels)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+def _device_guard(index: int) -> torch.cuda.device | None:
+    """A context in which CUDA device `index` is the current one (Triton launches on the current device), or None
+    where it is already, or for the CPU's tensors (`index` -1: the interpreter's)."""
+    if index < 0 or index == torch.cuda.current_device():
+        return None
+    return torch.cuda.device(index)
 
 
-def _offset_on_device(offset: int | torch.Tensor, device: torch.device) -> bool:
+def _offset_on_device(query: torch.Tensor, offset: int | torch.Tensor) -> bool:
     """Whether the kernels read the queries' offset from memory: a tensor on the queries' device, whose value the host
-    would have to wait for. An int, or a tensor on the CPU (where `attention_ops.flatten` puts an int), is read here."""
-    return isinstance(offset, torch.Tensor) and offset.device == device
+    would have to wait for. An int, or a tensor on the CPU with GPU queries, is read here."""
+    return isinstance(offset, torch.Tensor) and offset.get_device() == query.get_device()
+
+
+def _seed_on_device(problem: AttentionProblem) -> bool:
+    """Whether the kernels read dropout's seed from memory: a tensor on a GPU (a traced call's, drawn there so that a
+    CUDA graph draws it at each replay; read on the host it would wait for the GPU). A seed on the CPU (an eager call's)
+    is read here."""
+    return problem.dropout > 0 and isinstance(problem.seed, torch.Tensor) and problem.seed.device.type != "cpu"
 
 
 def _decoding_splits(programs: int, queries: int, keys: int, device: torch.device, kernels) -> tuple[int, int]:
@@ -192,11 +209,27 @@ def _decoding_splits(programs: int, queries: int, keys: int, device: torch.devic
     other calls `(1, keys)`."""
     if queries > kernels.DECODING_BLOCK_M:
         return 1, keys
-    processors = (INTERPRETER_PROCESSORS if device.type == "cpu"
-                  else torch.cuda.get_device_properties(device).multi_processor_count)
-    wanted = -(-2 * processors // programs)
+    wanted = -(-2 * _multiprocessors(device) // programs)
     chunk = kernels.SPLIT_GRANULE * max(1, -(-keys // (wanted * kernels.SPLIT_GRANULE)))
     return -(-keys // chunk), chunk
+
+
+_processors: dict[torch.device, int] = {}  # multiprocessors per device, asked once
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """The multiprocessors of `device`'s GPU: `INTERPRETER_PROCESSORS` under the interpreter; for CPU tensors with
+    Triton compiling, those of the GPU Triton's active driver stands for (`benchmarks/gpu/gpu_fake_driver.py`)."""
+    if interpreting():
+        return INTERPRETER_PROCESSORS
+    if device not in _processors:
+        if device.type == "cpu":
+            from triton.runtime import driver
+
+            _processors[device] = driver.active.utils.get_device_properties(0)["multiprocessor_count"]
+        else:
+            _processors[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _processors[device]
 
 
 def _forward_part(splits: int) -> str:
@@ -208,10 +241,13 @@ def _key_flags(flags: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor | 
     return None if flags is None else flags.to(device=key.device, dtype=torch.int8).contiguous()
 
 
-def _key_bounds(problem: AttentionProblem, key: torch.Tensor) -> torch.Tensor | None:
-    """`[batch, 3]` int32 per sequence: its first valid key, last valid key + 1, and last valid source key + 1 (0 when
-    none), so that the kernels skip the key blocks no query sees; None without padding or source keys."""
-    valid, source = problem.mask.key_is_valid, problem.mask.key_is_source
+def _key_bounds(mask: RelativeAttentionMask, key: torch.Tensor) -> torch.Tensor | None:
+    """`[batch, 4]` int32 per sequence: its first valid key, last valid key + 1, last valid source key + 1 (0 when
+    none), so that the kernels skip the key blocks no query sees, and whether its valid keys, and its valid source keys
+    from the first valid one, are each one run (1), as padding on either side and UniLM's source leave them, so that
+    the kernels mask only the blocks their ends cut (0: a mask with gaps, every tail block masked); None without
+    padding or source keys."""
+    valid, source = mask.key_is_valid, mask.key_is_source
     if valid is None and source is None:
         return None
     batch, _, keys, _ = key.shape
@@ -220,9 +256,20 @@ def _key_bounds(problem: AttentionProblem, key: torch.Tensor) -> torch.Tensor | 
              else valid.to(key.device, torch.bool))
     first = torch.where(valid, position, keys).amin(1)
     end = torch.where(valid, position + 1, 0).amax(1)
-    sources = (torch.zeros_like(end) if source is None
-               else torch.where(valid & source.to(key.device, torch.bool), position + 1, 0).amax(1))
-    return torch.stack((first, end, sources), 1).to(torch.int32)
+    one_run = valid.sum(1) == (end - first).clamp_min(0)
+    if source is None:
+        sources = torch.zeros_like(end)
+    else:
+        valid_source = valid & source.to(key.device, torch.bool)
+        sources = torch.where(valid_source, position + 1, 0).amax(1)
+        one_run &= valid_source.sum(1) == (sources - first).clamp_min(0)
+    return torch.stack((first, end, sources, one_run), 1).to(torch.int32)
+
+
+def _mask_tensors(mask: RelativeAttentionMask, key: torch.Tensor) -> dict:
+    """The kernels' `KeyValid`, `KeyIsSource` and `KeyBounds` of a mask (`_key_flags`, `_key_bounds`)."""
+    return dict(KeyValid=_key_flags(mask.key_is_valid, key), KeyIsSource=_key_flags(mask.key_is_source, key),
+                KeyBounds=_key_bounds(mask, key))
 
 
 def _strides(tensor: torch.Tensor, name: str, row: str, heads_first: bool = True) -> dict:
@@ -233,23 +280,154 @@ def _strides(tensor: torch.Tensor, name: str, row: str, heads_first: bool = True
     return {f"stride_{name}b": b, f"stride_{name}h": heads, f"stride_{name}{row}": length, f"stride_{name}d": d}
 
 
-def _arguments(query, key, value, table, problem: AttentionProblem, switches: Switches, kernels) -> dict:
-    """The arguments every kernel of a call takes, by name: the table (in the queries' dtype, contiguous), the mask's
-    flags and bounds, the offset, the strides of `query`, `key` and `value`, the sizes, the scale, dropout's seed and
-    threshold, and the switches."""
+# --- a call's arguments, and its launches decided once per kind of call --------------------------------------------
+
+
+@dataclass(frozen=True)
+class _TableUse:
+    """What the kernels take of a table for queries of one dtype (`_table_use`)."""
+
+    table: torch.Tensor  # in the queries' dtype, contiguous
+    rotate: bool  # the band by rotation (`_rotation`)
+    sinusoid: torch.Tensor | None  # the sinusoid the band by rotation reads, when it does
+
+
+def _table_use(table: torch.Tensor, dtype: torch.dtype, kernels) -> _TableUse:
+    """The table as the kernels take it for queries of `dtype`, made once per table and version (`_derived`: a model's
+    layers share one table)."""
+
+    def make() -> _TableUse:
+        rotation = _rotation(table, dtype, kernels)
+        return _TableUse(table.to(dtype).contiguous(), rotation["ROTATE"], rotation["Sinusoid"])
+
+    return _derived(("table", dtype), make, table)
+
+
+def _kind(part: str, query, key, value, table, problem: AttentionProblem, rotate: bool, *others) -> tuple:
+    """What decides a call's launches besides its own values (`_call_values`): calls of one kind launch the same
+    compiled kernels on the same grids with the same other arguments (its `Switches`, sizes, strides, scale, dropout
+    rate, table size and whether the band goes by rotation; `others`: the strides of the backward's output and
+    gradient). Made of plain values, cheaply: it is made at every call."""
+    mask = problem.mask
+    return (part, query.dtype, query.get_device(), query.shape, query.stride(), key.shape, key.stride(),
+            value.stride(), table.shape[0], rotate, mask.key_is_valid is not None, mask.causal,
+            mask.key_is_source is not None, _offset_on_device(query, mask.query_offset), _seed_on_device(problem),
+            problem.scaling, problem.dropout, *others)
+
+
+def _call_values(query, key, value, use: _TableUse, problem: AttentionProblem) -> dict:
+    """The kernels' arguments that change from call to call, by name (a planned launch takes every other from its
+    plan, `_Plan`): the inputs; the table as the kernels take it (`_table_use`) and the mask's flags and bounds (made
+    once per mask, `_derived`: a model's layers and their backward share one); the offset; dropout's seed."""
+    mask = problem.mask
+    values = dict(Q=query, Kx=key, V=value, Table=use.table, Sinusoid=use.sinusoid, KeyValid=None, KeyIsSource=None,
+                  KeyBounds=None, Offset=None, offset=0, Seed=None, seed=0)
+    if _seed_on_device(problem):
+        values["Seed"] = problem.seed
+    elif problem.dropout > 0:
+        values["seed"] = int(problem.seed)
+    if mask.key_is_valid is not None or mask.key_is_source is not None:
+        values.update(_derived(("mask", key.device, key.shape[-2]), lambda: _mask_tensors(mask, key),
+                               mask.key_is_valid, mask.key_is_source))
+    if _offset_on_device(query, mask.query_offset):
+        values["Offset"] = mask.query_offset
+    else:
+        values["offset"] = int(mask.query_offset)
+    return values
+
+
+def _arguments(query, key, table, problem: AttentionProblem, switches: Switches, kernels) -> dict:
+    """The arguments every kernel of a call takes that are the same for every call of its kind (`_kind`), but the
+    strides, by name: the sizes, the scale, dropout's threshold and scale, and the switches."""
     _, heads, queries, size = query.shape
-    keys, dropout, offset = key.shape[-2], problem.dropout, problem.mask.query_offset
+    keys = key.shape[-2]
     if not problem.scaling > 0:  # the kernels take a row's maximum before the scale (plain FlashAttention-2's way)
         raise TritonKernelFailed(f"the Triton kernels take a positive score scale, not {problem.scaling}")
     return dict(
-        Table=table.to(query.dtype).contiguous(), KeyValid=_key_flags(problem.mask.key_is_valid, key),
-        KeyIsSource=_key_flags(problem.mask.key_is_source, key), KeyBounds=_key_bounds(problem, key),
-        Offset=offset if switches.offset_on_device else None, offset=0 if switches.offset_on_device else int(offset),
-        **_strides(query, "q", "m"), **_strides(key, "k", "n"), **_strides(value, "v", "n"),
         heads=heads, Lq=queries, Lk=keys, D=size, K=max_relative_position(table), scale_log2=problem.scaling * LOG2E,
-        seed=int(problem.seed) if dropout > 0 else 0, **_dropout_draws(dropout),
-        LQ_CLASS=kernels.length_class(queries), LK_CLASS=kernels.length_class(keys), **switches.constexprs(kernels),
+        **_dropout_draws(problem.dropout), LQ_CLASS=kernels.length_class(queries),
+        LK_CLASS=kernels.length_class(keys), **switches.constexprs(kernels),
     )
+
+
+class _Plan:
+    """One kernel's launch, decided for a kind of call (`_kind`) by the kind's first launch through Triton (the
+    autotuner's choice, the JIT's compiled kernel): the compiled kernel's launcher for its grid, every argument in the
+    kernel's order, and where a later call of the kind puts its own values (`_call_values`, outputs and scratch), with
+    whether each of its tensors was aligned to 16 bytes (the JIT specialised the kernel on that; the kind fixes the
+    rest of what it specialised on)."""
+
+    def __init__(self, kernel, grid, arguments: dict, compiled, call: dict):
+        config = getattr(kernel, "best_config", None)  # an autotuned kernel's choice for this kind
+        every = {**arguments, **(config.kwargs if config is not None else {})}
+        grid = tuple(grid(every) if callable(grid) else grid)
+        self.run = compiled[grid + (1,) * (3 - len(grid))]
+        names = kernel.arg_names
+        self.slots = [(index, name) for index, name in enumerate(names) if name in call]
+        self.aligned = [(name, call[name].data_ptr() % 16 == 0) for _, name in self.slots
+                        if isinstance(call[name], torch.Tensor)]
+        # without the call's own values: a plan holds no tensor of the call that made it
+        self.arguments = [None if name in call else every[name] for name in names]
+
+    def fits(self, call: dict) -> bool:
+        for name, aligned in self.aligned:
+            if (call[name].data_ptr() % 16 == 0) != aligned:
+                return False
+        return True
+
+    def launch(self, call: dict) -> None:
+        arguments = self.arguments.copy()
+        for index, name in self.slots:
+            arguments[index] = call[name]
+        self.run(*arguments)
+
+
+@dataclass
+class _Launches:
+    """Every kernel launch of a kind of call, planned (`_Plan`), in order; a forward's decoding splits."""
+
+    plans: list[_Plan]
+    splits: int = 1
+
+    def launch(self, call: dict) -> bool:
+        """Launch the plans with `call`'s values, unless a tensor of it is aligned otherwise than planned (False:
+        Triton's JIT launches that call)."""
+        for plan in self.plans:
+            if not plan.fits(call):
+                return False
+        for plan in self.plans:
+            plan.launch(call)
+        return True
+
+
+_plans: dict[tuple, _Launches] = {}  # the kinds of call planned here
+PLANNED_KINDS = 1024  # kinds kept at most (a decoding loop with a growing dynamic cache makes a kind per step)
+
+
+def _launch_all(kind: tuple, launches: list, call: dict, warmup: bool = False, splits: int = 1) -> None:
+    """Launch each `(kernel, grid, arguments)` through Triton (its autotuner and JIT) with the arguments that kernel
+    takes (`arguments` may hold more), or (`warmup`) only compile them; then plan the kind (`_Launches`) where every
+    launch ran a compiled kernel (under the interpreter none does: every call goes through Triton)."""
+    kernels = _kernels()
+    launched = []
+    for kernel, grid, arguments in launches:
+        names = set(kernel.arg_names)
+        own = {name: value for name, value in arguments.items() if name in names}
+        launched.append((kernel, grid, own, _launch(kernel, grid, warmup, **own)))
+    if not warmup and all(isinstance(compiled, kernels.triton.compiler.CompiledKernel) for *_, compiled in launched):
+        if len(_plans) >= PLANNED_KINDS:
+            _plans.clear()
+        _plans[kind] = _Launches([_Plan(kernel, grid, own, compiled, call) for kernel, grid, own, compiled in launched],
+                                 splits)
+
+
+def _launch(kernel, grid, warmup: bool, **arguments):
+    """Launch `kernel` on `grid`, or (`warmup`) only compile what that launch would launch: Triton's own warmup, through
+    the same autotuner pruning and JIT specialisation. What Triton returns: the compiled kernel launched, where it
+    compiles."""
+    if warmup:
+        return kernel.warmup(grid=grid, **arguments)
+    return kernel[grid](**arguments)
 
 
 def _keep_rate(keep_scale: float) -> float:
@@ -274,9 +452,37 @@ def _dropout_draws(dropout: float) -> dict:
     return dict(threshold=threshold, keep_scale=256 / (256 - threshold))
 
 
-# Tables compared with the sinusoid: (id, dtype) -> (a weak reference to the table, its version, whether it is).
-_exact_tables: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, bool]] = {}
+# Results made from tensors (`_derived`): (what, the sources' ids) -> (weak references to them, their versions, result).
+_derived_values: dict[tuple, tuple] = {}
 _sinusoids: dict[tuple, torch.Tensor] = {}  # (K, head size, dtype, device) -> the kernels' `Sinusoid`
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of `tensor`'s GPU."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _derived(what: tuple, make, *sources: torch.Tensor | None, decided_on_host: bool = False):
+    """`make()`, the result `what` made from `sources` (tensors, or None), kept while each source lives unchanged (its
+    version): the layers of a model, which share one table and one mask, and their backward make it once. Made again
+    for inference tensors (which count no versions) and, unless the host decides it once for all (a Python value,
+    `decided_on_host`), while a CUDA graph is being captured: the graph must make it from its inputs at each replay."""
+    key = (what, *map(id, sources))
+    known = _derived_values.get(key)
+    tensors = [source for source in sources if source is not None]
+    if known is not None and (decided_on_host or not _capturing(tensors[0])):
+        references, versions, result = known
+        for reference, version, source in zip(references, versions, sources):
+            if source is not None and (reference() is not source or source._version != version):
+                break
+        else:
+            return result
+    result = make()
+    if not any(tensor.is_inference() for tensor in tensors) and (decided_on_host or not _capturing(tensors[0])):
+        forget = lambda _, values=_derived_values: values.pop(key, None)  # noqa: E731 (a source was freed)
+        _derived_values[key] = (tuple(None if source is None else weakref.ref(source, forget) for source in sources),
+                                tuple(None if source is None else source._version for source in sources), result)
+    return result
 
 
 def _is_exact_sinusoid(table: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -284,16 +490,13 @@ def _is_exact_sinusoid(table: torch.Tensor, dtype: torch.dtype) -> bool:
     then the band tiles, forward and backward, go by rotation (`triton_kernels._rotated_band`), which holds for that
     table only; any other table takes the table's window. Compared once per table tensor and version (the comparison
     waits for the GPU), the answer kept while the table lives."""
-    key = (id(table), dtype)
-    version = None if table.is_inference() else table._version  # an inference tensor counts no versions: no reuse
-    known = _exact_tables.get(key)
-    if known is not None and known[0]() is table and version is not None and known[1] == version:
-        return known[2]
-    rows, size = table.shape
-    exact = rows % 2 == 1 and size % 2 == 0 and torch.equal(
-        table.to(dtype), sinusoid_relative_table(max_relative_position(table), size).to(table.device, dtype))
-    _exact_tables[key] = (weakref.ref(table, lambda _: _exact_tables.pop(key, None)), version, exact)
-    return exact
+
+    def compare() -> bool:
+        rows, size = table.shape
+        return rows % 2 == 1 and size % 2 == 0 and torch.equal(
+            table.to(dtype), sinusoid_relative_table(max_relative_position(table), size).to(table.device, dtype))
+
+    return _derived(("exact sinusoid", dtype), compare, table, decided_on_host=True)
 
 
 def _rotation(table: torch.Tensor, dtype: torch.dtype, kernels) -> dict:
@@ -325,27 +528,34 @@ def triton_forward(query, key, value, table, problem: AttentionProblem) -> list[
     lse = torch.empty(batch, heads, queries, dtype=torch.float32, device=query.device)
     if queries == 0 or keys == 0:
         return [output.zero_(), lse.fill_(float("-inf"))]
-    switches = Switches.of(query, problem)
-    splits, chunk = _decoding_splits(batch * heads, queries, keys, query.device, kernels)
-    part = _forward_part(splits)
-    _refuse_set_aside(part, switches)
-    arguments = _arguments(query, key, value, table, problem, switches, kernels)
-    outputs = dict(Out=output, Lse=lse, **_strides(output, "o", "m", heads_first=False))
-    arguments.update(_rotation(table, query.dtype, kernels))
-    grid = lambda meta: (_blocks(queries, meta["BLOCK_M"]) * splits * batch * heads,)  # noqa: E731
-    with _launching(part, switches, query.device):
-        if splits == 1:
-            kernels.nezha_forward_kernel[grid](Q=query, Kx=key, V=value, Partial=None, PartialStats=None, **outputs,
-                                               **arguments, splits=1, key_chunk=keys, SPLIT=False)
-        else:
-            rows = batch * heads * splits * queries
-            partial = torch.empty(rows, arguments["BLOCK_D"], dtype=torch.float32, device=query.device)
-            statistics = torch.empty(rows, 2, dtype=torch.float32, device=query.device)
-            kernels.nezha_forward_kernel[grid](Q=query, Kx=key, V=value, Partial=partial, PartialStats=statistics,
-                                               **outputs, **arguments, splits=splits, key_chunk=chunk, SPLIT=True)
-            kernels.nezha_merge_kernel[(_blocks(queries, kernels.DECODING_BLOCK_M) * batch * heads,)](
-                Partial=partial, PartialStats=statistics, **outputs, heads=heads, Lq=queries, D=size, splits=splits,
-                BLOCK_D=arguments["BLOCK_D"], BLOCK_M=kernels.DECODING_BLOCK_M)
+    use = _table_use(table, query.dtype, kernels)
+    kind = _kind("forward", query, key, value, table, problem, use.rotate)
+    call = _call_values(query, key, value, use, problem)
+    call.update(Out=output, Lse=lse, Partial=None, PartialStats=None)
+    planned = _plans.get(kind)
+    if planned is None:
+        splits, chunk = _decoding_splits(batch * heads, queries, keys, query.device, kernels)
+        _refuse_set_aside(_forward_part(splits), Switches.of(query, problem))
+    else:
+        splits = planned.splits
+    if splits > 1:  # each split's unnormalised output, maximum and sum, merged by `nezha_merge_kernel`
+        rows = batch * heads * splits * queries
+        call.update(Partial=torch.empty(rows, _head_block(size), dtype=torch.float32, device=query.device),
+                    PartialStats=torch.empty(rows, 2, dtype=torch.float32, device=query.device))
+    with _Launching(_forward_part(splits), query, problem):
+        if planned is not None and planned.launch(call):
+            return [output, lse]
+        splits, chunk = _decoding_splits(batch * heads, queries, keys, query.device, kernels)
+        arguments = {**_arguments(query, key, table, problem, Switches.of(query, problem), kernels), **call,
+                     "ROTATE": use.rotate, **_strides(query, "q", "m"), **_strides(key, "k", "n"),
+                     **_strides(value, "v", "n"), **_strides(output, "o", "m", heads_first=False), "splits": splits,
+                     "key_chunk": chunk, "SPLIT": splits > 1}
+        launches = [(kernels.nezha_forward_kernel,
+                     lambda meta: (_blocks(queries, meta["BLOCK_M"]) * splits * batch * heads,), arguments)]
+        if splits > 1:
+            launches.append((kernels.nezha_merge_kernel, (_blocks(queries, kernels.DECODING_BLOCK_M) * batch * heads,),
+                             dict(arguments, BLOCK_M=kernels.DECODING_BLOCK_M)))
+        _launch_all(kind, launches, call, splits=splits)
     return [output, lse]
 
 
@@ -353,44 +563,56 @@ def triton_backward(grad_output, query, key, value, table, problem: AttentionPro
                     lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of query, key and value (`[batch, heads, length, head_size]`) by the Triton kernels; see
     `attention_ops.engine_op` (`grad_output` and `output` are `[batch, heads, queries, head_size]` views)."""
+    batch, heads, queries, size = query.shape
+    keys = key.shape[-2]
+    if queries == 0 or keys == 0:
+        return tuple(torch.zeros(batch, heads, length, size, dtype=query.dtype, device=query.device)
+                     for length in (queries, keys, keys))
+    # Every element is written by the kernels (a key or query no other sees gets 0).
+    grads = tuple(torch.empty(batch, heads, length, size, dtype=query.dtype, device=query.device)
+                  for length in (queries, keys, keys))
+    with _Launching("backward", query, problem):
+        _backward_kernels(grad_output, query, key, value, table, problem, output, lse, grads, warmup=False)
+    return grads
+
+
+def _backward_kernels(grad_output, query, key, value, table, problem: AttentionProblem, output, lse, grads: tuple,
+                      warmup: bool) -> None:
+    """Launch the backward's kernels into `grads` (`(grad_query, grad_key, grad_value)`), or (`warmup`) compile them
+    only (`_check_backward`)."""
     kernels = _kernels()
     batch, heads, queries, size = query.shape
     keys = key.shape[-2]
-    grad_query = torch.zeros(batch, heads, queries, size, dtype=query.dtype, device=query.device)
-    grad_key = torch.zeros(batch, heads, keys, size, dtype=key.dtype, device=key.device)
-    grad_value = torch.zeros(batch, heads, keys, size, dtype=value.dtype, device=value.device)
-    if queries == 0 or keys == 0:
-        return grad_query, grad_key, grad_value
-    switches = Switches.of(query, problem)
-    _refuse_set_aside("backward", switches)
-    arguments = _arguments(query, key, value, table, problem, switches, kernels)
-    rotation = _rotation(table, query.dtype, kernels)
-    arguments.update(rotation)
+    use = _table_use(table, query.dtype, kernels)
+    kind = _kind("backward", query, key, value, table, problem, use.rotate, grad_output.stride(), output.stride())
+    call = _call_values(query, key, value, use, problem)
     # Per query and tile class: the log-sum-exp less a tail's key term, D_i = dO_i . O_i less its output term; for the
     # band by rotation, its clipped pairs' terms and the queries and output gradients turned.
-    row_lse, row_dot = (torch.empty(batch, heads, 3, queries, dtype=torch.float32, device=query.device)
-                        for _ in range(2))
-    turned = dict(RowTerms=None, RotQ=None, RotDO=None)
-    if rotation["ROTATE"]:
-        turned = dict(RowTerms=torch.empty(batch, heads, 4, queries, dtype=torch.float32, device=query.device),
-                      RotQ=torch.empty(batch, heads, queries, size, dtype=query.dtype, device=query.device),
-                      RotDO=torch.empty(batch, heads, queries, size, dtype=query.dtype, device=query.device))
-    shared = dict(Q=query, Kx=key, V=value, DO=grad_output, RowLse=row_lse, RowDot=row_dot, scale=problem.scaling,
-                  **turned, **arguments, **_strides(grad_output, "o", "m"))
-    with _launching("backward", switches, query.device):
-        block = kernels.STATISTICS_BLOCK_M
-        kernels.nezha_row_statistics_kernel[(_blocks(queries, block) * batch * heads,)](
-            Q=query, DO=grad_output, O=output, Table=arguments["Table"], Sinusoid=rotation["Sinusoid"], Lse=lse,
-            RowLse=row_lse, RowDot=row_dot, **turned,
-            **_strides(query, "q", "m"), **_strides(grad_output, "o", "m"), **_strides(output, "y", "m"), heads=heads,
-            Lq=queries, D=size, K=arguments["K"], scale_log2=arguments["scale_log2"],
-            keep_rate=_keep_rate(arguments["keep_scale"]), DROPOUT=switches.dropout,
-            ROTATE=rotation["ROTATE"], BLOCK_D=arguments["BLOCK_D"], BLOCK_M=block)
-        kernels.nezha_key_value_grad_kernel[lambda meta: (_blocks(keys, meta["BLOCK_N"]) * batch * heads,)](
-            DK=grad_key, DV=grad_value, **shared)
-        kernels.nezha_query_grad_kernel[lambda meta: (_blocks(queries, meta["BLOCK_M"]) * batch * heads,)](
-            DQ=grad_query, **shared)
-    return grad_query, grad_key, grad_value
+    call.update(DO=grad_output, O=output, Lse=lse, DQ=grads[0], DK=grads[1], DV=grads[2],
+                RowLse=torch.empty(batch, heads, 3, queries, dtype=torch.float32, device=query.device),
+                RowDot=torch.empty(batch, heads, 3, queries, dtype=torch.float32, device=query.device),
+                RowTerms=None, RotQ=None, RotDO=None)
+    if use.rotate:
+        call.update(RowTerms=torch.empty(batch, heads, 4, queries, dtype=torch.float32, device=query.device),
+                    RotQ=torch.empty(batch, heads, queries, size, dtype=query.dtype, device=query.device),
+                    RotDO=torch.empty(batch, heads, queries, size, dtype=query.dtype, device=query.device))
+    planned = _plans.get(kind)
+    if not warmup and planned is not None and planned.launch(call):
+        return
+    switches = Switches.of(query, problem)
+    _refuse_set_aside("backward", switches)
+    arguments = {**_arguments(query, key, table, problem, switches, kernels), **call, "ROTATE": use.rotate,
+                 "scale": problem.scaling, **_strides(query, "q", "m"), **_strides(key, "k", "n"),
+                 **_strides(value, "v", "n"), **_strides(grad_output, "o", "m"), **_strides(output, "y", "m")}
+    statistics = dict(arguments, keep_rate=_keep_rate(arguments["keep_scale"]), BLOCK_M=kernels.STATISTICS_BLOCK_M)
+    _launch_all(kind, [
+        (kernels.nezha_row_statistics_kernel, (_blocks(queries, kernels.STATISTICS_BLOCK_M) * batch * heads,),
+         statistics),
+        (kernels.nezha_key_value_grad_kernel, lambda meta: (_blocks(keys, meta["BLOCK_N"]) * batch * heads,),
+         arguments),
+        (kernels.nezha_query_grad_kernel, lambda meta: (_blocks(queries, meta["BLOCK_M"]) * batch * heads,),
+         arguments),
+    ], call, warmup)
 
 
 def _forward_fake(query, key, value, table, problem):
@@ -409,27 +631,37 @@ _attention_op = engine_op(Engine.TRITON, triton_forward, _forward_fake, triton_b
 def triton_attention(query, key, value, table, problem: AttentionProblem) -> torch.Tensor:
     """NEZHA attention by the Triton kernels, `[batch, queries, heads, head_size]`; arguments as
     `fused_attention.fused_attention`. float32, bfloat16 and float16 on CUDA GPUs (CPU tensors under
-    TRITON_INTERPRET=1). Before the first call with a set of switches that needs gradients, the backward is compiled
-    and run on a small problem; raises `TritonKernelFailed` where a kernel the call needs failed to compile here."""
-    if not tracing() and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        _check_backward(Switches.of(query, problem), query.device)
+    TRITON_INTERPRET=1). Before the first call of a kind that needs gradients, the kernels its backward will launch
+    are compiled (`_check_backward`); raises `TritonKernelFailed` where a kernel the call needs failed to compile
+    here."""
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad) and not tracing():
+        _check_backward(query, key, value, table, problem)
     return _attention_op(query, key, value, table, problem)
 
 
-def _check_backward(switches: Switches, device: torch.device) -> None:
-    """Compile and run the backward kernels for `switches` on `device` once per process, on a 32-token problem."""
-    _refuse_set_aside("backward", switches)
-    if (switches, device) in _checked_backwards:
+def _check_backward(query, key, value, table, problem: AttentionProblem) -> None:
+    """Compile the kernels this call's backward will launch, before its forward runs, so that a backward that cannot
+    compile is found while another engine can still take the call: Triton's warmup through the backward's own
+    launchers (`_backward_kernels`), with the call's tensors and table (its `K`, whether it goes by rotation), the
+    configurations the autotuner keeps for its lengths and switches, and the seed's type. Once per kind of call
+    (`_kind`: its switches, sizes, strides, table size and rotation; forgotten when a backward fails, so that a
+    kind whose backward was set aside goes to the next engine); a backward whose arguments Triton specialises
+    otherwise (a gradient of other strides) compiles at its launch, as any kernel does."""
+    kernels = _kernels()
+    batch, heads, queries, size = query.shape
+    keys = key.shape[-2]
+    kind = _kind("backward check", query, key, value, table, problem, _table_use(table, query.dtype, kernels).rotate)
+    if kind in _checked_backwards or queries == 0 or keys == 0:
         return
-    generator = torch.Generator().manual_seed(0)
-    query, key, value, grad_output = (torch.randn(1, 1, 32, switches.head_size, generator=generator).to(device,
-                                                                                                       switches.dtype)
-                                      for _ in range(4))
-    table = torch.zeros(9, switches.head_size, device=device, dtype=switches.dtype)
-    problem = switches.example(device)
-    output, lse = triton_forward(query, key, value, table, problem)
-    triton_backward(grad_output, query, key, value, table, problem, output.transpose(1, 2), lse)
-    _checked_backwards.add((switches, device))
+    _refuse_set_aside("backward", Switches.of(query, problem))
+    # The forward's outputs as the backward receives them (`engine_op`): `[batch, heads, queries, d]` views.
+    output = query.new_empty(batch, queries, heads, size).transpose(1, 2)
+    lse = torch.empty(batch, heads, queries, dtype=torch.float32, device=query.device)
+    grads = tuple(torch.empty(batch, heads, length, size, dtype=query.dtype, device=query.device)
+                  for length in (queries, keys, keys))
+    with _Launching("backward", query, problem):
+        _backward_kernels(output, query, key, value, table, problem, output, lse, grads, warmup=True)
+    _checked_backwards.add(kind)
 
 
 __all__ = ["Switches", "TritonKernelFailed", "interpreting", "triton_attention", "triton_installed",

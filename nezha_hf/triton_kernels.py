@@ -54,6 +54,8 @@ masses sum `dS` rounded to the type, by a product, as its product with the keys 
 Imported only where Triton is installed and a kernel can run (`triton_attention.py` checks).
 """
 
+import functools
+
 try:
     import triton
     import triton.language as tl
@@ -78,32 +80,31 @@ STATISTICS_BLOCK_M = 16 if INTERPRETING else 64  # the query block of `nezha_row
 MASS_COLUMNS = tl.constexpr(16)  # the columns of dQ's tail masses (`_add_row_sums`): the narrowest product
 
 
-def _config(block_m: int, block_n: int, stages: int = 1, warps: int = 4, registers: int | None = None
-            ) -> "triton.Config":
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_stages=stages, num_warps=warps,
-                         maxnreg=registers)
+def _config(block_m: int, block_n: int, stages: int = 1, warps: int = 4) -> "triton.Config":
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_stages=stages, num_warps=warps)
 
 
 # FlashAttention-2's Triton sets, and the decoding step's block of 16 queries. No block of 64 rows (the products' rows:
 # queries in the forward and `dQ`, keys in `dK`, `dV`) runs on 8 warps: a Hopper wgmma gives each warp group of 4 warps
 # 64 rows, so the second group would compute the same products again (Triton's tutorial filters such sets out;
-# `make gpu-gates` checks).
-# The forward's 128-row block is held to 128 registers a thread, so that two blocks of 8 warps share a multiprocessor
-# (FlashAttention-2's overlap of one block's softmax with the other's products): at that cap its tail loops do not
-# spill, its band loop does; under dropout the tail loops would spill too, so dropout's forward goes without it
-# (`_configs_for`). `make gpu-gates` checks both.
+# `make gpu-gates` checks). The forward runs 64-row blocks on 4 warps, two blocks per multiprocessor: a 128-row block
+# on 8 warps runs one (255 registers), or two held to 128 registers a thread, at which its band loop spills (`make
+# gpu-gates`: no spill in any loop). The backward's 64 x 64 block on 4 warps spills its dropout draws, so dropout's
+# backward goes without it (`BACKWARD_PRUNING`).
 # float32, whose IEEE products run on the CUDA cores, has smaller blocks of its own. Under the interpreter one small
 # block, so that tests cross block edges.
 if INTERPRETING:
     FORWARD_CONFIGS = KEY_VALUE_GRAD_CONFIGS = QUERY_GRAD_CONFIGS = [_config(16, 32)]  # dropout's draws: 32 keys
     FLOAT32_CONFIGS = []
+    SPILLING_UNDER_DROPOUT = []
 else:
     FLOAT32_CONFIGS = [_config(16, 32, 2, 4), _config(32, 32, 2, 8), _config(32, 16, 2, 4)]
     FORWARD_CONFIGS = [
-        _config(64, 64, 3, 4), _config(128, 64, 3, 8, registers=128),
+        _config(64, 64, 3, 4),
         *(_config(DECODING_BLOCK_M, block_n, 2, 4) for block_n in (64, 128)),
         *FLOAT32_CONFIGS[:2],
     ]
+    SPILLING_UNDER_DROPOUT = [_config(64, 64, 2, 4)]
     KEY_VALUE_GRAD_CONFIGS = [_config(64, 128, 2, 8), _config(32, 128, 2, 8), _config(64, 64, 2, 4),
                               *FLOAT32_CONFIGS[:2]]
     QUERY_GRAD_CONFIGS = [_config(64, 64, 2, 4), _config(128, 32, 2, 8), _config(128, 64, 2, 8),
@@ -126,15 +127,17 @@ def length_class(length: int) -> int:
     return max(16, 1 << (max(length, 1) - 1).bit_length())
 
 
-def _configs_for(configs, named_args, **kwargs):
+def _configs_for(configs, named_args, spilling_under_dropout=(), **kwargs):
     """The blocks a call is tuned over: float32's own (`FLOAT32_CONFIGS`) or the others; none of more queries than
     the call's length class has; a decoding step (fewer queries than the larger blocks) gets the blocks of 16, longer
-    calls only the larger blocks."""
+    calls only the larger blocks. Under dropout, whole multiples of its draws, and none that spills them
+    (`spilling_under_dropout`), unless that leaves none (blocks pinned by hand)."""
     named = {**named_args, **kwargs}  # the launches name their arguments
     own = [config for config in configs if (config in FLOAT32_CONFIGS) == bool(named["IEEE"])] or configs
-    if named["DROPOUT"]:  # whole multiples of dropout's draws, and no register cap (it spills the draws)
-        own = [config for config in own if config.maxnreg is None
-               and config.kwargs["BLOCK_M"] % DROPOUT_QUERIES == 0 and config.kwargs["BLOCK_N"] % DROPOUT_KEYS == 0]
+    if named["DROPOUT"]:
+        own = [config for config in own if config not in spilling_under_dropout
+               and config.kwargs["BLOCK_M"] % DROPOUT_QUERIES == 0
+               and config.kwargs["BLOCK_N"] % DROPOUT_KEYS == 0] or own
     fitting = [config for config in own if config.kwargs["BLOCK_M"] <= named["LQ_CLASS"]]
     wide = [config for config in fitting if config.kwargs["BLOCK_M"] > DECODING_BLOCK_M]
     return wide or fitting or own[:1]
@@ -142,8 +145,12 @@ def _configs_for(configs, named_args, **kwargs):
 
 TUNING_KEY = ["LQ_CLASS", "LK_CLASS", "K", "BLOCK_D", "HAS_VALID", "CAUSAL", "HAS_SOURCE", "DROPOUT"]
 PRUNING = {"early_config_prune": _configs_for}
-# Values that change at every decoding step are not specialised on (no recompilation per step).
-STEP_VALUES = ["Lk", "offset"]
+BACKWARD_PRUNING = {"early_config_prune": functools.partial(_configs_for,
+                                                           spilling_under_dropout=SPILLING_UNDER_DROPOUT)}
+# Values that change from call to call are not specialised on: those of a decoding step (no recompilation per step),
+# and dropout's seed, whose type is fixed too (`seed: tl.int64`): a seed that is a multiple of 16, or 1, or below
+# 2^31 would each compile kernels of their own in the middle of training.
+CALL_VALUES = ["Lk", "offset", "seed"]
 
 
 # --- tiles -------------------------------------------------------------------------------------------------------
@@ -298,32 +305,19 @@ def _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND: t
 
 
 @triton.jit
-def _mask_rotated_band(scores, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, HAS_VALID: tl.constexpr,
-                       CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, EDGE: tl.constexpr):
-    """A band tile's `scores` by rotation, -inf where not seen (`_visible`): its clipped pairs are already the tails'
-    terms, so only padding, a causal mask and keys past the last one (`EDGE`) mask it."""
-    if HAS_VALID or CAUSAL:
-        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
-                           HAS_SOURCE, EDGE)
-        scores = tl.where(visible, scores, float("-inf"))
-    elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
-        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
-    return scores
-
-
-@triton.jit
 def _scores(q, k, Table, first, K, D: tl.constexpr, offs_d, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource,
             key_row, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
             EDGE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr):
     """A tile's scores before the scale: `q . k`, plus `q . T[r]` from a band tile's window (its first row `first`);
-    -inf where not seen, masked only where a pair may be unseen (a block past the last key, padding, a causal mask
-    right of the queries, the band). A tail's key term is the same for a whole row: the callers fold it into the row's
-    maximum or log-sum-exp, so that a tail tile costs what a plain FlashAttention-2 tile does."""
+    -inf where not seen, masked only in a band tile and a tail's masked tile (`EDGE`: a block past the last key, or
+    one that padding, a causal mask or source keys cut; `_tail_blocks`). A tail's key term is the same for a whole row:
+    the callers fold it into the row's maximum or log-sum-exp, so that a tail tile costs what a plain FlashAttention-2
+    tile does."""
     scores = _product(q, tl.trans(k), WIDEN, IEEE)
     if KIND == BAND:
         scores += _by_pair(q, Table, first, K, D, offs_d, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    if EDGE or HAS_VALID or KIND == BAND or (CAUSAL and KIND != LEFT):
+    if EDGE or KIND == BAND:
         visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL,
                            HAS_SOURCE, EDGE)
         scores = tl.where(visible, scores, float("-inf"))
@@ -424,14 +418,41 @@ def _keys_of_block(m0, offset, Lk, KeyBounds, b, HAS_VALID: tl.constexpr, CAUSAL
     lo = 0
     hi = Lk
     if HAS_VALID or HAS_SOURCE:
-        lo = tl.load(KeyBounds + b * 3) // BLOCK_N * BLOCK_N
-        hi = tl.load(KeyBounds + b * 3 + 1)
+        lo = tl.load(KeyBounds + b * 4) // BLOCK_N * BLOCK_N
+        hi = tl.load(KeyBounds + b * 4 + 1)
     if CAUSAL:
         last = offset + m0 + BLOCK_M
         if HAS_SOURCE:
-            last = tl.maximum(last, tl.load(KeyBounds + b * 3 + 2))
+            last = tl.maximum(last, tl.load(KeyBounds + b * 4 + 2))
         hi = tl.minimum(hi, last)
     return lo, hi
+
+
+@triton.jit
+def _one_run(KeyBounds, b, KIND: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr):
+    """`(first, end, one_run)`: the keys a tail of class `KIND` may see in sequence `b` (`KeyBounds`), from `first` to
+    `end` (its valid keys; a right tail's under a causal mask, its valid source keys: no other key right of a causal
+    query is seen), and whether they are all of them, one run (no key inside masked: then a tail's blocks wholly
+    inside need no mask)."""
+    bounds = KeyBounds + b * 4
+    end = tl.load(bounds + 1)
+    if KIND == RIGHT and CAUSAL and HAS_SOURCE:
+        end = tl.minimum(end, tl.load(bounds + 2))
+    return tl.load(bounds), end, tl.load(bounds + 3) != 0
+
+
+@triton.jit
+def _tail_blocks(lo, hi, KeyBounds, b, KIND: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """`(start, stop, hi, one_run)` of a tail's key blocks `lo .. hi` under padding or source keys (`_one_run`): the
+    blocks from `start` to `stop` lie wholly among the keys seen and, where those are one run, need no mask; at most
+    one block before `start` and one from `stop` to `hi` are cut by its ends (a masked tile each). `hi` clipped to the
+    keys seen."""
+    first, end, one_run = _one_run(KeyBounds, b, KIND, CAUSAL, HAS_SOURCE)
+    hi = tl.maximum(tl.minimum(hi, end), lo)
+    start = tl.minimum(tl.maximum(tl.cdiv(first, BLOCK) * BLOCK, lo), hi)
+    stop = tl.maximum(tl.minimum(end // BLOCK * BLOCK, hi), start)
+    return start, stop, hi, one_run
 
 
 @triton.jit
@@ -446,13 +467,12 @@ def _program(blocks, heads, Offset, offset, OFFSET_IN_MEMORY: tl.constexpr):
 
 
 @triton.jit
-def _block_rows(length, heads, Offset, offset, OFFSET_IN_MEMORY: tl.constexpr, BLOCK: tl.constexpr,
-                BLOCK_D: tl.constexpr):
-    """`(start, rows, offs_d, head, b, h, offset)` of a program over blocks of `BLOCK` of `length` rows (`_program`;
-    a gradient kernel's keys or queries): its block's first row and its rows, and the head dimension's indices."""
-    block, head, b, h, offset = _program(tl.cdiv(length, BLOCK), heads, Offset, offset, OFFSET_IN_MEMORY)
-    start = block * BLOCK
-    return start, start + tl.arange(0, BLOCK), tl.arange(0, BLOCK_D), head, b, h, offset
+def _seed(Seed, seed, SEED_IN_MEMORY: tl.constexpr):
+    """Dropout's seed: `seed`, or (`SEED_IN_MEMORY`) the one at `Seed`, a tensor on the GPU (a traced call's: read on
+    the host it would wait for the GPU, and a CUDA graph would keep the value it was captured with)."""
+    if SEED_IN_MEMORY:
+        seed = tl.load(Seed)
+    return seed
 
 
 # --- forward -----------------------------------------------------------------------------------------------------
@@ -499,29 +519,64 @@ def _forward_tile(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyVa
 
 
 @triton.jit
-def _forward_tiles(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, hi, m0,
-                   offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                   scale_log2, seed, head, threshold, KIND: tl.constexpr, HAS_VALID: tl.constexpr,
-                   CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr,
-                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The online softmax over the key blocks `lo .. hi` of one class: `(acc, row_max, row_sum, mass)`. A tail's whole
-    blocks run in a loop without a key mask; the one block that may end past the last key is one masked tile after
-    it (not a loop: the loop's tile stays the plain FlashAttention-2 tile)."""
-    edge = hi
-    if KIND != BAND:
+def _forward_tiles(acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, KeyBounds, b,
+                   key_row, lo, hi, m0, offs_m, offset, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd,
+                   stride_vn, stride_vd, scale_log2, seed, head, threshold, KIND: tl.constexpr,
+                   HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
+                   WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax over the key blocks `lo .. hi` of one class: `(acc, row_max, row_sum, mass)`. A tail's
+    blocks that every query of the block sees whole run in a loop without a mask (the plain FlashAttention-2 tile);
+    the one or two blocks that the last key, padding or the source keys cut are masked tiles before and after it
+    (`_tail_blocks`), and where padding or the source keys leave the keys seen in more than one run, every block is
+    masked. Under a causal mask without source keys no query sees a key right of its band: no right tail."""
+    if KIND == BAND:
+        for n0 in range(lo, hi, BLOCK_N):
+            acc, row_max, row_sum, mass = _forward_tile(
+                acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0,
+                offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+                threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
+    elif KIND == RIGHT and CAUSAL and not HAS_SOURCE:
+        pass
+    elif HAS_VALID or HAS_SOURCE:
+        start, stop, hi, one_run = _tail_blocks(lo, hi, KeyBounds, b, KIND, CAUSAL, HAS_SOURCE, BLOCK_N)
+        if one_run:
+            if lo < start:
+                acc, row_max, row_sum, mass = _forward_tile(
+                    acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo, m0,
+                    offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
+                    head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
+                    BLOCK_N)
+            for n0 in range(start, stop, BLOCK_N):
+                acc, row_max, row_sum, mass = _forward_tile(
+                    acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0,
+                    offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
+                    head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M,
+                    BLOCK_N)
+            if stop < hi:
+                acc, row_max, row_sum, mass = _forward_tile(
+                    acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, stop,
+                    m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2,
+                    seed, head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
+                    BLOCK_N)
+        else:
+            for n0 in range(lo, hi, BLOCK_N):
+                acc, row_max, row_sum, mass = _forward_tile(
+                    acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0,
+                    offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
+                    head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
+                    BLOCK_N)
+    else:
         edge = _whole_blocks_end(lo, hi, Lk, BLOCK_N)
-    for n0 in range(lo, edge, BLOCK_N):
-        acc, row_max, row_sum, mass = _forward_tile(
-            acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0, offs_m,
-            offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold,
-            KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, KIND == BAND, BLOCK_M, BLOCK_N)
-    if KIND != BAND:
+        for n0 in range(lo, edge, BLOCK_N):
+            acc, row_max, row_sum, mass = _forward_tile(
+                acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0,
+                offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+                threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
         if edge < hi:  # the last block, ending past the last key (`hi - edge < BLOCK_N`)
             acc, row_max, row_sum, mass = _forward_tile(
                 acc, row_max, row_sum, mass, q, key_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, edge, m0,
                 offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-                threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
-                BLOCK_N)
+                threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
     return acc, row_max, row_sum, mass
 
 
@@ -625,8 +680,12 @@ def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, 
     term = _clipped(_product(rotated, tl.trans(sinusoid), WIDEN, IEEE), left_raw[:, None], right_raw[:, None], clip,
                     right, ONE_SIDED)
     scores = _product_into(term, q, tl.trans(k), WIDEN, IEEE)
-    scores = _mask_rotated_band(scores, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, HAS_VALID, CAUSAL,
-                                HAS_SOURCE, EDGE)
+    if HAS_VALID or CAUSAL:
+        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+                           HAS_SOURCE, EDGE)
+        scores = tl.where(visible, scores, float("-inf"))
+    elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
+        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
     p, rescale, row_max, row_sum, p_sum = _softmax_step(scores, row_max, row_sum, 0.0, scale_log2)
     if DROPOUT:
         p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p, 0.0)  # `keep_scale` at the end
@@ -688,16 +747,16 @@ def _store_output(Out, Lse, acc, row_max, row_sum, b, h, head, offs_m, offs_d, L
 
 
 @triton.autotune(configs=FORWARD_CONFIGS, key=[*TUNING_KEY, "SPLIT", "ROTATE"], prune_configs_by=PRUNING)
-@triton.jit(do_not_specialize=[*STEP_VALUES, "key_chunk", "splits"])
+@triton.jit(do_not_specialize=[*CALL_VALUES, "key_chunk", "splits"])
 def nezha_forward_kernel(
-    Q, Kx, V, Table, Sinusoid, Out, Lse, Partial, PartialStats, KeyValid, KeyIsSource, KeyBounds, Offset,
+    Q, Kx, V, Table, Sinusoid, Out, Lse, Partial, PartialStats, KeyValid, KeyIsSource, KeyBounds, Offset, Seed,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale_log2, seed, threshold, keep_scale, splits,
-    key_chunk, LQ_CLASS, LK_CLASS,
+    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale_log2, seed: tl.int64, threshold, keep_scale,
+    splits, key_chunk, LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
-    OFFSET_IN_MEMORY: tl.constexpr, SPLIT: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, SPLIT: tl.constexpr, ROTATE: tl.constexpr,
+    WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One block of queries of one head against its keys, or (`SPLIT`) against the `key_chunk` keys of one split:
     the output and log-sum-exp, or the split's unnormalised output, maximum and sum (`Partial`, `PartialStats`).
@@ -707,6 +766,7 @@ def nezha_forward_kernel(
     not read them."""
     query_blocks = tl.cdiv(Lq, BLOCK_M)
     block, head, b, h, offset = _program(query_blocks * splits, heads, Offset, offset, OFFSET_IN_MEMORY)
+    seed = _seed(Seed, seed, SEED_IN_MEMORY)
     block, split = block % query_blocks, block // query_blocks
     m0 = block * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -726,7 +786,7 @@ def nezha_forward_kernel(
     row_max = zeros + float("-inf")
     left_term, right_term = _row_term(q, first_row) * scale_log2, _row_term(q, last_row) * scale_log2
     acc, row_max, row_sum, mass = _forward_tiles(
-        acc, row_max, zeros, zeros, q, left_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, lo,
+        acc, row_max, zeros, zeros, q, left_term, Kh, Vh, Table, KeyValid, KeyIsSource, KeyBounds, b, key_row, lo,
         band_lo, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
         head, threshold, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     acc += mass[:, None] * first_row[None, :]
@@ -738,13 +798,14 @@ def nezha_forward_kernel(
             BLOCK_D)
     else:
         acc, row_max, row_sum, _ = _forward_tiles(
-            acc, row_max, row_sum, zeros, q, zeros, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_lo, band_hi,
-            m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-            threshold, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+            acc, row_max, row_sum, zeros, q, zeros, Kh, Vh, Table, KeyValid, KeyIsSource, KeyBounds, b, key_row,
+            band_lo, band_hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+            scale_log2, seed, head, threshold, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M,
+            BLOCK_N)
     acc, row_max, row_sum, mass = _forward_tiles(
-        acc, row_max, row_sum, zeros, q, right_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, band_hi, hi, m0,
-        offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-        threshold, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        acc, row_max, row_sum, zeros, q, right_term, Kh, Vh, Table, KeyValid, KeyIsSource, KeyBounds, b, key_row,
+        band_hi, hi, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
+        head, threshold, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     acc += mass[:, None] * last_row[None, :]
     if DROPOUT:
         acc *= keep_scale  # dropout's `1 / (1 - p)`, once per output rather than per pair
@@ -895,12 +956,13 @@ def _gradient_of_scores(p, grad_p, keep, row_dot, output_term, DROPOUT: tl.const
 def _key_value_products(grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, m0, offs_n, n0,
                         offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold,
                         KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
-                        DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+                        DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """`(grad_k, grad_v)` updated by a tile whose `S^T` and `dP^T` (before the scale and the masks) are `scores` and
-    `grad_p`: the masks, the probabilities, dropout's draws, `dS` and the two products."""
+    `grad_p`: the masks (`MASKED`: a pair may be unseen), the probabilities, dropout's draws, `dS` and the two
+    products."""
     OPERAND = q.dtype
-    if HAS_VALID or (CAUSAL and KIND != LEFT):
+    if MASKED:
         visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, KIND, HAS_VALID, CAUSAL,
                            HAS_SOURCE, False)
         scores = tl.where(tl.trans(tl.broadcast_to(visible, [BLOCK_M, BLOCK_N])), scores, float("-inf"))
@@ -919,9 +981,10 @@ def _key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTer
                     stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, KIND: tl.constexpr,
                     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
                     ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, MASK_ROWS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The tile of `_key_value_tiles` at query block `m0`: `(grad_k, grad_v)` updated (`MASK_ROWS`: the block may end
-    past the last query); a band tile by rotation (`ROTATE`, `_rotated_key_value_tile`) or by the table's window."""
+    past the last query; `MASKED`: a pair may be unseen); a band tile by rotation (`ROTATE`,
+    `_rotated_key_value_tile`) or by the table's window."""
     if ROTATE and KIND == BAND:
         grad_k, grad_v = _rotated_key_value_tile(
             grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
@@ -942,35 +1005,66 @@ def _key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTer
         grad_k, grad_v = _key_value_products(
             grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, m0, offs_n, n0, offset, Lk,
             KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, KIND, HAS_VALID, CAUSAL,
-            HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+            HAS_SOURCE, DROPOUT, WIDEN, IEEE, MASKED, BLOCK_M, BLOCK_N)
     return grad_k, grad_v
 
 
 @triton.jit
-def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
-                     KeyIsSource, key_row, lo, hi, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm,
-                     stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, KIND: tl.constexpr,
-                     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
-                     DROPOUT: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`dK` (unscaled) and `dV` of a key block over the query blocks `lo .. hi` of one class, as FlashAttention-2's
-    Triton kernels compute them: transposed, `S^T = K Q^T`, so that the key block's rows are every product's rows
-    (wgmma on Hopper) and nothing is transposed between products. Keys past the last one need no mask: their rows
-    are never stored. Whole query blocks run in a loop without a query mask, the one that may end past the last
-    query after it (as the forward's tails)."""
+def _key_value_blocks(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+                      KeyIsSource, key_row, lo, hi, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_qm,
+                      stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, KIND: tl.constexpr,
+                      HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
+                      DROPOUT: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+                      MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`_key_value_tiles`' query blocks `lo .. hi`, masked where `MASKED`: whole query blocks in a loop without a
+    query mask, the one that may end past the last query after it (as the forward's tails)."""
     edge = _whole_blocks_end(lo, hi, Lq, BLOCK_M)
     for m0 in range(lo, edge, BLOCK_M):
         grad_k, grad_v = _key_value_tile(
             grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
             KeyIsSource, key_row, m0, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
             stride_od, scale_log2, seed, head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
-            ROTATE, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
+            ROTATE, WIDEN, IEEE, False, MASKED, BLOCK_M, BLOCK_N)
     if edge < hi:  # the last block, ending past the last query (`hi - edge < BLOCK_M`)
         grad_k, grad_v = _key_value_tile(
             grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
             KeyIsSource, key_row, edge, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
             stride_od, scale_log2, seed, head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT,
-            ROTATE, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
+            ROTATE, WIDEN, IEEE, True, MASKED, BLOCK_M, BLOCK_N)
+    return grad_k, grad_v
+
+
+@triton.jit
+def _key_value_tiles(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+                     KeyIsSource, KeyBounds, b, key_row, lo, hi, n0, offs_n, offset, Lq, Lk, K, D: tl.constexpr,
+                     offs_d, stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold,
+                     KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr,
+                     DROPOUT: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`dK` (unscaled) and `dV` of a key block over the query blocks `lo .. hi` of one class, as FlashAttention-2's
+    Triton kernels compute them: transposed, `S^T = K Q^T`, so that the key block's rows are every product's rows
+    (wgmma on Hopper) and nothing is transposed between products. Keys past the last one need no mask: their rows
+    are never stored. A tail's tiles are masked only where padding or source keys cut the key block (`_one_run`: a
+    block wholly among one run of keys seen needs none); under a causal mask without source keys no query left of a
+    key's band sees it: no right tail."""
+    whole = True  # the key block wholly among the keys this class sees, one run: no mask
+    if KIND != BAND and (HAS_VALID or HAS_SOURCE):
+        first, end, one_run = _one_run(KeyBounds, b, KIND, CAUSAL, HAS_SOURCE)
+        whole = one_run & (first <= n0) & (n0 + BLOCK_N <= end)
+    if KIND == RIGHT and CAUSAL and not HAS_SOURCE:
+        pass
+    elif whole == 0:
+        grad_k, grad_v = _key_value_blocks(
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+            KeyIsSource, key_row, lo, hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
+            stride_od, scale_log2, seed, head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE,
+            WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
+    else:
+        grad_k, grad_v = _key_value_blocks(
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+            KeyIsSource, key_row, lo, hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
+            stride_od, scale_log2, seed, head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE,
+            WIDEN, IEEE, KIND == BAND and (HAS_VALID or CAUSAL), BLOCK_M, BLOCK_N)
     return grad_k, grad_v
 
 
@@ -1016,7 +1110,8 @@ def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTe
     sinusoid = _sinusoid_rows(Sinusoid, tl.minimum(tl.maximum(offs_n - offset - reference + K, 0),
                                                    2 * K + ROTATION - 1), D, offs_d)
     distance = (offs_n - offset)[:, None] - offs_m[None, :]
-    # Both sides per pair: with one side per row (`_clip_masks`) this transposed tile compiled larger.
+    # Both sides per pair: with one side per row (`_clip_masks`) this transposed tile compiled larger
+    # (docs/performance.md).
     clip, right = distance <= -K, distance >= K
     scores = _product_into(_clipped(_product(sinusoid, tl.trans(rotated_q), WIDEN, IEEE), left_key[None, :],
                                     right_key[None, :], clip, right, False), k, tl.trans(q), WIDEN, IEEE)
@@ -1024,27 +1119,31 @@ def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTe
                                     right_out[None, :], clip, right, False), v, tl.trans(do), WIDEN, IEEE)
     return _key_value_products(grad_k, grad_v, scores, grad_p, q, do, lse, row_dot, output_term, offs_m, m0, offs_n,
                                n0, offset, Lk, KeyValid, KeyIsSource, key_row, scale_log2, seed, head, threshold, BAND,
-                               HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M,
+                               HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, HAS_VALID or CAUSAL, BLOCK_M,
                                BLOCK_N)
 
 
-@triton.autotune(configs=KEY_VALUE_GRAD_CONFIGS, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=PRUNING)
-@triton.jit(do_not_specialize=STEP_VALUES)
+@triton.autotune(configs=KEY_VALUE_GRAD_CONFIGS, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=BACKWARD_PRUNING)
+@triton.jit(do_not_specialize=CALL_VALUES)
 def nezha_key_value_grad_kernel(
     Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, DK, DV, KeyValid, KeyIsSource, KeyBounds,
-    Offset,
+    Offset, Seed,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS,
-    LK_CLASS,
+    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale, scale_log2, seed: tl.int64, threshold, keep_scale,
+    LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
-    OFFSET_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One block of keys of one head: `dK = scale sum_i dS_ij q_i` and `dV = sum_i P~_ij dO_i` (`[batch, heads, keys,
     d]` contiguous), over the query blocks that see any of its keys: left tail, band, then right tail tiles
     (`_program` numbers the programs). `ROTATE`: the band by rotation, as the forward's (`_rotated_key_value_tile`)."""
-    n0, offs_n, offs_d, head, b, h, offset = _block_rows(Lk, heads, Offset, offset, OFFSET_IN_MEMORY, BLOCK_N, BLOCK_D)
+    block, head, b, h, offset = _program(tl.cdiv(Lk, BLOCK_N), heads, Offset, offset, OFFSET_IN_MEMORY)
+    seed = _seed(Seed, seed, SEED_IN_MEMORY)
+    n0 = block * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
     k = _rows(Kx + b * stride_kb + h * stride_kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D, True)
     v = _rows(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D, True)
     Qh, DOh = Q + b * stride_qb + h * stride_qh, DO + b * stride_ob + h * stride_oh
@@ -1053,31 +1152,31 @@ def nezha_key_value_grad_kernel(
     lo = 0
     hi = Lq
     if HAS_VALID or HAS_SOURCE:  # a block of padding only is seen by no query
-        hi = tl.where((n0 + BLOCK_N <= tl.load(KeyBounds + b * 3)) | (n0 >= tl.load(KeyBounds + b * 3 + 1)), 0, hi)
+        hi = tl.where((n0 + BLOCK_N <= tl.load(KeyBounds + b * 4)) | (n0 >= tl.load(KeyBounds + b * 4 + 1)), 0, hi)
     if CAUSAL:  # no query before the block's first key sees it, unless it holds a source key
         lo = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M
         if HAS_SOURCE:
-            lo = tl.where(n0 < tl.load(KeyBounds + b * 3 + 2), 0, lo)
+            lo = tl.where(n0 < tl.load(KeyBounds + b * 4 + 2), 0, lo)
     right_hi, left_lo, hi = _class_bounds(lo, hi, n0 - K - offset + 1, n0 + BLOCK_N - 1 + K - offset, BLOCK_M)
 
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # The classes' order is only the sums' order; left tail first compiles to fewer instructions in 5 of the 6 tuned
-    # (configuration, dropout) kernels, ptxas's register choices.
+    # (configuration, dropout) kernels, ptxas's register choices (docs/performance.md).
     grad_k, grad_v = _key_value_tiles(
         grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
-        key_row, left_lo, hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
-        scale_log2, seed, head, threshold, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
-        IEEE, BLOCK_M, BLOCK_N)
+        KeyBounds, b, key_row, left_lo, hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
+        stride_od, scale_log2, seed, head, threshold, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN, IEEE,
+        BLOCK_M, BLOCK_N)
     grad_k, grad_v = _key_value_tiles(
         grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
-        key_row, right_hi, left_lo, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
-        stride_od, scale_log2, seed, head, threshold, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE,
+        KeyBounds, b, key_row, right_hi, left_lo, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd,
+        stride_om, stride_od, scale_log2, seed, head, threshold, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE,
         WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_k, grad_v = _key_value_tiles(
         grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
-        key_row, lo, right_hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om, stride_od,
-        scale_log2, seed, head, threshold, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
+        KeyBounds, b, key_row, lo, right_hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
+        stride_od, scale_log2, seed, head, threshold, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
         IEEE, BLOCK_M, BLOCK_N)
     out = head.to(tl.int64) * Lk * D + offs_n[:, None] * D + offs_d[None, :]
     key_mask = (offs_n < Lk)[:, None] & _columns(offs_d, D)[None, :]
@@ -1130,33 +1229,65 @@ def _query_tile(grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, K
 
 
 @triton.jit
-def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, lo, hi, m0, offs_m,
-                 offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2,
-                 seed, head, threshold, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
+def _query_tiles(grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, KeyBounds, b, key_row, lo, hi,
+                 m0, offs_m, offset, Lq, Lk, K, D: tl.constexpr, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                 scale_log2, seed, head, threshold, KIND: tl.constexpr, HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr,
                  HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """`(grad_q, mass)`: `sum_j dS_ij (k_j + T[r])` (unscaled) of a query block over the key blocks `lo .. hi` of one
     class, the band's table part added tile by tile, a tail's gathered in `mass` (for its row) as the forward's value
-    term is. A tail's whole blocks run in a loop without a key mask, the one block that may end past the last key is
-    one masked tile after it (as the forward's, `_forward_tiles`)."""
+    term is. A tail's blocks that every query sees whole run in a loop without a mask, those the last key, padding or
+    source keys cut are masked tiles before and after it, as the forward's (`_forward_tiles`)."""
     lse, row_dot, output_term = _class_statistics(RowLse, RowDot, head, m0, Lq, KIND, DROPOUT, True, BLOCK_M)
     mass = tl.zeros([BLOCK_M, MASS_COLUMNS], tl.float32)
-    edge = hi
-    if KIND != BAND:
+    if KIND == BAND:
+        for n0 in range(lo, hi, BLOCK_N):
+            grad_q, mass = _query_tile(
+                grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0,
+                m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
+                head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
+    elif KIND == RIGHT and CAUSAL and not HAS_SOURCE:
+        pass
+    elif HAS_VALID or HAS_SOURCE:
+        start, stop, hi, one_run = _tail_blocks(lo, hi, KeyBounds, b, KIND, CAUSAL, HAS_SOURCE, BLOCK_N)
+        if one_run:
+            if lo < start:
+                grad_q, mass = _query_tile(
+                    grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row,
+                    lo, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2,
+                    seed, head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
+                    BLOCK_N)
+            for n0 in range(start, stop, BLOCK_N):
+                grad_q, mass = _query_tile(
+                    grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row,
+                    n0, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2,
+                    seed, head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M,
+                    BLOCK_N)
+            if stop < hi:
+                grad_q, mass = _query_tile(
+                    grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row,
+                    stop, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                    scale_log2, seed, head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True,
+                    BLOCK_M, BLOCK_N)
+        else:
+            for n0 in range(lo, hi, BLOCK_N):
+                grad_q, mass = _query_tile(
+                    grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row,
+                    n0, m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2,
+                    seed, head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
+                    BLOCK_N)
+    else:
         edge = _whole_blocks_end(lo, hi, Lk, BLOCK_N)
-    for n0 in range(lo, edge, BLOCK_N):
-        grad_q, mass = _query_tile(
-            grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0, m0,
-            offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-            threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, KIND == BAND, BLOCK_M,
-            BLOCK_N)
-    if KIND != BAND:
+        for n0 in range(lo, edge, BLOCK_N):
+            grad_q, mass = _query_tile(
+                grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, n0,
+                m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
+                head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, False, BLOCK_M, BLOCK_N)
         if edge < hi:  # the last block, ending past the last key (`hi - edge < BLOCK_N`)
             grad_q, mass = _query_tile(
                 grad_q, mass, q, do, lse, row_dot, output_term, Kh, Vh, Table, KeyValid, KeyIsSource, key_row, edge,
                 m0, offs_m, offset, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
-                head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M,
-                BLOCK_N)
+                head, threshold, KIND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, True, BLOCK_M, BLOCK_N)
     return grad_q, tl.sum(mass, 1)
 
 
@@ -1180,8 +1311,12 @@ def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q,
     key_term = _clipped(key_term, left_key[:, None], right_key[:, None], clip, right, ONE_SIDED)
     output_term = _clipped(output_term, left_out[:, None], right_out[:, None], clip, right, ONE_SIDED)
     scores = _product_into(key_term, q, tl.trans(k), WIDEN, IEEE)
-    scores = _mask_rotated_band(scores, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, HAS_VALID, CAUSAL,
-                                HAS_SOURCE, EDGE)
+    if HAS_VALID or CAUSAL:
+        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+                           HAS_SOURCE, EDGE)
+        scores = tl.where(visible, scores, float("-inf"))
+    elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
+        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
     p = tl.exp2(scores * scale_log2 - lse[:, None])
     grad_p = _product_into(output_term, do, tl.trans(v), WIDEN, IEEE)
     keep = None
@@ -1236,22 +1371,27 @@ def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, 
             + right_mass[:, None] * _table_row(Table, 2 * K, D, offs_d)[None, :])
 
 
-@triton.autotune(configs=QUERY_GRAD_CONFIGS, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=PRUNING)
-@triton.jit(do_not_specialize=STEP_VALUES)
+@triton.autotune(configs=QUERY_GRAD_CONFIGS, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=BACKWARD_PRUNING)
+@triton.jit(do_not_specialize=CALL_VALUES)
 def nezha_query_grad_kernel(
     Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
+    Seed,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale, scale_log2, seed, threshold, keep_scale, LQ_CLASS,
-    LK_CLASS,
+    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale, scale_log2, seed: tl.int64, threshold, keep_scale,
+    LQ_CLASS, LK_CLASS,
     HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
-    OFFSET_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OFFSET_IN_MEMORY: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One block of queries of one head: `dQ = scale sum_j dS_ij (k_j + T[r])` (`[batch, heads, queries, d]`
     contiguous), over the key blocks the forward visits (`_program` numbers the programs). `ROTATE`: the band by
     rotation, as the forward's (`_rotated_query_band`)."""
-    m0, offs_m, offs_d, head, b, h, offset = _block_rows(Lq, heads, Offset, offset, OFFSET_IN_MEMORY, BLOCK_M, BLOCK_D)
+    block, head, b, h, offset = _program(tl.cdiv(Lq, BLOCK_M), heads, Offset, offset, OFFSET_IN_MEMORY)
+    seed = _seed(Seed, seed, SEED_IN_MEMORY)
+    m0 = block * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
     q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
     do = _rows(DO + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
     Kh, Vh = Kx + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
@@ -1262,9 +1402,9 @@ def nezha_query_grad_kernel(
 
     grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     grad_q, mass = _query_tiles(
-        grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, lo, band_lo, m0, offs_m, offset,
-        Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold, LEFT,
-        HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, KeyBounds, b, key_row, lo, band_lo, m0,
+        offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+        threshold, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_q += mass[:, None] * _table_row(Table, 0, D, offs_d)[None, :]
     if ROTATE:
         grad_q = _rotated_query_band(
@@ -1275,13 +1415,13 @@ def nezha_query_grad_kernel(
             BLOCK_D)
     else:
         grad_q, _ = _query_tiles(
-            grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_lo, band_hi, m0,
-            offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-            threshold, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+            grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, KeyBounds, b, key_row, band_lo,
+            band_hi, m0, offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2,
+            seed, head, threshold, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_q, mass = _query_tiles(
-        grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, key_row, band_hi, hi, m0, offs_m, offset,
-        Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head, threshold, RIGHT,
-        HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, KeyBounds, b, key_row, band_hi, hi, m0,
+        offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
+        threshold, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
     grad_q += mass[:, None] * _table_row(Table, 2 * K, D, offs_d)[None, :]
     if DROPOUT:
         grad_q *= keep_scale  # `_gradient_of_scores`: dS without dropout's `keep_scale`

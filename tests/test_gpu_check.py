@@ -17,7 +17,7 @@ from test_benchmarks import triton_unusable, unmeasured_machine  # noqa: E402, F
 
 GATES_36 = ROOT / "benchmarks" / "gpu" / "results" / "gates.json"
 INTERPRETER_BLOCKS = "16x32, 4 warps, 1 stages"  # the kernels' one configuration under the interpreter
-CAPPED_FORWARD = "128x64, 8 warps, 3 stages, 128 registers"  # a tuned forward configuration, held to 128 registers
+TUNED_FORWARD = "64x64, 4 warps, 3 stages"  # the forward's tuned configuration
 
 
 @pytest.fixture
@@ -145,6 +145,26 @@ def test_the_gpu_check_runs_each_variant_in_a_fresh_process_and_one_that_fails_a
     assert "Variant narrow:" in summary
 
 
+@pytest.mark.slow
+def test_the_gpu_check_times_host_against_wall_time_per_call_beside_sdpa(unmeasured_machine, monkeypatch, tmp_path):
+    """Rehearsed: the check's host-time step (gpu_host_time.py, in a fresh process) times each call NEZHA's and
+    SDPA's way, host and wall, profiles NEZHA's training step, and the summary lists every call."""
+    from benchmarks.gpu import gpu_check, gpu_host_time
+
+    monkeypatch.setattr(gpu_check, "CARRIED", tmp_path / "nothing-carried")
+    results = tmp_path / "out"
+    assert gpu_check.main(["--rehearse", "--only", "host time", "--results", str(results)]) == 0
+    summary = (results / "summary.md").read_text()
+    assert "| host time | passed (" in summary and "Host time per call (ms)" in summary
+    assert all(f"- {call}: NEZHA " in summary for call in gpu_host_time.CALLS)
+    with tarfile.open(results / "results.tar.gz") as archive:
+        rows = json.load(archive.extractfile("gpu-host-time.json"))["rows"]
+        profiled = archive.extractfile("gpu-host-time.md").read().decode()
+    assert [row["call"] for row in rows] == list(gpu_host_time.CALLS)
+    assert all(row[f"{engine}_wall_ms"] >= row[f"{engine}_host_ms"] > 0 for row in rows for engine in ("NEZHA", "SDPA"))
+    assert "under cProfile" in profiled and "triton_attention" in profiled
+
+
 def _attention_results(work: Path, rows: list[dict], triton: str) -> None:
     (work / "gpu-attention.json").write_text(json.dumps({"machine": {"software": {"triton": triton}}, "rows": rows}))
 
@@ -157,7 +177,7 @@ def test_the_summary_prints_the_gate_counts_of_each_configuration_timed(tmp_path
     row = {"case": "forward+backward", "dtype": "bfloat16", "queries": 2048, "keys": 2048, "dropout": 0.0,
            "target": 1.3, "met": False, "nezha_ms": 2.0, "sdpa_ms": 0.7, "ratio": 2.0 / 0.7, "sdpa_backend": "flash",
            "yardstick_ms": 0.8, "nezha_over_yardstick": 2.5, "yardstick_over_sdpa": 0.8 / 0.7,
-           "configs": {"forward": CAPPED_FORWARD, "dK/dV": "64x128, 8 warps, 2 stages",
+           "configs": {"forward": TUNED_FORWARD, "dK/dV": "64x128, 8 warps, 2 stages",
                        "dQ": "32x32, 8 warps, 9 stages"}}
     _attention_results(tmp_path, [row], "3.6.0")
     summary = gpu_check.summary_table(tmp_path, {"attention op": "passed (9 s)"}, GATES_36)
@@ -167,25 +187,26 @@ def test_the_summary_prints_the_gate_counts_of_each_configuration_timed(tmp_path
     counts = {(r["kernel"], r["case"], r["config_name"]): r for r in json.loads(GATES_36.read_text())["rows"]}
 
     def loop(kind, name, config):
-        return max((x for x in counts[(name, "bfloat16", config)]["loops"] if x["class"] == kind),
+        case = "yardstick" if name.startswith("yardstick") else "no mask"
+        return max((x for x in counts[(name, case, config)]["loops"] if x["class"] == kind),
                    key=lambda x: x["instructions"])
 
-    forward = counts[("nezha_forward_kernel", "bfloat16", CAPPED_FORWARD)]
-    tail, band = loop("tail", "nezha_forward_kernel", CAPPED_FORWARD), loop(
-        "band", "nezha_forward_kernel", CAPPED_FORWARD)
-    plain = loop("tail", "yardstick_forward_kernel", CAPPED_FORWARD)
-    assert (f"| forward | bfloat16 | {CAPPED_FORWARD} | {forward['registers']} | {forward['stack']} | "
+    forward = counts[("nezha_forward_kernel", "no mask", TUNED_FORWARD)]
+    tail, band = loop("tail", "nezha_forward_kernel", TUNED_FORWARD), loop(
+        "band", "nezha_forward_kernel", TUNED_FORWARD)
+    plain = loop("tail", "yardstick_forward_kernel", TUNED_FORWARD)
+    assert (f"| forward | no mask | {TUNED_FORWARD} | {forward['registers']} | {forward['stack']} | "
             f"{forward['blocks_per_sm']} | {forward['wgmma']} / {forward['mma_sync']} | "
             f"{tail['per_pair']:.2f} ({tail['per_pair'] / plain['per_pair']:.2f}x) | "
             f"{band['instructions'] / tail['instructions']:.2f} |") in summary
     # a tail loop's spills beside its count (none spills in today's counts: planted in a copy)
     planted = json.loads(GATES_36.read_text())
     key_value = next(r for r in planted["rows"] if (r["kernel"], r["case"], r["config_name"]) == (
-        "nezha_key_value_grad_kernel", "bfloat16", "64x128, 8 warps, 2 stages"))
+        "nezha_key_value_grad_kernel", "no mask", "64x128, 8 warps, 2 stages"))
     max((x for x in key_value["loops"] if x["class"] == "tail"), key=lambda x: x["instructions"])["spills"] = 3
     (tmp_path / "spilling.json").write_text(json.dumps(planted))
     assert ", 3 LDL/STL |" in gpu_check.summary_table(tmp_path, {}, tmp_path / "spilling.json")
-    assert "| dQ | bfloat16 | 32x32, 8 warps, 9 stages | - | - | - | - | - | - |" in summary
+    assert "| dQ | no mask | 32x32, 8 warps, 9 stages | - | - | - | - | - | - |" in summary
     assert "gates.json, Triton 3.6.0;" in summary
     _attention_results(tmp_path, [row], "3.9.0")
     assert "Triton 3.6.0, NOT this run's Triton 3.9.0" in gpu_check.summary_table(tmp_path, {}, GATES_36)
@@ -219,6 +240,26 @@ def test_the_model_profile_rehearsed_gives_host_and_kernel_time_per_layer(unmeas
     assert "Batch 2: NEZHA's host time per layer" in (tmp_path / "gpu-profile.md").read_text()
 
 
+@pytest.mark.slow
+def test_the_model_profile_against_a_fake_gpu_gives_host_time_per_layer(tmp_path):
+    """`gpu_profile.py --fake-gpu`: the 12-layer model's host time per layer on the CPU, NEZHA's Triton engine
+    launching through Triton's whole launch path against a fake H100 (so Triton compiles: a process without the
+    interpreter), beside BERT-SDPA's, each at three lengths and fitted to no tokens, with and without the profiler."""
+    import os
+    import subprocess
+
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "benchmarks/gpu/gpu_profile.py", "--fake-gpu", "--results", str(tmp_path)],
+                          cwd=ROOT, env=environment, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu-profile-fake-gpu.json").read_text())
+    assert [(row["model"], row["tokens"]) for row in result["rows"]] == [
+        (model, tokens) for tokens in (8, 16, 32) for model in ("NEZHA (nezha_triton)", "BERT-SDPA")]
+    assert all(row["ranges"] == 12 * result["sizes"]["passes"] and row["pass_cpu_ms"] > 0 for row in result["rows"])
+    nezha, bert = result["host_us_per_layer"].values()
+    assert result["ratio"] == nezha / bert and "host time per layer" in (tmp_path / "gpu-profile-fake-gpu.md").read_text()
+
+
 def test_the_model_profile_ends_in_one_line_when_nezha_did_not_run_triton(triton_unusable, unmeasured_machine,
                                                                           tmp_path, capsys):
     from benchmarks.gpu import gpu_profile
@@ -243,17 +284,17 @@ def test_a_gate_with_nothing_to_compare_with_fails_rather_than_passing_unchecked
     def without(kernel, case, config):
         return [r for r in rows if (r["kernel"], r["case"], r["config_name"]) != (kernel, case, config)]
 
-    failures = gpu_gates.gate_failures(without("yardstick_forward_kernel", "bfloat16", CAPPED_FORWARD))
-    assert f"forward (bfloat16), {CAPPED_FORWARD}: no counts of the yardstick at this configuration to compare " \
+    failures = gpu_gates.gate_failures(without("yardstick_forward_kernel", "yardstick", TUNED_FORWARD))
+    assert f"forward (no mask), {TUNED_FORWARD}: no counts of the yardstick at this configuration to compare " \
            "with" in failures
-    failures = gpu_gates.gate_failures(without("nezha_forward_kernel", "bfloat16", "64x64, 4 warps, 3 stages"))
-    assert ("forward (bfloat16, dropout), 64x64, 4 warps, 3 stages: no counts of the case without dropout at this "
+    failures = gpu_gates.gate_failures(without("nezha_query_grad_kernel", "no mask", "128x32, 8 warps, 2 stages"))
+    assert ("dQ (no mask, dropout), 128x32, 8 warps, 2 stages: no counts of the case without dropout at this "
             "configuration to compare with") in failures
-    dropout_alone = [r for r in rows if r["case"] != "bfloat16" or r["kernel"].startswith("yardstick")]
+    dropout_alone = [r for r in rows if r["case"] in ("no mask, dropout", "padding, dropout", "yardstick")]
     assert not [line for line in gpu_gates.gate_failures(dropout_alone) if "no counts" in line]
     # a row whose band (or tail) loop was not found fails rather than skipping that loop's gates
     bandless = json.loads(json.dumps(rows))
-    forward = next(r for r in bandless if (r["kernel"], r["case"]) == ("nezha_forward_kernel", "bfloat16"))
+    forward = next(r for r in bandless if (r["kernel"], r["case"]) == ("nezha_forward_kernel", "no mask"))
     forward["loops"] = [loop for loop in forward["loops"] if loop["class"] != "band"]
-    assert (f"forward (bfloat16), {forward['config_name']}: no band loop found in its SASS to count"
+    assert (f"forward (no mask), {forward['config_name']}: no band loop found in its SASS to count"
             in gpu_gates.gate_failures(bandless))

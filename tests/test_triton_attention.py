@@ -10,6 +10,7 @@ compiles, the kernels compiled ahead of time for an H100 (no GPU needed). Small 
 numpy."""
 
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -155,6 +156,26 @@ def test_a_dropout_rate_that_rounds_to_none_or_all_is_the_next_engines(dropout):
         run(q.float(), k.float(), v.float(), 4, dropout=dropout)
 
 
+def test_a_seed_read_from_memory_draws_the_mask_a_seed_read_on_the_host_draws(monkeypatch):
+    """A traced call's seed is a tensor on the GPU, which the kernels read from memory (`SEED_IN_MEMORY`); an eager
+    call's, on the CPU, is read on the host: the same seed keeps the same pairs either way, forward and backward
+    (here the kernels are made to read a CPU seed from memory)."""
+    q, k, v = (t.float().requires_grad_() for t in inputs(1, 2, 40, 40, 16, seed=6))
+    grad = torch.randn(1, 40, 2, 16, generator=torch.Generator().manual_seed(2))
+    problem = AttentionProblem(RelativeAttentionMask(), 0.25, 0.25, torch.tensor(0x1234_5678_9ABC))
+    table = ra.sinusoid_relative_table(4, 16)
+    results = []
+    for in_memory in (False, True):
+        monkeypatch.setattr(ta, "_seed_on_device", lambda problem, in_memory=in_memory: in_memory)
+        out = ta.triton_attention(q, k, v, table, problem)
+        results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
+    assert ta.Switches.of(q, problem).seed_on_device
+    for host, memory in zip(*results):
+        assert torch.equal(host, memory)
+    undropped = ta.triton_attention(q, k, v, table, dataclasses.replace(problem, dropout=0.0))
+    assert not torch.allclose(results[0][0], undropped)  # pairs were dropped
+
+
 def test_dropout_of_one_drops_everything_forward_and_backward():
     """A rate of exactly 1 runs on the kernels (every draw below 256) and drops every pair: the output and all three
     gradients are 0, not NaN (the backward once divided `D` by `keep_scale`, which is 0 there)."""
@@ -228,6 +249,67 @@ def test_cached_generation_matches_eager():
     assert {call.ran for call in calls} == {ra.Engine.TRITON} and any(call.cached for call in calls)
 
 
+# The factories a graph may make a tensor with: without a device they make it on the CPU.
+FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.randint, torch.rand,
+             torch.randn, torch.scalar_tensor, torch.zeros_like, torch.ones_like, torch.empty_like}
+
+
+def one_graph_on_the_inputs_device(model, **inputs) -> "torch.fx.GraphModule":
+    """`model(**inputs)` traced by torch.compile: one graph, no break (`torch._dynamo.explain`), in which every tensor
+    the graph makes is made on a device it names (one made on the CPU by default would keep a GPU's compiled graph
+    from CUDA graphs, mode="reduce-overhead"), and the Triton engine's op is called; returns the graph."""
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(**inputs)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+    graph = explanation.graphs[0]
+    made = [node for node in graph.graph.nodes if node.op == "call_function" and node.target in FACTORIES]
+    assert made and all("device" in node.kwargs for node in made), [(node.target, node.kwargs) for node in made]
+    assert not [node for node in graph.graph.nodes if node.op == "get_attr"], "a tensor constant of the graph's own"
+    assert any("nezha_hf.triton_forward" in str(node.target) for node in graph.graph.nodes)
+    return graph
+
+
+def test_a_compiled_training_step_and_decoding_step_are_one_graph_made_for_cuda_graphs():
+    """A training step (dropout, padding: the seed drawn in the graph, on the queries' device, where the kernels
+    read it) and a decoding step on transformers' static cache (the offset a tensor the kernels read) compile to one
+    graph each with nothing on the CPU by default (`one_graph_on_the_inputs_device`); the compiled training step's
+    backward runs the Triton op's and matches eager's (dropout 0 there, so the two can be compared)."""
+    from transformers import StaticCache
+
+    torch.manual_seed(0)
+    model = NezhaForUniLM(tiny_config(num_hidden_layers=1, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
+    model.set_attn_implementation("nezha_triton")
+    ids = torch.randint(5, 99, (2, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    graph = one_graph_on_the_inputs_device(model.train(), input_ids=ids, attention_mask=mask)
+    seeds = [node for node in graph.graph.nodes if node.target is torch.randint]
+    assert seeds and all(node.kwargs["device"] == ids.device for node in seeds)
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    grads = []
+    for run in (compiled, model):
+        model.zero_grad()
+        run(input_ids=ids, attention_mask=mask).logits.float().pow(2).mean().backward()
+        grads.append(model.nezha.encoder.layer[0].attention.self.query.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+    model.eval()
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        prefill = model(input_ids=ids[:, :12], attention_mask=mask[:, :12], past_key_values=cache, use_cache=True,
+                        cache_position=torch.arange(12))
+        step = dict(input_ids=prefill.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True,
+                    attention_mask=torch.cat([mask[:, :12], torch.ones(2, 20, dtype=mask.dtype)], 1),
+                    cache_position=torch.tensor([12]))
+        one_graph_on_the_inputs_device(model, **step)
+    torch._dynamo.reset()
+
+
 def test_without_triton_one_warning_and_the_chunked_engine(monkeypatch):
     monkeypatch.setattr(ta, "triton_installed", lambda: False)
     q, k, v = (t.float() for t in inputs(1, 2, 20, 20, 8))
@@ -253,12 +335,14 @@ def test_a_kernel_that_fails_to_compile_is_one_warning_and_the_chunked_engine(ke
     it (on a small problem), so training falls back too instead of failing in `backward()`."""
     from nezha_hf import triton_kernels
 
-    class Broken:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise RuntimeError("PTX assembly aborted (simulated)")
+    class Broken:  # fails to compile: at its launch and at Triton's compile-only warmup alike
+        arg_names = getattr(triton_kernels, kernel).arg_names
 
-            return launch
+        def __getitem__(self, grid):
+            return self.warmup
+
+        def warmup(self, *args, **kwargs):
+            raise RuntimeError("PTX assembly aborted (simulated)")
 
     monkeypatch.setattr(triton_kernels, kernel, Broken())
     leaves = [t.float().requires_grad_() for t in inputs(1, 2, 20, 20, 8)]
@@ -293,8 +377,8 @@ def test_on_the_cpu_only_by_name_under_the_interpreter(monkeypatch):
 def test_tuning_is_keyed_on_length_classes_and_a_decoding_step_gets_small_blocks(monkeypatch):
     """A decoding loop's key length grows by one per step: keyed on the length itself, the forward would be tuned
     again at every step. A decoding step is tuned over blocks of 16 queries, a long call over the larger blocks, a
-    float32 call over float32's own blocks; with dropout, only blocks of whole 32 keys (its draws' groups) and none
-    held to a register cap."""
+    float32 call over float32's own blocks; with dropout, only blocks of whole 32 keys (its draws' groups) and, in
+    the backward, none that spills its draws (`BACKWARD_PRUNING`), unless pinned alone."""
     from nezha_hf import triton_kernels as tk
 
     assert [tk.length_class(n) for n in (1, 16, 17, 1000, 1024, 1025)] == [16, 16, 32, 1024, 1024, 2048]
@@ -313,10 +397,13 @@ def test_tuning_is_keyed_on_length_classes_and_a_decoding_step_gets_small_blocks
         assert tuned(16, named, ieee=True) == [(16, 32)] and tuned(4096, named, ieee=True) == [(32, 16)]
         assert tuned(4096, named, ieee=True, dropout=True) == [(16, 32)]
         assert tuned(4096, named, dropout=True) == [(64, 128), (128, 128)]
-    # a configuration held to fewer registers a thread (the forward's 128-row block) is not tuned under dropout,
-    # whose draws would spill at the cap
-    configs[2] = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, maxnreg=128)
-    assert tuned(4096) == [(64, 128), (128, 128)] and tuned(4096, dropout=True) == [(64, 128)]
+    # a block that spills dropout's draws is not tuned under dropout, but runs where it is the one pinned
+    spilling = [triton.Config({"BLOCK_M": 128, "BLOCK_N": 128})]
+    arguments = {"LQ_CLASS": 4096, "IEEE": False, "DROPOUT": True}
+    pruned = tk._configs_for(configs, arguments, spilling_under_dropout=spilling)
+    assert [(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]) for config in pruned] == [(64, 128)]
+    assert tk._configs_for(configs[2:3], arguments, spilling_under_dropout=spilling) == configs[2:3]
+    assert tk.BACKWARD_PRUNING["early_config_prune"].keywords["spilling_under_dropout"] == tk.SPILLING_UNDER_DROPOUT
 
 
 # --- tiles by class, dropout's counters, launches, failures, float32, decoding (issue 47) ---------------------------
@@ -353,6 +440,27 @@ def test_every_tile_class_against_the_reference(kind, K):
     mask, rules = MASKS[kind](valid, source)
     allowed = None if rules is None else reference.allowed_mask(length, **rules)
     compare(q, k, v, K, mask, allowed, table=table)
+
+
+@pytest.mark.parametrize("kind", ["padding", "causal+padding", "unilm-prefix"])
+def test_tails_of_keys_in_one_run_and_with_gaps_against_the_reference(kind):
+    """Where a sequence's valid keys (and its valid source keys) are one run, as padding on either side leaves them,
+    a tail's blocks wholly inside run unmasked and only the blocks its ends cut are masked; where a mask has a gap
+    (a key inside a tail masked, a source key missing), every tail block is masked; and in the backward, a key block
+    wholly inside the run takes its tails unmasked. Long tails (150 tokens, K = 4, blocks of 32 keys) so that each
+    path runs whole blocks."""
+    batch, heads, length, d, K = 3, 2, 150, 16, 4
+    q, k, v = inputs(batch, heads, length, length, d, seed=9)
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[0, 131:] = False  # right padding: one run, its end inside a block
+    valid[1, :45] = False  # left padding: one run, its first key inside a block
+    valid[2, 70] = False  # a gap, far from the band of most queries
+    source = torch.zeros(batch, length, dtype=torch.bool)
+    source[0, :100], source[1, 45:120], source[2, :90] = True, True, True
+    source[1, 80] = False  # a gap among the source keys
+    mask, rules = MASKS[kind](valid, source)
+    assert ta._key_bounds(mask, k)[:, 3].tolist() == ([1, 0, 0] if kind == "unilm-prefix" else [1, 1, 0])
+    compare(q, k, v, K, mask, reference.allowed_mask(length, **rules), table=reference.relative_table(K, d))
 
 
 def philox4x32(key: int, counters, rounds: int = 10):
@@ -443,21 +551,33 @@ def test_dk_dv_tiles_draw_the_rule_at_every_tuned_block():
 
 
 class Launches:
-    """Stands in for a kernel: records each launch's grid (and keyword switches) and runs nothing, or runs the real
-    kernel when `real` is given, or raises `error` when the switches match `failing_when`."""
+    """Stands in for kernel `real`: records each launch's grid (and keyword switches) and runs the real kernel (or
+    nothing, unless `run`), or raises `error` when the switches match `failing_when`; the same for a warmup (Triton's
+    compile-only launch), recorded in `warmups`."""
 
-    def __init__(self, real=None, error=None, failing_when=None):
-        self.real, self.error, self.failing_when, self.launches = real, error, failing_when or {}, []
+    def __init__(self, real, error=None, failing_when=None, run=True):
+        self.real, self.error, self.failing_when, self.run = real, error, failing_when or {}, run
+        self.launches, self.warmups, self.arg_names = [], [], real.arg_names  # the parameters the launcher passes
+
+    def _fails(self, kwargs) -> bool:
+        return self.error is not None and all(kwargs.get(name) == value for name, value in self.failing_when.items())
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.launches.append((grid, kwargs))
-            if self.error is not None and all(kwargs.get(name) == value for name, value in self.failing_when.items()):
+            if self._fails(kwargs):
                 raise self.error
-            if self.real is not None:
+            if self.run:
                 return self.real[grid](*args, **kwargs)
 
         return launch
+
+    def warmup(self, *args, grid, **kwargs):
+        self.warmups.append((grid, kwargs))
+        if self._fails(kwargs):
+            raise self.error
+        if self.run:
+            return self.real.warmup(*args, grid=grid, **kwargs)
 
 
 def programs(grid, meta=None):
@@ -465,14 +585,76 @@ def programs(grid, meta=None):
     return tuple(grid(meta or {"BLOCK_M": 16, "BLOCK_N": 16})) if callable(grid) else tuple(grid)
 
 
+def described(arguments: dict) -> dict:
+    """A launch's arguments as Triton's JIT specialises on them: tensors by dtype, shape and strides, others by value."""
+    return {name: (value.dtype, value.shape, value.stride()) if isinstance(value, torch.Tensor) else value
+            for name, value in arguments.items()}
+
+
+def test_the_backward_check_compiles_the_kernels_the_backward_launches(monkeypatch):
+    """Before the first forward that needs gradients, the kernels its backward will launch are compiled (Triton's
+    warmup, through the backward's own launchers) with the arguments the backward then launches them with: the call's
+    table (the exact sinusoid, so the band by rotation) and K, its dtype and switches (padding, causal, dropout with
+    a 64-bit seed), its lengths and strides, the same grids; once per kind of call, not per call."""
+    from nezha_hf import triton_kernels as tk
+
+    names = ("nezha_row_statistics_kernel", *BACKWARD_KERNELS)
+    recorders = {name: Launches(real=getattr(tk, name)) for name in names}
+    for name, recorder in recorders.items():
+        monkeypatch.setattr(tk, name, recorder)
+    batch, heads, length, d = 2, 2, 40, 16
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in inputs(batch, heads, length, length, d))
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[1, 31:] = False
+    problem = AttentionProblem(RelativeAttentionMask(key_is_valid=valid, causal=True), d**-0.5, 0.25,
+                               torch.tensor(0x1234_5678_9ABC_DEF1))
+    table = ra.sinusoid_relative_table(20, d).to(torch.bfloat16)
+    for _ in range(2):
+        out = ta.triton_attention(q, k, v, table, problem)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype))
+    for name, recorder in recorders.items():
+        assert len(recorder.warmups) == 1 and len(recorder.launches) == 2, name
+        (grid, arguments), = recorder.warmups
+        assert arguments["ROTATE"] and arguments["K"] == 20
+        assert name not in BACKWARD_KERNELS or arguments["seed"] == 0x1234_5678_9ABC_DEF1
+        for launched_grid, launched in recorder.launches:
+            assert described(launched) == described(arguments), name
+            assert programs(launched_grid) == programs(grid), name
+
+
+def test_a_masks_flags_are_made_once_per_mask_and_again_when_it_changes_or_in_a_cuda_graph(monkeypatch):
+    """The kernels' key flags and bounds of a mask (and the table in the queries' dtype) are made once per mask tensor
+    and reused by later calls with it (a model's layers and their backward share one mask): again after the mask
+    changes in place (its version), for another mask, and at every call while a CUDA graph is being captured (the
+    graph must make them from its inputs at each replay); the outputs stay the reference's."""
+    made = []
+    mask_tensors = ta._mask_tensors
+    monkeypatch.setattr(ta, "_mask_tensors", lambda *args: made.append(1) or mask_tensors(*args))
+    q, k, v = inputs(1, 2, 20, 20, 8, seed=4)
+    valid = torch.ones(1, 20, dtype=torch.bool)
+    valid[0, 15:] = False
+    for _ in range(3):
+        compare(q, k, v, 4, RelativeAttentionMask(key_is_valid=valid), reference.allowed_mask(20, valid))
+    assert len(made) == 1, made
+    valid[0, 12:] = False  # in place: its version changes
+    compare(q, k, v, 4, RelativeAttentionMask(key_is_valid=valid), reference.allowed_mask(20, valid))
+    assert len(made) == 2
+    other = valid.clone()
+    compare(q, k, v, 4, RelativeAttentionMask(key_is_valid=other), reference.allowed_mask(20, other))
+    assert len(made) == 3
+    monkeypatch.setattr(ta, "_capturing", lambda device: True)
+    compare(q, k, v, 4, RelativeAttentionMask(key_is_valid=other), reference.allowed_mask(20, other))
+    assert len(made) == 5  # the forward's and the backward's
+
+
 def test_launch_grids_hold_any_number_of_heads(monkeypatch):
     """CUDA allows at most 65,535 programs on a grid's second and third axes: batch x heads = 70,000 must not sit
     there (the launches are recorded, not run). And the kernels run on the tensors' GPU, not the current one."""
     from nezha_hf import triton_kernels
 
-    launchers = {name: Launches() for name in ("nezha_forward_kernel", "nezha_row_statistics_kernel",
-                                                "nezha_key_value_grad_kernel", "nezha_query_grad_kernel",
-                                                "nezha_merge_kernel")}
+    launchers = {name: Launches(getattr(triton_kernels, name), run=False)
+                 for name in ("nezha_forward_kernel", "nezha_row_statistics_kernel", "nezha_key_value_grad_kernel",
+                              "nezha_query_grad_kernel", "nezha_merge_kernel")}
     for name, launcher in launchers.items():
         monkeypatch.setattr(triton_kernels, name, launcher, raising=False)
     batch, heads, length, d = 2, 35_000, 20, 8
@@ -488,8 +670,9 @@ def test_launch_grids_hold_any_number_of_heads(monkeypatch):
         axes = programs(grid)
         assert all(axis <= 65_535 for axis in axes[1:]), (name, axes)
         assert math.prod(axes) == blocks * batch * heads, (name, axes)
-    assert ta._device_guard(torch.device("cuda", 1)).idx == 1
-    assert not isinstance(ta._device_guard(torch.device("cpu")), torch.cuda.device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert ta._device_guard(1).idx == 1
+    assert ta._device_guard(0) is None and ta._device_guard(-1) is None  # the current GPU; the CPU's tensors
 
 
 def test_out_of_memory_reaches_the_caller_and_the_engine_stays_usable(monkeypatch):
@@ -502,7 +685,7 @@ def test_out_of_memory_reaches_the_caller_and_the_engine_stays_usable(monkeypatc
     table = ra.sinusoid_relative_table(4, 8)
     module = torch.nn.Module().eval()
     monkeypatch.setattr(triton_kernels, "nezha_forward_kernel",
-                        Launches(error=torch.OutOfMemoryError("CUDA out of memory (simulated)")))
+                        Launches(real, error=torch.OutOfMemoryError("CUDA out of memory (simulated)")))
     with pytest.raises(torch.OutOfMemoryError, match="simulated"):
         ra.relative_attention(module, q, k, v, None, 8**-0.5, relative_table=table, requested=ra.Engine.TRITON)
     monkeypatch.setattr(triton_kernels, "nezha_forward_kernel", real)
@@ -652,7 +835,7 @@ def compile_for_a_gpu(architecture: int = 90) -> None:
 
     class Compile:
         def __init__(self, kernel):
-            self.kernel = kernel
+            self.kernel, self.arg_names = kernel, kernel.arg_names
 
         def __getitem__(self, grid):
             def launch(**arguments):
@@ -681,16 +864,20 @@ def compile_for_a_gpu(architecture: int = 90) -> None:
     calls = [  # (dtype, queries, keys, mask, dropout): every switch; float32's blocks; a decoding step's split
         (torch.bfloat16, 100, 100, every_switch, 0.1), (torch.float32, 100, 100, RelativeAttentionMask(), 0.0),
         (torch.float16, 1, 600, RelativeAttentionMask(key_is_valid=valid, causal=True, query_offset=599), 0.0)]
-    for dtype, queries, keys, mask, dropout in calls:
-        q, k = torch.zeros(1, 2, queries, 64, dtype=dtype), torch.zeros(1, 2, keys, 64, dtype=dtype)
-        table = torch.zeros(9, 64, dtype=dtype)  # the table's window; bfloat16 by rotation (the exact sinusoid)
-        if dtype == torch.bfloat16:
-            table = ra.sinusoid_relative_table(4, 64).to(dtype)
-        problem = AttentionProblem(mask, 0.125, dropout, torch.tensor(1))
-        ta.triton_forward(q, k, k, table, problem)
-        if queries > 1:
-            output, lse = q.clone(), torch.zeros(1, 2, queries)
-            ta.triton_backward(q, q, k, k, table, problem, output, lse)
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu.gpu_fake_driver import fake_hopper
+
+    with fake_hopper():  # what the launchers ask of the GPU (its multiprocessors, for a decoding step's split)
+        for dtype, queries, keys, mask, dropout in calls:
+            q, k = torch.zeros(1, 2, queries, 64, dtype=dtype), torch.zeros(1, 2, keys, 64, dtype=dtype)
+            table = torch.zeros(9, 64, dtype=dtype)  # the table's window; bfloat16 by rotation (the exact sinusoid)
+            if dtype == torch.bfloat16:
+                table = ra.sinusoid_relative_table(4, 64).to(dtype)
+            problem = AttentionProblem(mask, 0.125, dropout, torch.tensor(1))
+            ta.triton_forward(q, k, k, table, problem)
+            if queries > 1:
+                output, lse = q.clone(), torch.zeros(1, 2, queries)
+                ta.triton_backward(q, q, k, k, table, problem, output, lse)
 
 
 @pytest.mark.slow
@@ -733,8 +920,8 @@ def test_the_yardstick_is_plain_flash_attention():
 
 @pytest.mark.slow
 def test_a_planted_64_row_block_on_8_warps_fails_the_gpu_gates(tmp_path):
-    """`benchmarks/gpu/gpu_gates.py` compiles the forward for an H100 on the CPU: a 64-row block on 8 warps planted
-    among its tuned configurations fails the gate "no 64-row block on 8 warps" (both warp groups compute the same rows);
+    """`benchmarks/gpu/gpu_gates.py` compiles the forward for an H100 on the CPU: a 64-row block on 8 warps planted among
+    its tuned configurations fails the gate "no 64-row block on 8 warps" (both warp groups compute the same rows);
     the tuned configurations pass it. The band loops are told from the tails' by the kernel file's source lines even
     when Triton's cache holds the same kernels compiled from another checkout (whose SASS names that checkout's file):
     the gates compile afresh."""
@@ -743,15 +930,138 @@ def test_a_planted_64_row_block_on_8_warps_fails_the_gpu_gates(tmp_path):
     other = tmp_path / "other-checkout"
     for part in ("nezha_hf", "benchmarks"):
         shutil.copytree(ROOT / part, other / part, ignore=shutil.ignore_patterns("__pycache__", "results"))
-    command = ["benchmarks/gpu/gpu_gates.py", "--only", "forward", "--case", "bfloat16"]
+    command = ["benchmarks/gpu/gpu_gates.py", "--only", "forward", "--case", "no mask"]
     subprocess.run([sys.executable, *command], cwd=other, env=environment, capture_output=True, timeout=1800)
     done = subprocess.run([sys.executable, *command, "--plant", "nezha_forward_kernel:64,64,8,3"], cwd=ROOT,
                           env=environment, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 1, done.stdout + done.stderr[-5000:]
     twice = [line for line in done.stdout.splitlines() if "computed twice" in line]
-    assert twice and all("forward (bfloat16), 64x64, 8 warps, 3 stages:" in line for line in twice), done.stdout
-    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| forward | bfloat16 |")]
-    assert len(rows) == 3 and all(row[-2].strip() != "-" for row in rows), done.stdout  # each has a band loop
+    assert twice and all("forward (no mask), 64x64, 8 warps, 3 stages:" in line for line in twice), done.stdout
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| forward | no mask |")]
+    assert len(rows) == 2 and all(row[-3].strip() != "-" for row in rows), done.stdout  # each has a band loop
+
+
+@pytest.mark.slow
+def test_after_the_backward_check_the_backward_compiles_nothing(tmp_path):
+    """With Triton compiling for a (fake) H100 (`benchmarks/gpu/gpu_fake_driver.py`: Triton's own launch path, only the
+    launch stubbed): the check before a training forward compiles every kernel its backward launches, so the backward
+    itself compiles none (the JIT's caches unchanged by it), for a padded bfloat16 call with dropout and the model's
+    table, by rotation."""
+    script = tmp_path / "probe.py"
+    script.write_text(f"""
+import json, sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch
+from benchmarks.gpu import gpu_gates
+from benchmarks.gpu.gpu_fake_driver import fake_hopper
+from nezha_hf import relative_attention as ra, triton_attention as ta, triton_kernels as tk
+from nezha_hf.attention_ops import AttentionProblem, RelativeAttentionMask
+
+def compiled():
+    return {{name: len(gpu_gates._compiled(gpu_gates._jit(getattr(tk, name)))) for name in gpu_gates.NEZHA_KERNELS}}
+
+with fake_hopper() as gpu:
+    q, k, v = (torch.zeros(2, 256, 4, 64, dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for _ in range(3))
+    valid = torch.arange(256)[None, :] < torch.tensor([[256], [200]])
+    problem = AttentionProblem(RelativeAttentionMask(key_is_valid=valid), 0.125, 0.1, torch.tensor(0x123456789ABCD))
+    out = ta.triton_attention(q, k, v, ra.sinusoid_relative_table(64, 64).to(torch.bfloat16), problem)
+    checked = compiled()
+    out.backward(torch.ones_like(out))
+    print(json.dumps([checked, compiled(), gpu.launches()]))
+""")
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run([sys.executable, str(script)], env=environment, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    checked, after_backward, launches = json.loads(done.stdout.splitlines()[-1])
+    assert checked == after_backward, (checked, after_backward)
+    assert all(checked[name] >= 1 for name in ("nezha_row_statistics_kernel", *BACKWARD_KERNELS)), checked
+    assert launches >= 4  # the forward and the backward's three kernels reached the driver
+
+
+@pytest.mark.slow
+def test_a_planned_launch_passes_what_tritons_own_launch_passes(tmp_path):
+    """A kind of call's first launch goes through Triton (autotuner, JIT binder) and plans the kind; later calls of the
+    kind launch the compiled kernels by their plan (`triton_attention._Plan`). Against a fake H100, with Triton
+    compiling: each planned launch hands Triton's launcher the grid and arguments Triton's own launch of the same call
+    hands it (the inputs and cached tensors the same objects, the outputs and scratch made alike, every other value
+    equal), for a forward, a padded training step with dropout (the backward's three kernels) and a decoding step
+    with a static cache (split and merged); and a call whose tensor is aligned otherwise goes through Triton."""
+    script = tmp_path / "probe.py"
+    script.write_text(f"""
+import json, sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch
+from triton.backends.nvidia import driver as nvidia
+from benchmarks.gpu.gpu_fake_driver import fake_hopper
+from nezha_hf import relative_attention as ra, triton_attention as ta
+from nezha_hf.attention_ops import AttentionProblem, RelativeAttentionMask
+
+recorded = []
+original = nvidia.CudaLauncher.__call__
+def record(self, *args):
+    recorded.append(args)
+    return original(self, *args)
+nvidia.CudaLauncher.__call__ = record
+
+def described(arguments):
+    return [("tensor", a.dtype, tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else
+            a if isinstance(a, (int, float, bool, str, type(None))) else type(a).__name__ for a in arguments]
+
+def launches(step, planned):
+    if not planned:
+        ta._plans.clear()
+    recorded.clear()
+    step()
+    return list(recorded)
+
+table = ra.sinusoid_relative_table(64, 64).to(torch.bfloat16)
+valid = torch.arange(300)[None, :] < torch.tensor([[300], [250]])
+problems = {{
+    "forward": AttentionProblem(RelativeAttentionMask(), 0.125),
+    "training": AttentionProblem(RelativeAttentionMask(key_is_valid=valid), 0.125, 0.1, torch.tensor(0x123456789ABC)),
+    "decoding": AttentionProblem(RelativeAttentionMask(key_is_valid=valid, causal=True,
+                                                       query_offset=torch.tensor(299)), 0.125),
+}}
+results = {{}}
+with fake_hopper():
+    for name, problem in problems.items():
+        queries = 1 if name == "decoding" else 300
+        q = torch.zeros(2, queries, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (torch.zeros(2, 4, 300, 64, dtype=torch.bfloat16) for _ in range(2))
+        if name == "training":
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            grad = torch.ones(2, queries, 4, 64, dtype=torch.bfloat16)
+            step = lambda: ta.triton_attention(q, k, v, table, problem).backward(grad)
+        else:
+            step = lambda: ta.triton_attention(q, k, v, table, problem)
+        step()  # compiles, tunes and plans
+        own, planned = launches(step, planned=False), launches(step, planned=True)
+        identical = [[a is b for a, b in zip(x, y) if isinstance(a, torch.Tensor)] for x, y in zip(own, planned)]
+        results[name] = [len(own), [described(x) for x in own] == [described(x) for x in planned],
+                         sum(map(sum, identical)), [x[:3] for x in own] == [x[:3] for x in planned]]
+    # a query aligned otherwise than the planned call's: Triton's own launch (a kernel compiled for it)
+    problem, k, v = problems["forward"], k.detach(), v.detach()
+    ta.triton_attention(torch.zeros(2, 300, 4, 64, dtype=torch.bfloat16).transpose(1, 2), k, v, table, problem)
+    q = torch.zeros(2 * 300 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 300, 4, 64).transpose(1, 2)
+    planned = []
+    launch = ta._Plan.launch
+    ta._Plan.launch = lambda plan, call: planned.append(1) or launch(plan, call)
+    recorded.clear()
+    ta.triton_attention(q, k, v, table, problem)
+    results["misaligned"] = [q.data_ptr() % 16, len(planned), len(recorded)]
+print(json.dumps(results))
+""")
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run([sys.executable, str(script)], env=environment, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    for name, launched in (("forward", 1), ("training", 4), ("decoding", 2)):  # training: its forward and backward
+        count, alike, identical, grids = results[name]
+        assert count == launched and alike and grids, (name, results[name])
+        assert identical >= 3 * launched - 2, (name, results[name])  # at least the inputs, passed as they are
+    assert results["misaligned"][0] != 0 and results["misaligned"][1:] == [0, 1], results["misaligned"]
 
 
 @pytest.mark.slow
@@ -853,7 +1163,7 @@ def test_backward_band_by_rotation_matches_the_window(mask_kind, dropout, K, len
     output, lse = ta.triton_forward(q, k, v, table, problem)
     rotated = ta.triton_backward(grad, q, k, v, table, problem, output.transpose(1, 2), lse)
     monkeypatch.setattr(ta, "_rotation", lambda *args: dict(ROTATE=False, Sinusoid=None))
-    windowed = ta.triton_backward(grad, q, k, v, table, problem, output.transpose(1, 2), lse)
+    windowed = ta.triton_backward(grad, q, k, v, table.clone(), problem, output.transpose(1, 2), lse)  # a new table
     for kernel in backward:
         assert [switches.get("ROTATE") for _, switches in kernel.launches] == [True, False]
     assert tk.ROTATION_ROWS >= 16
@@ -873,7 +1183,7 @@ def test_band_by_rotation_with_dropout_keeps_the_windows_mask(K, length, monkeyp
     problem = AttentionProblem(RelativeAttentionMask(), 16**-0.5, 0.3, torch.tensor(11))
     rotated, _ = ta.triton_forward(q, k, v, table, problem)
     monkeypatch.setattr(ta, "_rotation", lambda *args: dict(ROTATE=False, Sinusoid=None))
-    windowed, _ = ta.triton_forward(q, k, v, table, problem)
+    windowed, _ = ta.triton_forward(q, k, v, table.clone(), problem)  # a new table: its use made again
     assert [switches["ROTATE"] for _, switches in launches.launches] == [True, False]
     torch.testing.assert_close(rotated.double(), windowed.double(), atol=5e-3, rtol=0)
 

@@ -14,6 +14,8 @@ It sets itself up on the machine's own packages and runs each step in a fresh pr
 3. correctness against the float64 formula (gpu_correctness.py): a failed case ends the run before any timing;
 4. the attention op against SDPA's FlashAttention (gpu_attention.py), with the plain FlashAttention-2 Triton kernel
    (the yardstick) on the same tensors and blocks, and the decoding step eager and under torch.compile;
+4b. host time against wall time per call, NEZHA's and SDPA's, and a cProfile of NEZHA's training step
+   (gpu_host_time.py);
 5. a 12-layer base-width model at 2,048 tokens, bfloat16, forward and forward+backward, against BERT-SDPA
    (attention.py --device cuda), with both models' error against float64;
 6. the model profiled: host time against kernel time per layer, batch 1 and 8 at 2,048 tokens, NEZHA against
@@ -99,7 +101,7 @@ class Variant:
         return cls(name, dict(pair.split("=", 1) for pair in pairs))
 
 
-STEP_NAMES = ["environment", "correctness", "attention op", "model", "model profile", "variants"]
+STEP_NAMES = ["environment", "correctness", "attention op", "host time", "model", "model profile", "variants"]
 
 
 def steps(rehearse: bool, work: Path, variants: list[Variant] = ()) -> list[Step]:
@@ -121,6 +123,8 @@ def steps(rehearse: bool, work: Path, variants: list[Variant] = ()) -> list[Step
         # bfloat16 only (the targets' dtype; with float16 too the first run's compilation ran past the budget)
         Step("attention op", ["benchmarks/gpu/gpu_attention.py", *mode, *results, *lengths, "--dtypes", "bfloat16",
                               "--yardstick", "--compile", "--profile"], 180 * scale, timed=True),
+        # host against wall time per call, NEZHA's and SDPA's (the attention op's kernels compiled and tuned by now)
+        Step("host time", ["benchmarks/gpu/gpu_host_time.py", *mode, *results], 60 * scale, timed=True),
         Step("model", ["benchmarks/attention.py", *model, "--dtype", "bfloat16", "--eager-up-to", "0", *results,
                        "--output", "attention-cuda-bfloat16"], 150 * scale, timed=True),
         Step("model profile", ["benchmarks/gpu/gpu_profile.py", *mode, *results], 90 * scale, timed=True),
@@ -295,7 +299,7 @@ def gate_lines(timed: list[dict], gates_file: Path, triton_version: str | None) 
     ran (`configs` of each row of gpu-attention*.json), with the yardstick's at the same configuration."""
     chosen = {}  # (gates kernel, case, configuration) in order of first use
     for row in timed:
-        case = "bfloat16, dropout" if row.get("dropout") else "bfloat16"
+        case = "no mask, dropout" if row.get("dropout") else "no mask"  # the op's rows have no mask
         for kernel, config in row.get("configs", {}).items():
             chosen.setdefault((kernel, case, config), None)
     if not chosen:
@@ -319,7 +323,7 @@ def gate_lines(timed: list[dict], gates_file: Path, triton_version: str | None) 
             lines.append(f"| {kernel} | {case} | {config} | - | - | - | - | - | - |")
             continue
         tail, band = gpu_gates._tail(row), gpu_gates._band(row)
-        plain = counted.get((f"yardstick {kernel}", "bfloat16", config))
+        plain = counted.get((f"yardstick {kernel}", gpu_gates.YARDSTICK, config))
         plain_tail = gpu_gates._tail(plain) if plain else None
         tail_text = "-" if not tail else f"{tail['per_pair']:.2f}" + (
             f" ({tail['per_pair'] / plain_tail['per_pair']:.2f}x)" if plain_tail else "") + (
@@ -370,6 +374,11 @@ def summary_table(work: Path, statuses: dict, gates_file: Path = GATES) -> str:
                          f"{entry.get('ratio_train', float('nan')):.2f}x BERT-SDPA's")
         for kind, error in model["accuracy"].items():
             lines.append(f"Model error against float64 ({kind}): {error['relative']:.2e}")
+    host = read("gpu-host-time.json")
+    if host:
+        lines += ["", "Host time per call (ms): NEZHA host / wall, SDPA host / wall", ""]
+        lines += [f"- {row['call']}: NEZHA {row['NEZHA_host_ms']:.3f} / {row['NEZHA_wall_ms']:.3f}, SDPA "
+                  f"{row['SDPA_host_ms']:.3f} / {row['SDPA_wall_ms']:.3f}" for row in host["rows"]]
     profile = read("gpu-profile.json")
     if profile:
         lines += ["", "Model profile, per layer (forward): host ms / kernel ms", ""]

@@ -104,9 +104,10 @@ def yardstick_query_grad_kernel(Q, K, V, DO, Lse, RowDot, DQ, stride_b, stride_h
 
 
 def yardstick_forward(query, key, value, scale: float, block_m: int = 128, block_n: int = 64, warps: int = 8,
-                      stages: int = 3):
+                      stages: int = 3, registers: int | None = None):
     """Plain attention of `[batch, heads, L, d]` tensors (L a whole number of both blocks, d a power of two of at
-    least 16): `(output [batch, heads, L, d], base-2 log-sum-exp [batch, heads, L] float32)`."""
+    least 16): `(output [batch, heads, L, d], base-2 log-sum-exp [batch, heads, L] float32)`. `registers` caps a
+    thread's (Triton's `maxnreg`), as a capped NEZHA configuration is."""
     import torch
 
     batch, heads, length, size = query.shape
@@ -116,7 +117,7 @@ def yardstick_forward(query, key, value, scale: float, block_m: int = 128, block
     yardstick_forward_kernel[(length // block_m, batch * heads)](
         query, key, value, output, lse, *query.stride(), *key.stride(), *value.stride(), heads, length,
         scale * 1.4426950408889634, HEAD_DIM=size, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, **({"maxnreg": registers} if registers else {}))
     return output, lse
 
 
