@@ -70,9 +70,14 @@ def _files_read(path, subfolder: str = "", cache_dir=None, revision=None) -> str
 
 
 def _non_finite(model) -> list[str]:
-    """The names of the model's weights that hold a NaN or an infinity (a diverged run's, a damaged file's)."""
-    return [name for name, tensor in [*model.named_parameters(), *model.named_buffers()]
-            if tensor.is_floating_point() and tensor.device.type != "meta" and not bool(tensor.isfinite().all())]
+    """The names of the model's weights that hold a NaN or an infinity (a diverged run's, a damaged file's); of a
+    sharded model, this process's part (no collective)."""
+    names = []
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if local.is_floating_point() and local.device.type != "meta" and not bool(local.isfinite().all()):
+            names.append(name)
+    return names
 
 
 def _local_folder(path) -> str | None:

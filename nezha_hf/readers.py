@@ -63,8 +63,8 @@ def _check_weight_dtypes(path, dtypes: dict[str, str]) -> None:
 def check_weights_file(path) -> None:
     """Check a weights file before transformers or a converter reads it: a safetensors file whose header reads and
     whose tensors all lie within the file, or a torch file (`.bin`) that loads as a flat `name -> tensor` dict
-    (weights only: no pickle runs code); every tensor of a weight's dtype (`WEIGHT_DTYPES`). An `UnusableFile` (or a
-    `FileNotFoundError`) naming the file otherwise."""
+    (weights only: no pickle runs code); every tensor named as a weight of a weight's dtype (`WEIGHT_DTYPES`). An
+    `UnusableFile` (or a `FileNotFoundError`) naming the file otherwise."""
     read_weights(Path(path), load=False)
 
 
