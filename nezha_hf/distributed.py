@@ -39,7 +39,7 @@ from transformers.utils import logging
 from .json_files import Anything, Integer, JSONFileError, Nullable, Object, String, checked, parse_json
 from .named_files import weight_files
 from .readers import load_state_file, open_regular_file, read_weights as read_weights_file, write_manifest
-from .safe_output import claimed, disk_of, naming, no_room, staged_folder
+from .safe_output import NoRoomError, claimed, disk_of, naming, no_room, staged_folder
 
 logger = logging.get_logger(__name__)
 OPTIMIZER_DCP, SCHEDULER_FILE = "optimizer", "scheduler.pt"
@@ -344,8 +344,9 @@ class DistributedCheckpointTrainer(Trainer):
             room = no_room(error)
             reason = (f"{room}: no room on {disk_of(folder)}" if room else
                       f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:200]}")
-            raise OSError(f"could not save the checkpoint {folder} ({reason}); the run stopped there, and a rerun "
-                          "resumes from the last whole checkpoint") from error
+            raise (NoRoomError if room else OSError)(
+                f"could not save the checkpoint {folder} ({reason}); the run stopped there, and a rerun resumes from "
+                "the last whole checkpoint") from error
 
     def _write_checkpoint(self, folder: Path, model, trial):
         if self.args.should_save:  # a checkpoint of this step left by a killed run, or skipped: none of it may remain

@@ -296,9 +296,13 @@ def built_kernel_problem(directory: Path) -> str | None:
 
 
 def _record_build(directory: Path) -> None:
+    """Record the library just built (or loaded) in `directory`, unless its record already says so: a build folder
+    another checkout shares is left as it is."""
     from .readers import file_digest
     from .safe_output import write_text_atomically
 
+    if built_kernel_problem(directory) is None:
+        return
     write_text_atomically(directory / BUILD_RECORD,
                           json.dumps({"sha256": file_digest(_built_library(directory))}) + "\n")
 

@@ -169,6 +169,10 @@ _FULL_IN_WORDS = re.compile("|".join([*(re.escape(os.strerror(code)) for code in
                                       "StorageFull", "FileTooLarge", "QuotaExceeded", "file write failed"]))
 
 
+class NoRoomError(OSError):
+    """A write that failed for want of room, named: the output (or checkpoint) it was for and the file system."""
+
+
 def no_room(error: BaseException) -> str | None:
     """The reason, in the system's words, when `error` (or what it wraps: its causes, a distributed checkpoint's
     failures) is a write that failed for want of room; None otherwise."""
@@ -221,14 +225,16 @@ def naming(destination) -> Iterator[None]:
     (`no_room` finds it there)."""
     try:
         yield
+    except NoRoomError:  # named already, by a writer inside (a checkpoint of the run that makes the output)
+        raise
     except Exception as error:
         reason = no_room(error)
         if reason is None:
             raise
         code = next((e.errno for e in (error, error.__cause__, error.__context__)
                      if isinstance(e, OSError) and e.errno in _FULL), errno.ENOSPC)
-        raise OSError(code, f"{destination} could not be written ({reason}): no room on {disk_of(destination)}"
-                      ) from error
+        raise NoRoomError(code, f"{destination} could not be written ({reason}): no room on {disk_of(destination)}"
+                          ) from error
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
@@ -386,6 +392,7 @@ def write_text_atomically(destination, text: str, overwrite: bool = True) -> Non
 
 
 __all__ = [
+    "NoRoomError",
     "OutputBusyError",
     "check_destination",
     "claimed",

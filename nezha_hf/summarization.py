@@ -189,8 +189,8 @@ class Summarizer:
             raise FileNotFoundError(f"{directory} is not a whole summariser folder: {', '.join(missing)} is missing "
                                     "(train-summarizer writes it).")
         if os.path.lexists(directory / MANIFEST_FILE):
-            check_manifest(directory, TRAINED_KIND, "Train the summariser again, or save it again "
-                           "(Summarizer.save_pretrained) if you changed its parts on purpose.")
+            check_manifest(directory, TRAINED_KIND, f"Train the summariser again; if you changed its files on "
+                           f"purpose, delete {MANIFEST_FILE} (they are then loaded unchecked, with a warning).")
         else:
             logger.warning(f"{directory} has no {MANIFEST_FILE} (an older nezha_hf saved it): its files cannot be "
                            "checked against what was saved. Saving it again (Summarizer.save_pretrained) writes one.")
@@ -871,9 +871,10 @@ def _train_summarizer(run, judgments, base_model, validation_fraction, epochs, s
     generator.generation_config.use_cache = True
     with run.staged_output() as staging:
         if run.state.is_main_process:
+            # Before the summariser: its save writes the folder's manifest last, over every file.
+            (staging / "validation_ids.json").write_text(json.dumps([j.id for j, _ in validation]))
             Summarizer(extractor.eval(), generator.eval(), tokenizer,
                        token_budget=max_length // 2).save_pretrained(staging)
-            (staging / "validation_ids.json").write_text(json.dumps([j.id for j, _ in validation]))
     return metrics
 
 
