@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import enum
 import math
+import operator
 import sys
 import typing
 from collections.abc import Callable
@@ -262,6 +263,11 @@ def _field_values(problem: AttentionProblem) -> list:
     return values
 
 
+# The problem's leaf fields that may hold a tensor, read in one C call: what `_needs_dispatcher` checks of a call.
+_tensor_field_values = operator.attrgetter(*(".".join(path) for _, schema, path in PROBLEM_FIELDS
+                                             if "Tensor" in schema))
+
+
 def flatten(problem: AttentionProblem, device: torch.device | None = None) -> list:
     """The problem as the ops' flat arguments (`PROBLEM_FIELDS`): offsets and seeds as tensors, those made from an int
     or None on `device` (the CPU's when None)."""
@@ -319,12 +325,25 @@ def _needs_dispatcher(device_types: str | None, *arguments) -> bool:
     tracing, under a Python dispatch or function mode (fake tensors, `FlopCounterMode`, `torch.device` as a context),
     inside a functorch transform (vmap, `torch.func.grad`), with a tensor subclass (DTensor) among `arguments`, or on
     a device the ops are not registered for (the ops then refuse it)."""
-    if (tracing() or torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
-            or torch._C._functorch.peek_interpreter_stack() is not None):
-        return True
+    return _modes_active() or _unusual_tensors(device_types, *arguments)
+
+
+def _modes_active() -> bool:
+    """Whether a call is traced, or runs under a Python dispatch or function mode or a functorch transform
+    (`_needs_dispatcher`)."""
+    return (tracing() or torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+            or torch._C._functorch.peek_interpreter_stack() is not None)
+
+
+def _unusual_tensors(device_types: str | None, *arguments) -> bool:
+    """Whether a tensor subclass is among `arguments`, or a tensor on a device other than `device_types`
+    (`_needs_dispatcher`)."""
+    tensor = torch.Tensor
     for argument in arguments:  # a loop, not a generator: this runs at every call
-        if isinstance(argument, torch.Tensor) and (type(argument) is not torch.Tensor or (
-                device_types is not None and argument.device.type != device_types)):
+        if type(argument) is tensor:
+            if device_types is not None and argument.device.type != device_types:
+                return True
+        elif isinstance(argument, tensor):  # a subclass
             return True
     return False
 
@@ -462,7 +481,8 @@ def engine_op(engine: Engine, forward: Callable, forward_fake: Callable, backwar
     forward_name = forward_op.name()
 
     def attention(query, key, value, table, problem: AttentionProblem) -> torch.Tensor:
-        if _needs_dispatcher(device_types, query, key, value, table, *_field_values(problem)):
+        # `_needs_dispatcher`, the modes first: a traced call reads its fields by `flatten`'s plain attribute reads
+        if _modes_active() or _unusual_tensors(device_types, query, key, value, table, *_tensor_field_values(problem)):
             # Traced, the tensors made of ints go to the queries' device: a compiled graph that makes one on the CPU
             # is not captured by CUDA graphs.
             return forward_op(query, key, value, table, *flatten(problem, query.device if tracing() else None))[0]

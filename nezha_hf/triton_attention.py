@@ -29,6 +29,7 @@ a decoding step's partial outputs; nothing per (query, table row).
   copy per call).
 """
 
+import functools
 import importlib.util
 import math
 import os
@@ -139,9 +140,11 @@ def unusable_reason(device: str, named: bool = True) -> str | None:
     return str(failure) if isinstance(failure, TritonKernelFailed) else None
 
 
+@functools.cache
 def _kernels():
-    """`triton_kernels`, imported when first needed (it imports Triton). Written as `from .triton_kernels import`, the
-    form transformers follows to copy a remote-code checkpoint's files."""
+    """`triton_kernels`, imported when first needed (it imports Triton), once: an import statement costs a call's host
+    time a microsecond. Written as `from .triton_kernels import`, the form transformers follows to copy a remote-code
+    checkpoint's files."""
     from .triton_kernels import __name__ as name
 
     return sys.modules[name]
@@ -352,51 +355,65 @@ def _arguments(query, key, table, problem: AttentionProblem, switches: Switches,
 
 class _Plan:
     """One kernel's launch, decided for a kind of call (`_kind`) by the kind's first launch through Triton (the
-    autotuner's choice, the JIT's compiled kernel): the compiled kernel's launcher for its grid, every argument in the
-    kernel's order, and where a later call of the kind puts its own values (`_call_values`, outputs and scratch), with
-    whether each of its tensors was aligned to 16 bytes (the JIT specialised the kernel on that; the kind fixes the
-    rest of what it specialised on)."""
+    autotuner's choice, the JIT's compiled kernel): the compiled kernel and its grid, every argument in the kernel's
+    order, and where a later call of the kind puts its own values (`_call_values`, outputs and scratch)."""
 
     def __init__(self, kernel, grid, arguments: dict, compiled, call: dict):
         config = getattr(kernel, "best_config", None)  # an autotuned kernel's choice for this kind
         every = {**arguments, **(config.kwargs if config is not None else {})}
         grid = tuple(grid(every) if callable(grid) else grid)
-        self.run = compiled[grid + (1,) * (3 - len(grid))]
+        self.grid = grid + (1,) * (3 - len(grid))
+        self.compiled = compiled
+        # What Triton's launcher takes besides the grid, the stream and the arguments (as torch Inductor's launchers
+        # call it): the loaded kernel and its packed metadata
+        self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
         names = kernel.arg_names
         self.slots = [(index, name) for index, name in enumerate(names) if name in call]
-        self.aligned = [(name, call[name].data_ptr() % 16 == 0) for _, name in self.slots
-                        if isinstance(call[name], torch.Tensor)]
         # without the call's own values: a plan holds no tensor of the call that made it
         self.arguments = [None if name in call else every[name] for name in names]
 
-    def fits(self, call: dict) -> bool:
-        for name, aligned in self.aligned:
-            if (call[name].data_ptr() % 16 == 0) != aligned:
-                return False
-        return True
-
-    def launch(self, call: dict) -> None:
+    def launch(self, call: dict, stream: int, hooked: bool) -> None:
+        """Launch on `stream` with `call`'s values: straight into Triton's launcher, or (`hooked`: a launch hook is
+        set, e.g. a profiler's, which reads the launch's metadata) through the compiled kernel's own runner, which
+        makes that metadata."""
         arguments = self.arguments.copy()
         for index, name in self.slots:
             arguments[index] = call[name]
-        self.run(*arguments)
+        if hooked:
+            self.compiled[self.grid](*arguments)
+        else:
+            self.run(*self.grid, stream, self.function, self.metadata, None, None, None, *arguments)
 
 
-@dataclass
+def _hook_set(hook) -> bool:
+    """Whether a Triton launch hook is set: a `HookChain` holding a hook, or (older Tritons) a function, not None."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class _Launches:
-    """Every kernel launch of a kind of call, planned (`_Plan`), in order; a forward's decoding splits."""
+    """Every kernel launch of a kind of call, planned (`_Plan`), in order, with whether each tensor the call was given
+    (not those it made: `made`) was aligned to 16 bytes (the JIT specialised the kernels on that; the kind fixes the
+    rest of what it specialised on); a forward's decoding splits; the active Triton driver's `get_current_stream` and
+    Triton's runtime settings (its launch hooks)."""
 
-    plans: list[_Plan]
-    splits: int = 1
+    def __init__(self, plans: list[_Plan], call: dict, made, splits: int):
+        self.plans, self.splits = plans, splits
+        self.aligned = [(name, value.data_ptr() % 16 == 0) for name, value in call.items()
+                        if isinstance(value, torch.Tensor) and name not in made]
+        triton = _kernels().triton
+        self.current_stream, self.runtime = triton.runtime.driver.active.get_current_stream, triton.knobs.runtime
 
-    def launch(self, call: dict) -> bool:
-        """Launch the plans with `call`'s values, unless a tensor of it is aligned otherwise than planned (False:
-        Triton's JIT launches that call)."""
-        for plan in self.plans:
-            if not plan.fits(call):
+    def launch(self, call: dict, device: int) -> bool:
+        """Launch the plans with `call`'s values on the current stream of GPU `device` (the current device, where
+        Triton launches), unless a tensor of `call` is aligned otherwise than planned (False: Triton's JIT launches
+        that call)."""
+        for name, aligned in self.aligned:
+            if (call[name].data_ptr() % 16 == 0) != aligned:
                 return False
+        hooked = _hook_set(self.runtime.launch_enter_hook) or _hook_set(self.runtime.launch_exit_hook)
+        stream = self.current_stream(device)
         for plan in self.plans:
-            plan.launch(call)
+            plan.launch(call, stream, hooked)
         return True
 
 
@@ -404,10 +421,11 @@ _plans: dict[tuple, _Launches] = {}  # the kinds of call planned here
 PLANNED_KINDS = 1024  # kinds kept at most (a decoding loop with a growing dynamic cache makes a kind per step)
 
 
-def _launch_all(kind: tuple, launches: list, call: dict, warmup: bool = False, splits: int = 1) -> None:
+def _launch_all(kind: tuple, launches: list, call: dict, made, warmup: bool = False, splits: int = 1) -> None:
     """Launch each `(kernel, grid, arguments)` through Triton (its autotuner and JIT) with the arguments that kernel
     takes (`arguments` may hold more), or (`warmup`) only compile them; then plan the kind (`_Launches`) where every
-    launch ran a compiled kernel (under the interpreter none does: every call goes through Triton)."""
+    launch ran a compiled kernel (under the interpreter none does: every call goes through Triton). `made`: the names
+    of `call`'s tensors the call allocated itself, whose alignment is the allocator's (at least 64 bytes)."""
     kernels = _kernels()
     launched = []
     for kernel, grid, arguments in launches:
@@ -418,7 +436,7 @@ def _launch_all(kind: tuple, launches: list, call: dict, warmup: bool = False, s
         if len(_plans) >= PLANNED_KINDS:
             _plans.clear()
         _plans[kind] = _Launches([_Plan(kernel, grid, own, compiled, call) for kernel, grid, own, compiled in launched],
-                                 splits)
+                                 call, made, splits)
 
 
 def _launch(kernel, grid, warmup: bool, **arguments):
@@ -452,7 +470,8 @@ def _dropout_draws(dropout: float) -> dict:
     return dict(threshold=threshold, keep_scale=256 / (256 - threshold))
 
 
-# Results made from tensors (`_derived`): (what, the sources' ids) -> (weak references to them, their versions, result).
+# Results made from tensors (`_derived`): (what, the sources' ids) -> (weak references to them, their versions, the
+# index of the first that is a tensor, result).
 _derived_values: dict[tuple, tuple] = {}
 _sinusoids: dict[tuple, torch.Tensor] = {}  # (K, head size, dtype, device) -> the kernels' `Sinusoid`
 
@@ -469,19 +488,21 @@ def _derived(what: tuple, make, *sources: torch.Tensor | None, decided_on_host: 
     `decided_on_host`), while a CUDA graph is being captured: the graph must make it from its inputs at each replay."""
     key = (what, *map(id, sources))
     known = _derived_values.get(key)
-    tensors = [source for source in sources if source is not None]
-    if known is not None and (decided_on_host or not _capturing(tensors[0])):
-        references, versions, result = known
+    if known is not None:
+        references, versions, first, result = known
         for reference, version, source in zip(references, versions, sources):
             if source is not None and (reference() is not source or source._version != version):
                 break
         else:
-            return result
+            if decided_on_host or not _capturing(sources[first]):
+                return result
+    tensors = [source for source in sources if source is not None]
     result = make()
     if not any(tensor.is_inference() for tensor in tensors) and (decided_on_host or not _capturing(tensors[0])):
         forget = lambda _, values=_derived_values: values.pop(key, None)  # noqa: E731 (a source was freed)
         _derived_values[key] = (tuple(None if source is None else weakref.ref(source, forget) for source in sources),
-                                tuple(None if source is None else source._version for source in sources), result)
+                                tuple(None if source is None else source._version for source in sources),
+                                next(i for i, source in enumerate(sources) if source is not None), result)
     return result
 
 
@@ -525,13 +546,13 @@ def triton_forward(query, key, value, table, problem: AttentionProblem) -> list[
     batch, heads, queries, size = query.shape
     keys = key.shape[-2]
     output = query.new_empty(batch, queries, heads, size)
-    lse = torch.empty(batch, heads, queries, dtype=torch.float32, device=query.device)
+    lse = query.new_empty(batch, heads, queries, dtype=torch.float32)
     if queries == 0 or keys == 0:
         return [output.zero_(), lse.fill_(float("-inf"))]
     use = _table_use(table, query.dtype, kernels)
     kind = _kind("forward", query, key, value, table, problem, use.rotate)
     call = _call_values(query, key, value, use, problem)
-    call.update(Out=output, Lse=lse, Partial=None, PartialStats=None)
+    made = dict(Out=output, Lse=lse, Partial=None, PartialStats=None)
     planned = _plans.get(kind)
     if planned is None:
         splits, chunk = _decoding_splits(batch * heads, queries, keys, query.device, kernels)
@@ -540,10 +561,11 @@ def triton_forward(query, key, value, table, problem: AttentionProblem) -> list[
         splits = planned.splits
     if splits > 1:  # each split's unnormalised output, maximum and sum, merged by `nezha_merge_kernel`
         rows = batch * heads * splits * queries
-        call.update(Partial=torch.empty(rows, _head_block(size), dtype=torch.float32, device=query.device),
+        made.update(Partial=torch.empty(rows, _head_block(size), dtype=torch.float32, device=query.device),
                     PartialStats=torch.empty(rows, 2, dtype=torch.float32, device=query.device))
+    call.update(made)
     with _Launching(_forward_part(splits), query, problem):
-        if planned is not None and planned.launch(call):
+        if planned is not None and planned.launch(call, query.get_device()):
             return [output, lse]
         splits, chunk = _decoding_splits(batch * heads, queries, keys, query.device, kernels)
         arguments = {**_arguments(query, key, table, problem, Switches.of(query, problem), kernels), **call,
@@ -555,7 +577,7 @@ def triton_forward(query, key, value, table, problem: AttentionProblem) -> list[
         if splits > 1:
             launches.append((kernels.nezha_merge_kernel, (_blocks(queries, kernels.DECODING_BLOCK_M) * batch * heads,),
                              dict(arguments, BLOCK_M=kernels.DECODING_BLOCK_M)))
-        _launch_all(kind, launches, call, splits=splits)
+        _launch_all(kind, launches, call, made, splits=splits)
     return [output, lse]
 
 
@@ -588,16 +610,17 @@ def _backward_kernels(grad_output, query, key, value, table, problem: AttentionP
     call = _call_values(query, key, value, use, problem)
     # Per query and tile class: the log-sum-exp less a tail's key term, D_i = dO_i . O_i less its output term; for the
     # band by rotation, its clipped pairs' terms and the queries and output gradients turned.
-    call.update(DO=grad_output, O=output, Lse=lse, DQ=grads[0], DK=grads[1], DV=grads[2],
+    made = dict(DQ=grads[0], DK=grads[1], DV=grads[2],
                 RowLse=torch.empty(batch, heads, 3, queries, dtype=torch.float32, device=query.device),
                 RowDot=torch.empty(batch, heads, 3, queries, dtype=torch.float32, device=query.device),
                 RowTerms=None, RotQ=None, RotDO=None)
     if use.rotate:
-        call.update(RowTerms=torch.empty(batch, heads, 4, queries, dtype=torch.float32, device=query.device),
+        made.update(RowTerms=torch.empty(batch, heads, 4, queries, dtype=torch.float32, device=query.device),
                     RotQ=torch.empty(batch, heads, queries, size, dtype=query.dtype, device=query.device),
                     RotDO=torch.empty(batch, heads, queries, size, dtype=query.dtype, device=query.device))
+    call.update(DO=grad_output, O=output, Lse=lse, **made)
     planned = _plans.get(kind)
-    if not warmup and planned is not None and planned.launch(call):
+    if not warmup and planned is not None and planned.launch(call, query.get_device()):
         return
     switches = Switches.of(query, problem)
     _refuse_set_aside("backward", switches)
@@ -612,7 +635,7 @@ def _backward_kernels(grad_output, query, key, value, table, problem: AttentionP
          arguments),
         (kernels.nezha_query_grad_kernel, lambda meta: (_blocks(queries, meta["BLOCK_M"]) * batch * heads,),
          arguments),
-    ], call, warmup)
+    ], call, made, warmup)
 
 
 def _forward_fake(query, key, value, table, problem):

@@ -983,15 +983,18 @@ with fake_hopper() as gpu:
 def test_a_planned_launch_passes_what_tritons_own_launch_passes(tmp_path):
     """A kind of call's first launch goes through Triton (autotuner, JIT binder) and plans the kind; later calls of the
     kind launch the compiled kernels by their plan (`triton_attention._Plan`). Against a fake H100, with Triton
-    compiling: each planned launch hands Triton's launcher the grid and arguments Triton's own launch of the same call
-    hands it (the inputs and cached tensors the same objects, the outputs and scratch made alike, every other value
-    equal), for a forward, a padded training step with dropout (the backward's three kernels) and a decoding step
-    with a static cache (split and merged); and a call whose tensor is aligned otherwise goes through Triton."""
+    compiling: each planned launch hands Triton's launcher the grid, stream, kernel and arguments Triton's own launch
+    of the same call hands it (the inputs and cached tensors the same objects, the outputs and scratch made alike,
+    every other value equal), for a forward, a padded training step with dropout (the backward's three kernels) and a
+    decoding step with a static cache (split and merged), without launch hooks and their metadata where no hook is
+    set, and with a launch hook set, calling it with the metadata Triton's own launch gives it; and a call whose tensor
+    is aligned otherwise goes through Triton."""
     script = tmp_path / "probe.py"
     script.write_text(f"""
 import json, sys
 sys.path.insert(0, {str(ROOT)!r})
 import torch
+from triton import knobs
 from triton.backends.nvidia import driver as nvidia
 from benchmarks.gpu.gpu_fake_driver import fake_hopper
 from nezha_hf import relative_attention as ra, triton_attention as ta
@@ -1038,8 +1041,20 @@ with fake_hopper():
         step()  # compiles, tunes and plans
         own, planned = launches(step, planned=False), launches(step, planned=True)
         identical = [[a is b for a, b in zip(x, y) if isinstance(a, torch.Tensor)] for x, y in zip(own, planned)]
-        results[name] = [len(own), [described(x) for x in own] == [described(x) for x in planned],
-                         sum(map(sum, identical)), [x[:3] for x in own] == [x[:3] for x in planned]]
+        # (grid x 3, stream, kernel, its metadata; the launch's metadata and the hooks; the kernel's arguments)
+        results[name] = [len(own),
+                         [described(x[:6] + x[9:]) for x in own] == [described(x[:6] + x[9:]) for x in planned],
+                         sum(map(sum, identical)), [x[:6] for x in own] == [x[:6] for x in planned],
+                         all(x[6:9] == (None, None, None) for x in planned)]
+        # with a launch hook set (a profiler's), planned launches call it as Triton's own launches do
+        seen = []
+        hook = lambda metadata: seen.append(sorted(metadata.get().items()) if metadata is not None else None)
+        knobs.runtime.launch_enter_hook.add(hook)
+        launches(step, planned=False)
+        own_seen, seen[:] = list(seen), []
+        launches(step, planned=True)
+        knobs.runtime.launch_enter_hook.remove(hook)
+        results[name].append([len(own_seen), repr(own_seen) == repr(seen), None not in seen])
     # a query aligned otherwise than the planned call's: Triton's own launch (a kernel compiled for it)
     problem, k, v = problems["forward"], k.detach(), v.detach()
     ta.triton_attention(torch.zeros(2, 300, 4, 64, dtype=torch.bfloat16).transpose(1, 2), k, v, table, problem)
@@ -1058,8 +1073,9 @@ print(json.dumps(results))
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.splitlines()[-1])
     for name, launched in (("forward", 1), ("training", 4), ("decoding", 2)):  # training: its forward and backward
-        count, alike, identical, grids = results[name]
-        assert count == launched and alike and grids, (name, results[name])
+        count, alike, identical, grids, no_hooks, hooked = results[name]
+        assert count == launched and alike and grids and no_hooks, (name, results[name])
+        assert hooked == [launched, True, True], (name, results[name])
         assert identical >= 3 * launched - 2, (name, results[name])  # at least the inputs, passed as they are
     assert results["misaligned"][0] != 0 and results["misaligned"][1:] == [0, 1], results["misaligned"]
 
