@@ -34,7 +34,9 @@ from torch import nn
 
 def tracing() -> bool:
     """True under `torch.compile`, `torch.export` or `torch.jit.trace`: code must not branch on tensor values."""
-    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+    # `torch._C._is_tracing()` is `torch.jit.is_tracing()` outside TorchScript, without its two Python calls (this runs
+    # at every call); `torch.compile` never reaches it
+    return torch.compiler.is_compiling() or torch._C._is_tracing()
 
 
 def values_known(tensor: torch.Tensor) -> bool:

@@ -385,9 +385,12 @@ class _Plan:
             self.run(*self.grid, stream, self.function, self.metadata, None, None, None, *arguments)
 
 
-def _hook_set(hook) -> bool:
-    """Whether a Triton launch hook is set: a `HookChain` holding a hook, or (older Tritons) a function, not None."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+def _hooks_set(runtime) -> bool:
+    """Whether a launch hook is set in Triton's `runtime` settings: a `HookChain` holding a hook, or (older Tritons) a
+    function, not None."""
+    enter, exit = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return (enter is not None and bool(getattr(enter, "calls", True))
+            or exit is not None and bool(getattr(exit, "calls", True)))
 
 
 class _Launches:
@@ -410,8 +413,7 @@ class _Launches:
         for name, aligned in self.aligned:
             if (call[name].data_ptr() % 16 == 0) != aligned:
                 return False
-        hooked = _hook_set(self.runtime.launch_enter_hook) or _hook_set(self.runtime.launch_exit_hook)
-        stream = self.current_stream(device)
+        hooked, stream = _hooks_set(self.runtime), self.current_stream(device)
         for plan in self.plans:
             plan.launch(call, stream, hooked)
         return True
