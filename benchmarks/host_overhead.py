@@ -28,6 +28,8 @@ more). A mask's flags and bounds and the table in the queries' dtype are made on
 
 Each figure: microseconds of this thread's CPU time per call (CPU time, not wall time: a shared machine's other
 work barely shows), the median of `--repeats` runs of `--calls` calls, every row's runs interleaved, one thread.
+Beside them, what one call runs, counted by `sys.setprofile` (at the middle size, this script's own step included):
+its Python function calls and its calls of C functions (PyTorch's and Triton's bindings, builtins).
 Writes `host-overhead.md` and `.json` to the machine's results folder.
 """
 
@@ -116,6 +118,23 @@ def microseconds(steps: dict, calls: int, repeats: int) -> dict:
     return {name: statistics.median(values) for name, values in runs.items()}
 
 
+def calls_made(step) -> dict:
+    """What one call of `step` runs: `{"python": Python function calls, "c": calls of C functions}`."""
+    counts = {"python": 0, "c": 0}
+
+    def count(frame, event, argument):
+        if event in ("call", "c_call"):
+            counts["python" if event == "call" else "c"] += 1
+
+    sys.setprofile(count)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    counts["c"] -= 1  # `sys.setprofile(None)` itself
+    return counts
+
+
 def at_no_work(points: list[tuple[float, float]]) -> float:
     """The least-squares line's value at work 0 through `(work, microseconds)` points."""
     mean_x = statistics.fmean(x for x, _ in points)
@@ -140,6 +159,8 @@ def measure(calls: int, repeats: int) -> list[dict]:
         for step in steps.values():  # compiles and tunes every kernel before anything is timed
             step()
         times = microseconds(steps, calls, repeats)
+        made = {(name, engine): calls_made(steps[(name, engine, _sizes(name, engine)[1])])
+                for name in CALLS for engine in ("nezha", "sdpa")}
     finally:
         torch.set_num_threads(threads)
     rows = []
@@ -148,7 +169,8 @@ def measure(calls: int, repeats: int) -> list[dict]:
         fitted = {engine: at_no_work([(work[(name, engine, n)], us) for n, us in points[engine].items()])
                   for engine in points}
         rows.append({"call": name, "nezha_us": fitted["nezha"], "sdpa_us": fitted["sdpa"],
-                     "ratio": fitted["nezha"] / fitted["sdpa"], "points": points})
+                     "ratio": fitted["nezha"] / fitted["sdpa"], "points": points,
+                     "calls": {engine: made[(name, engine)] for engine in ("nezha", "sdpa")}})
     return rows
 
 
@@ -188,10 +210,14 @@ def main(argv=None) -> int:
              f"one thread); bfloat16, head size {HEAD_SIZE}, K = {K}; each engine's host time is the least-squares "
              f"line's value at no work through its times at batch 1 x 1 head x {', '.join(map(str, LENGTHS))} tokens "
              f"(NEZHA's decoding step: 1 query x {', '.join(map(str, DECODING_KEYS))} keys, so that it splits as at "
-             "full size); the times themselves in the .json:", "",
-             f"| call | NEZHA (Triton) | SDPA | NEZHA / SDPA (target {TARGET}) |", "|---|---|---|---|"]
+             "full size); the times themselves in the .json. Python / C calls: what one call runs (`sys.setprofile`, "
+             "at the middle size, this script's step included):", "",
+             f"| call | NEZHA (Triton) | SDPA | NEZHA / SDPA (target {TARGET}) | Python / C calls, NEZHA | SDPA |",
+             "|---|---|---|---|---|---|"]
     lines += [f"| {row['call']} | {row['nezha_us']:.1f} | {row['sdpa_us']:.1f} | {row['ratio']:.2f} "
-              f"{'met' if row['ratio'] <= TARGET else 'NOT met'} |" for row in rows]
+              f"{'met' if row['ratio'] <= TARGET else 'NOT met'} | "
+              + " | ".join(f"{calls['python']} / {calls['c']}" for calls in row["calls"].values()) + " |"
+              for row in rows]
     output = (args.results or results_directory(machine)) / "host-overhead.md"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text("\n".join(lines) + "\n")
