@@ -15,9 +15,10 @@ Each call: the engine's own (`triton_attention.triton_attention`, as the model c
 K = 64: a forward (no autograd) and a training step (forward and backward, the inputs' gradients cleared first),
 without a mask and with key padding (the training step then with dropout 0.1, the fine-tuning call), and a decoding
 step (one query against the keys of a cache: a static cache's mask, with padding flags and the offset a tensor, and
-a dynamic cache's, the offset an int). Beside each, SDPA's host time for the same call (the padded ones with a
-boolean mask; the dropout call without dropout, which on CPU tensors would leave SDPA's fused kernel for its
-many-op math path).
+a dynamic cache's, the offset an int; and a dynamic cache as a 12-layer model's decoding loop calls it, a key longer
+at every step, each step's length called by every layer: `LAYERS`, `GROWTH`). Beside each, SDPA's host time for the same call (the padded
+ones with a boolean mask; the dropout call without dropout, which on CPU tensors would leave SDPA's fused kernel for
+its many-op math path; the growing cache's, the dynamic cache's at one length: SDPA keeps nothing per length).
 
 SDPA computes on CPU tensors, so its host time is separated from its compute by size: it runs at batch 1 x 1 head
 for three lengths (`LENGTHS`), and its host time is the least-squares line's value at no work (work = queries x
@@ -50,12 +51,16 @@ from benchmarks.gpu import gpu_fake_driver  # noqa: E402  (imports nothing that 
 LENGTHS = (16, 32, 64)  # tokens of the small calls the host time is fitted from
 DECODING_KEYS = (1024, 2048, 4096)  # a decoding step's keys in those calls (each splits over the H100's processors)
 HEAD_SIZE, K, DROPOUT = 64, 64, 0.1
-# Each call: (step: "forward", "training" or "decoding", mask: "none", "padding", "static" or "dynamic", dropout).
+# Each call: (step: "forward", "training" or "decoding", mask: "none", "padding", "static", "dynamic" or "growing",
+# dropout).
 CALLS = {"forward": ("forward", "none", 0.0), "forward, padded": ("forward", "padding", 0.0),
          "training step": ("training", "none", 0.0),
          "training step, padded, dropout 0.1": ("training", "padding", DROPOUT),
          "decoding step, static cache": ("decoding", "static", 0.0),
-         "decoding step, dynamic cache": ("decoding", "dynamic", 0.0)}
+         "decoding step, dynamic cache": ("decoding", "dynamic", 0.0),
+         "decoding step, growing dynamic cache (12 layers)": ("decoding", "growing", 0.0)}
+LAYERS = 12  # a growing cache's calls at each length: the base model's layers
+GROWTH = 1024  # keys a growing cache adds at most (one a step), within key-length classes tuned before the timing
 TARGET = 1.5  # issue 70: host time per call at most 1.5x SDPA's
 
 
@@ -70,12 +75,13 @@ def _call(engine: str, name: str, batch: int, heads: int, tokens: int):
     from nezha_hf.triton_attention import triton_attention
 
     step, mask_kind, dropout = CALLS[name]
+    growing = mask_kind == "growing" and engine == "nezha"
     queries, keys = (1, tokens) if step == "decoding" else (tokens, tokens)
     generator = torch.Generator().manual_seed(0)
     # `[batch, heads, length, d]` views of `[batch, length, heads, d]` as the model's projections; a cache's keys and
     # values `[batch, heads, length, d]` as transformers' caches hold them
     query = torch.randn(batch, queries, heads, HEAD_SIZE, generator=generator).to(torch.bfloat16).transpose(1, 2)
-    key, value = (torch.randn(batch, heads, keys, HEAD_SIZE, generator=generator).to(torch.bfloat16)
+    key, value = (torch.randn(batch, heads, keys + GROWTH * growing, HEAD_SIZE, generator=generator).to(torch.bfloat16)
                   if step == "decoding" else
                   torch.randn(batch, keys, heads, HEAD_SIZE, generator=generator).to(torch.bfloat16).transpose(1, 2)
                   for _ in range(2))
@@ -89,6 +95,8 @@ def _call(engine: str, name: str, batch: int, heads: int, tokens: int):
                            valid[:, None, None, :])
     else:
         mask, sdpa_mask = RelativeAttentionMask(causal=True, query_offset=keys - 1), None
+    if growing:
+        return _growing_step(query, key, value, keys), batch * heads * queries * keys
     if engine == "nezha":
         table = sinusoid_relative_table(K, HEAD_SIZE).to(torch.bfloat16)
         problem = AttentionProblem(mask, HEAD_SIZE**-0.5, dropout, torch.tensor(0x1234_5678_9ABC_DEF1))
@@ -102,6 +110,32 @@ def _call(engine: str, name: str, batch: int, heads: int, tokens: int):
         tensor.requires_grad_()
     grad_output = torch.randn(batch, queries, heads, HEAD_SIZE, generator=generator).to(torch.bfloat16)
     return gpu_ops.training_step(attend, inputs, grad_output), batch * heads * queries * keys
+
+
+def _growing_step(query, key, value, keys: int):
+    """A decoding step with a dynamic cache as a model's decoding loop calls it: at each step a key more than at the
+    last (from `keys`, up to `key`'s length), every step's length called `LAYERS` times, with that step's cache and
+    problem (made before the timing: the cache's work and the model's, not the engine's)."""
+    import torch
+
+    from nezha_hf.attention_ops import AttentionProblem, RelativeAttentionMask, sinusoid_relative_table
+    from nezha_hf.triton_attention import triton_attention
+
+    table = sinusoid_relative_table(K, HEAD_SIZE).to(torch.bfloat16)
+    steps = [(key[:, :, :length], value[:, :, :length],
+              AttentionProblem(RelativeAttentionMask(causal=True, query_offset=length - 1), HEAD_SIZE**-0.5))
+             for length in range(keys + 1, key.shape[-2] + 1)]
+    calls = (arguments for arguments in steps for _ in range(LAYERS))
+
+    def step():
+        arguments = next(calls, None)
+        if arguments is None:
+            raise SystemExit(f"the growing cache ran out of keys: --calls x (--repeats + 1) at most "
+                             f"{len(steps) * LAYERS - 2}")
+        with torch.no_grad():
+            return triton_attention(query, *arguments[:2], table, arguments[2])
+
+    return step
 
 
 def microseconds(steps: dict, calls: int, repeats: int) -> dict:

@@ -29,6 +29,7 @@ a decoding step's partial outputs; nothing per (query, table row).
   copy per call).
 """
 
+import copy
 import functools
 import importlib.util
 import math
@@ -310,12 +311,35 @@ def _kind(part: str, query, key, value, table, problem: AttentionProblem, rotate
     """What decides a call's launches besides its own values (`_call_values`): calls of one kind launch the same
     compiled kernels on the same grids with the same other arguments (its `Switches`, sizes, strides, scale, dropout
     rate, table size and whether the band goes by rotation; `others`: the strides of the backward's output and
-    gradient). Made of plain values, cheaply: it is made at every call."""
+    gradient). Made of plain values, cheaply: it is made at every call. The keys' shape and the keys' and values'
+    strides come last (`_growing_kind` replaces them)."""
     mask = problem.mask
-    return (part, query.dtype, query.get_device(), query.shape, query.stride(), key.shape, key.stride(),
-            value.stride(), table.shape[0], rotate, mask.key_is_valid is not None, mask.causal,
-            mask.key_is_source is not None, _offset_on_device(query, mask.query_offset), _seed_on_device(problem),
-            problem.scaling, problem.dropout, *others)
+    return (part, query.dtype, query.get_device(), query.shape, query.stride(), table.shape[0], rotate,
+            mask.key_is_valid is not None, mask.causal, mask.key_is_source is not None,
+            _offset_on_device(query, mask.query_offset), _seed_on_device(problem), problem.scaling, problem.dropout,
+            *others, key.shape, key.stride(), value.stride())
+
+
+def _specialised(value: int) -> tuple[bool, bool, bool]:
+    """What Triton's JIT compiles an int argument for besides its name: whether it is 1 (a constant then), a multiple
+    of 16 (a divisibility hint), and within 32 bits (its type)."""
+    return value == 1, value % 16 == 0, -(2**31) <= value < 2**31
+
+
+def _growing_kind(kind: tuple, key, value, splits: int, chunk: int, kernels) -> tuple:
+    """The kind of a decoding forward (`kind`) without its key length: what its kernels are compiled and tuned for
+    from that length (its `length_class`, whether it splits) and from the ints that follow it (the key length, the
+    splits and their keys, the keys' and values' strides: `_specialised`), so that a dynamic cache, which grows by a
+    key at every step, finds its launches planned (`_growing_plans`) at each new length."""
+    batch, heads, keys, size = key.shape
+    return (*kind[:-3], batch, heads, size, kernels.length_class(keys), splits > 1,
+            *map(_specialised, (keys, splits, chunk, *key.stride(), *value.stride())))
+
+
+def _key_length_values(key, value, splits: int, chunk: int) -> dict:
+    """The arguments of a decoding forward that follow its key length (`_growing_kind`), by name."""
+    return {"Lk": key.shape[-2], "splits": splits, "key_chunk": chunk, **_strides(key, "k", "n"),
+            **_strides(value, "v", "n")}
 
 
 def _call_values(query, key, value, use: _TableUse, problem: AttentionProblem) -> dict:
@@ -361,16 +385,29 @@ class _Plan:
     def __init__(self, kernel, grid, arguments: dict, compiled, call: dict):
         config = getattr(kernel, "best_config", None)  # an autotuned kernel's choice for this kind
         every = {**arguments, **(config.kwargs if config is not None else {})}
-        grid = tuple(grid(every) if callable(grid) else grid)
-        self.grid = grid + (1,) * (3 - len(grid))
+        # without the call's own values: a plan holds no tensor of the call that made it
+        self.names, self.grid_of = kernel.arg_names, grid
+        self.others = {name: value for name, value in every.items() if name not in call}
+        self.grid = _grid(grid, self.others)
         self.compiled = compiled
         # What Triton's launcher takes besides the grid, the stream and the arguments (as torch Inductor's launchers
         # call it): the loaded kernel and its packed metadata
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
-        names = kernel.arg_names
-        self.slots = [(index, name) for index, name in enumerate(names) if name in call]
-        # without the call's own values: a plan holds no tensor of the call that made it
-        self.arguments = [None if name in call else every[name] for name in names]
+        self.slots = [(index, name) for index, name in enumerate(self.names) if name in call]
+        self.arguments = [None if name in call else self.others[name] for name in self.names]
+        self.positions = {name: index for index, name in enumerate(self.names)}
+
+    def replanned(self, values: dict) -> "_Plan":
+        """This launch with the ints `values` (by name; those the kernel takes) in place of its own, its grid made
+        again with them."""
+        plan = copy.copy(self)
+        values = {name: value for name, value in values.items() if name in self.others}
+        plan.others = {**self.others, **values}
+        plan.grid = _grid(self.grid_of, plan.others)
+        plan.arguments = self.arguments.copy()
+        for name, value in values.items():
+            plan.arguments[self.positions[name]] = value
+        return plan
 
     def launch(self, call: dict, stream: int, hooked: bool) -> None:
         """Launch on `stream` with `call`'s values: straight into Triton's launcher, or (`hooked`: a launch hook is
@@ -383,6 +420,13 @@ class _Plan:
             self.compiled[self.grid](*arguments)
         else:
             self.run(*self.grid, stream, self.function, self.metadata, None, None, None, *arguments)
+
+
+def _grid(grid, arguments: dict) -> tuple[int, int, int]:
+    """A launch's three grid sizes: `grid`, or what it makes of the kernel's `arguments` (those the tuning chose
+    among them)."""
+    grid = tuple(grid(arguments) if callable(grid) else grid)
+    return grid + (1,) * (3 - len(grid))
 
 
 def _hooks_set(runtime) -> bool:
@@ -406,6 +450,13 @@ class _Launches:
         triton = _kernels().triton
         self.current_stream, self.runtime = triton.runtime.driver.active.get_current_stream, triton.knobs.runtime
 
+    def replanned(self, values: dict) -> "_Launches":
+        """These launches with the ints `values` (by name) in place of their own (`_Plan.replanned`)."""
+        launches = copy.copy(self)
+        launches.plans = [plan.replanned(values) for plan in self.plans]
+        launches.splits = values.get("splits", self.splits)
+        return launches
+
     def launch(self, call: dict, device: int) -> bool:
         """Launch the plans with `call`'s values on the current stream of GPU `device` (the current device, where
         Triton launches), unless a tensor of `call` is aligned otherwise than planned (False: Triton's JIT launches
@@ -420,14 +471,25 @@ class _Launches:
 
 
 _plans: dict[tuple, _Launches] = {}  # the kinds of call planned here
-PLANNED_KINDS = 1024  # kinds kept at most (a decoding loop with a growing dynamic cache makes a kind per step)
+_growing_plans: dict[tuple, _Launches] = {}  # the kinds of decoding forward planned here, less their key lengths
+PLANNED_KINDS = 1024  # kinds kept at most in each (a decoding loop with a dynamic cache makes a kind per step)
 
 
-def _launch_all(kind: tuple, launches: list, call: dict, made, warmup: bool = False, splits: int = 1) -> None:
+def _planned(plans: dict, kind: tuple, launches: _Launches) -> _Launches:
+    """`launches` planned for `kind` in `plans` (emptied first where it holds `PLANNED_KINDS`)."""
+    if len(plans) >= PLANNED_KINDS:
+        plans.clear()
+    plans[kind] = launches
+    return launches
+
+
+def _launch_all(kind: tuple, launches: list, call: dict, made, warmup: bool = False,
+                splits: int = 1) -> _Launches | None:
     """Launch each `(kernel, grid, arguments)` through Triton (its autotuner and JIT) with the arguments that kernel
-    takes (`arguments` may hold more), or (`warmup`) only compile them; then plan the kind (`_Launches`) where every
-    launch ran a compiled kernel (under the interpreter none does: every call goes through Triton). `made`: the names
-    of `call`'s tensors the call allocated itself, whose alignment is the allocator's (at least 64 bytes)."""
+    takes (`arguments` may hold more), or (`warmup`) only compile them; then plan the kind (`_Launches`, returned)
+    where every launch ran a compiled kernel (under the interpreter none does: every call goes through Triton).
+    `made`: the names of `call`'s tensors the call allocated itself, whose alignment is the allocator's (at least 64
+    bytes)."""
     kernels = _kernels()
     launched = []
     for kernel, grid, arguments in launches:
@@ -435,10 +497,9 @@ def _launch_all(kind: tuple, launches: list, call: dict, made, warmup: bool = Fa
         own = {name: value for name, value in arguments.items() if name in names}
         launched.append((kernel, grid, own, _launch(kernel, grid, warmup, **own)))
     if not warmup and all(isinstance(compiled, kernels.triton.compiler.CompiledKernel) for *_, compiled in launched):
-        if len(_plans) >= PLANNED_KINDS:
-            _plans.clear()
-        _plans[kind] = _Launches([_Plan(kernel, grid, own, compiled, call) for kernel, grid, own, compiled in launched],
-                                 call, made, splits)
+        return _planned(_plans, kind, _Launches([_Plan(kernel, grid, own, compiled, call)
+                                                 for kernel, grid, own, compiled in launched], call, made, splits))
+    return None
 
 
 def _launch(kernel, grid, warmup: bool, **arguments):
@@ -555,10 +616,15 @@ def triton_forward(query, key, value, table, problem: AttentionProblem) -> list[
     kind = _kind("forward", query, key, value, table, problem, use.rotate)
     call = _call_values(query, key, value, use, problem)
     made = dict(Out=output, Lse=lse, Partial=None, PartialStats=None)
-    planned = _plans.get(kind)
+    planned, growing = _plans.get(kind), None
     if planned is None:
         splits, chunk = _decoding_splits(batch * heads, queries, keys, query.device, kernels)
         _refuse_set_aside(_forward_part(splits), Switches.of(query, problem))
+        if queries <= kernels.DECODING_BLOCK_M:  # a decoding step: planned at another key length?
+            growing = _growing_kind(kind, key, value, splits, chunk, kernels)
+            if growing in _growing_plans:
+                planned = _planned(_plans, kind, _growing_plans[growing].replanned(
+                    _key_length_values(key, value, splits, chunk)))
     else:
         splits = planned.splits
     if splits > 1:  # each split's unnormalised output, maximum and sum, merged by `nezha_merge_kernel`
@@ -575,11 +641,13 @@ def triton_forward(query, key, value, table, problem: AttentionProblem) -> list[
                      **_strides(value, "v", "n"), **_strides(output, "o", "m", heads_first=False), "splits": splits,
                      "key_chunk": chunk, "SPLIT": splits > 1}
         launches = [(kernels.nezha_forward_kernel,
-                     lambda meta: (_blocks(queries, meta["BLOCK_M"]) * splits * batch * heads,), arguments)]
+                     lambda meta: (_blocks(queries, meta["BLOCK_M"]) * meta["splits"] * batch * heads,), arguments)]
         if splits > 1:
             launches.append((kernels.nezha_merge_kernel, (_blocks(queries, kernels.DECODING_BLOCK_M) * batch * heads,),
                              dict(arguments, BLOCK_M=kernels.DECODING_BLOCK_M)))
-        _launch_all(kind, launches, call, made, splits=splits)
+        planned = _launch_all(kind, launches, call, made, splits=splits)
+        if planned is not None and growing is not None:
+            _planned(_growing_plans, growing, planned)
     return [output, lse]
 
 

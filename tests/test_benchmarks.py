@@ -524,7 +524,8 @@ def test_a_carried_triton_cache_of_files_and_folders_is_restored(tmp_path):
 def test_the_host_overhead_benchmark_times_tritons_launch_path_beside_sdpa(tmp_path):
     """`benchmarks/host_overhead.py` runs the Triton engine's calls through Triton's whole launch path against a fake
     H100 (Triton compiling, so in a process of its own, without the interpreter) and SDPA's beside them: a row per
-    call with both host times fitted from three sizes each, and the ratio."""
+    call with both host times fitted from three sizes each, the ratio, and what one call of each runs (its Python
+    and C calls; NEZHA's Python calls more than SDPA's)."""
     from benchmarks import host_overhead
 
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -539,3 +540,4 @@ def test_the_host_overhead_benchmark_times_tritons_launch_path_beside_sdpa(tmp_p
     for row in rows:
         assert row["ratio"] == row["nezha_us"] / row["sdpa_us"]
         assert all(len(points) == 3 and min(points.values()) > 0 for points in row["points"].values()), row
+        assert row["calls"]["nezha"]["python"] > row["calls"]["sdpa"]["python"] > 0, row

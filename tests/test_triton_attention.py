@@ -580,9 +580,10 @@ class Launches:
             return self.real.warmup(*args, grid=grid, **kwargs)
 
 
-def programs(grid, meta=None):
-    """The grid of a launch as a tuple (a callable grid is given the interpreter's blocks)."""
-    return tuple(grid(meta or {"BLOCK_M": 16, "BLOCK_N": 16})) if callable(grid) else tuple(grid)
+def programs(grid, arguments: dict):
+    """The grid of a launch with `arguments` as a tuple (a callable grid is given them and the interpreter's blocks,
+    as Triton gives it a launch's arguments and its configuration's)."""
+    return tuple(grid({"BLOCK_M": 16, "BLOCK_N": 16, **arguments})) if callable(grid) else tuple(grid)
 
 
 def described(arguments: dict) -> dict:
@@ -619,7 +620,7 @@ def test_the_backward_check_compiles_the_kernels_the_backward_launches(monkeypat
         assert name not in BACKWARD_KERNELS or arguments["seed"] == 0x1234_5678_9ABC_DEF1
         for launched_grid, launched in recorder.launches:
             assert described(launched) == described(arguments), name
-            assert programs(launched_grid) == programs(grid), name
+            assert programs(launched_grid, launched) == programs(grid, arguments), name
 
 
 def test_a_masks_flags_are_made_once_per_mask_and_again_when_it_changes_or_in_a_cuda_graph(monkeypatch):
@@ -666,8 +667,8 @@ def test_launch_grids_hold_any_number_of_heads(monkeypatch):
     blocks = -(-length // 16)
     for name in ("nezha_forward_kernel", "nezha_row_statistics_kernel", "nezha_key_value_grad_kernel",
                  "nezha_query_grad_kernel"):
-        (grid, _), = launchers[name].launches
-        axes = programs(grid)
+        (grid, arguments), = launchers[name].launches
+        axes = programs(grid, arguments)
         assert all(axis <= 65_535 for axis in axes[1:]), (name, axes)
         assert math.prod(axes) == blocks * batch * heads, (name, axes)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -780,7 +781,7 @@ def test_a_decoding_step_splits_its_keys_and_matches_the_reference(offset_kind, 
     allowed = reference.allowed_mask(1, valid, causal=True, query_offset=offset, key_length=keys)
     compare(q, k, v, K, mask, allowed, offset=offset_kind(offset))
     (grid, switches), = [(grid, switches) for grid, switches in forward.launches if switches["Lk"] == keys]
-    assert switches["SPLIT"] and math.prod(programs(grid)) > batch * heads, "the keys were not split"
+    assert switches["SPLIT"] and math.prod(programs(grid, switches)) > batch * heads, "the keys were not split"
 
 
 def test_no_tensor_is_read_on_the_host(monkeypatch):
@@ -987,8 +988,10 @@ def test_a_planned_launch_passes_what_tritons_own_launch_passes(tmp_path):
     of the same call hands it (the inputs and cached tensors the same objects, the outputs and scratch made alike,
     every other value equal), for a forward, a padded training step with dropout (the backward's three kernels) and a
     decoding step with a static cache (split and merged), without launch hooks and their metadata where no hook is
-    set, and with a launch hook set, calling it with the metadata Triton's own launch gives it; and a call whose tensor
-    is aligned otherwise goes through Triton."""
+    set, and with a launch hook set, calling it with the metadata Triton's own launch gives it; a decoding step with a
+    dynamic cache, whose key length is new (and its splits more), planned from another length's launches: the same
+    compiled kernels and arguments as Triton's own launch; and a call whose tensor is aligned otherwise goes through
+    Triton."""
     script = tmp_path / "probe.py"
     script.write_text(f"""
 import json, sys
@@ -1000,10 +1003,11 @@ from benchmarks.gpu.gpu_fake_driver import fake_hopper
 from nezha_hf import relative_attention as ra, triton_attention as ta
 from nezha_hf.attention_ops import AttentionProblem, RelativeAttentionMask
 
-recorded = []
+recorded, launchers = [], []  # each launch's arguments, and its compiled kernel's launcher
 original = nvidia.CudaLauncher.__call__
 def record(self, *args):
     recorded.append(args)
+    launchers.append(self)
     return original(self, *args)
 nvidia.CudaLauncher.__call__ = record
 
@@ -1014,7 +1018,9 @@ def described(arguments):
 def launches(step, planned):
     if not planned:
         ta._plans.clear()
+        ta._growing_plans.clear()
     recorded.clear()
+    launchers.clear()
     step()
     return list(recorded)
 
@@ -1055,13 +1061,32 @@ with fake_hopper():
         launches(step, planned=True)
         knobs.runtime.launch_enter_hook.remove(hook)
         results[name].append([len(own_seen), repr(own_seen) == repr(seen), None not in seen])
+    # a dynamic cache: a new key length (splits one more) planned from the launches of another
+    granule = ta._kernels().SPLIT_GRANULE
+    q = torch.zeros(2, 1, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+    def decode(length):
+        cache = torch.zeros(2, 4, length, 64, dtype=torch.bfloat16)
+        problem = AttentionProblem(RelativeAttentionMask(causal=True, query_offset=length - 1), 0.125)
+        return lambda: ta.triton_attention(q, cache, cache, table, problem)
+    step, replans = decode(3 * granule + 1), []
+    launches(decode(3 * granule - 1), planned=False)  # plans that length, and its kind less the length
+    replanned = ta._Plan.replanned
+    ta._Plan.replanned = lambda plan, values: replans.append(values) or replanned(plan, values)
+    planned = launches(step, planned=True)
+    planned_launchers = list(launchers)
+    ta._Plan.replanned = replanned
+    own = launches(step, planned=False)
+    results["growing"] = [len(own),
+                          [described(x[:6] + x[9:]) for x in own] == [described(x[:6] + x[9:]) for x in planned],
+                          [x[:3] for x in own] == [x[:3] for x in planned], planned_launchers == launchers,
+                          [values["splits"] for values in replans]]
     # a query aligned otherwise than the planned call's: Triton's own launch (a kernel compiled for it)
     problem, k, v = problems["forward"], k.detach(), v.detach()
     ta.triton_attention(torch.zeros(2, 300, 4, 64, dtype=torch.bfloat16).transpose(1, 2), k, v, table, problem)
     q = torch.zeros(2 * 300 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 300, 4, 64).transpose(1, 2)
     planned = []
     launch = ta._Plan.launch
-    ta._Plan.launch = lambda plan, call: planned.append(1) or launch(plan, call)
+    ta._Plan.launch = lambda plan, *arguments: planned.append(1) or launch(plan, *arguments)
     recorded.clear()
     ta.triton_attention(q, k, v, table, problem)
     results["misaligned"] = [q.data_ptr() % 16, len(planned), len(recorded)]
@@ -1077,6 +1102,8 @@ print(json.dumps(results))
         assert count == launched and alike and grids and no_hooks, (name, results[name])
         assert hooked == [launched, True, True], (name, results[name])
         assert identical >= 3 * launched - 2, (name, results[name])  # at least the inputs, passed as they are
+    count, alike, grids, kernels, splits = results["growing"]
+    assert count == 2 and alike and grids and kernels and splits == [4, 4], results["growing"]
     assert results["misaligned"][0] != 0 and results["misaligned"][1:] == [0, 1], results["misaligned"]
 
 
