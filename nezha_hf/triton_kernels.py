@@ -325,6 +325,20 @@ def _scores(q, k, Table, first, K, D: tl.constexpr, offs_d, offs_m, offs_n, offs
 
 
 @triton.jit
+def _seen_in_band(scores, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, HAS_VALID: tl.constexpr,
+                  CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, EDGE: tl.constexpr):
+    """A band tile's scores by rotation (`_rotated_band_tile`, `_rotated_query_tile`), -inf where not seen: masked per
+    pair under padding or a causal mask, else only past the last key (`EDGE`: the block may end there)."""
+    if HAS_VALID or CAUSAL:
+        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+                           HAS_SOURCE, EDGE)
+        scores = tl.where(visible, scores, float("-inf"))
+    elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
+        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
+    return scores
+
+
+@triton.jit
 def _byte_pairs(word):
     """The four bytes of 32-bit words, `[..., e, k]` for byte `2k + e`."""
     return tl.join(tl.join(word & 0xFF, (word >> 8) & 0xFF), tl.join((word >> 16) & 0xFF, word >> 24))
@@ -680,12 +694,8 @@ def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, 
     term = _clipped(_product(rotated, tl.trans(sinusoid), WIDEN, IEEE), left_raw[:, None], right_raw[:, None], clip,
                     right, ONE_SIDED)
     scores = _product_into(term, q, tl.trans(k), WIDEN, IEEE)
-    if HAS_VALID or CAUSAL:
-        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+    scores = _seen_in_band(scores, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, HAS_VALID, CAUSAL,
                            HAS_SOURCE, EDGE)
-        scores = tl.where(visible, scores, float("-inf"))
-    elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
-        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
     p, rescale, row_max, row_sum, p_sum = _softmax_step(scores, row_max, row_sum, 0.0, scale_log2)
     if DROPOUT:
         p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p, 0.0)  # `keep_scale` at the end
@@ -1248,12 +1258,8 @@ def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q,
     key_term = _clipped(key_term, left_key[:, None], right_key[:, None], clip, right, ONE_SIDED)
     output_term = _clipped(output_term, left_out[:, None], right_out[:, None], clip, right, ONE_SIDED)
     scores = _product_into(key_term, q, tl.trans(k), WIDEN, IEEE)
-    if HAS_VALID or CAUSAL:
-        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+    scores = _seen_in_band(scores, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, HAS_VALID, CAUSAL,
                            HAS_SOURCE, EDGE)
-        scores = tl.where(visible, scores, float("-inf"))
-    elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
-        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
     p = tl.exp2(scores * scale_log2 - lse[:, None])
     grad_p = _product_into(output_term, do, tl.trans(v), WIDEN, IEEE)
     keep = None
