@@ -363,7 +363,9 @@ class _Plan:
         grid = tuple(grid(every) if callable(grid) else grid)
         self.run = compiled[grid + (1,) * (3 - len(grid))]
         names = kernel.arg_names
-        self.slots = [(index, name) for index, name in enumerate(names) if name in call]
+        # the call's values but those this launch was given as None (a backward kernel's other gradients' outputs)
+        self.slots = [(index, name) for index, name in enumerate(names)
+                      if name in call and arguments[name] is not None]
         self.aligned = [(name, call[name].data_ptr() % 16 == 0) for _, name in self.slots
                         if isinstance(call[name], torch.Tensor)]
         # without the call's own values: a plan holds no tensor of the call that made it
@@ -609,9 +611,9 @@ def _backward_kernels(grad_output, query, key, value, table, problem: AttentionP
         (kernels.nezha_row_statistics_kernel, (_blocks(queries, kernels.STATISTICS_BLOCK_M) * batch * heads,),
          statistics),
         (kernels.nezha_key_value_grad_kernel, lambda meta: (_blocks(keys, meta["BLOCK_N"]) * batch * heads,),
-         arguments),
+         dict(arguments, DQ=None)),  # the gradients whose outputs a backward kernel is given
         (kernels.nezha_query_grad_kernel, lambda meta: (_blocks(queries, meta["BLOCK_M"]) * batch * heads,),
-         arguments),
+         dict(arguments, DK=None, DV=None)),
     ], call, warmup)
 
 
