@@ -66,12 +66,18 @@ class _Nodes:
                                        like), {})
 
 
-def _tape_nodes():
-    """`(nodes, tape)`: a `_Nodes` writing into an `onnx_ir` tape, for a loop's body."""
+def _subgraph(build, inputs=()):
+    """A loop's body or a branch: the `ir.Graph` of the values `build(nodes)` returns, its nodes written by a
+    `_Nodes` of its own (outer values it uses are read from the enclosing graph), its values named apart."""
     from onnx_ir.tape import Tape
 
     tape = Tape()
-    return _Nodes(lambda op_type, inputs, attributes: tape.op(op_type, list(inputs), attributes or None)), tape
+    outputs = build(_Nodes(lambda op_type, inputs, attributes: tape.op(op_type, list(inputs), attributes or None)))
+    name = f"nezha_attention_{next(_names)}"
+    for number, node in enumerate(tape.nodes):
+        for value in node.outputs:
+            value.name = f"{name}_{number}"
+    return ir.Graph(list(inputs), outputs, nodes=tape.nodes, name=name)
 
 
 def chunk_rows(g: _Nodes, batch_heads, queries, keys):
@@ -94,12 +100,13 @@ def relative_attention_graph(g: _Nodes, query, key, value, table, key_is_valid, 
     holds them (`key_is_valid` / `key_is_source` `[batch, keys]` bool or None, `query_offset` an int64 scalar).
     Returns the output `[batch, queries, heads, d]`."""
     K = max_relative_position(table)
-    zero = g.ints(0, scalar=True)
     axis = {n: g.ints(n) for n in range(4)}
     shape = g.Shape(query)
-    batch_heads = g.Slice(shape, g.ints(0), g.ints(2))
-    queries = g.Squeeze(g.Slice(shape, g.ints(2), g.ints(3)), axis[0])
-    keys = g.Squeeze(g.Slice(g.Shape(key), g.ints(2), g.ints(3)), axis[0])
+    # Sizes read by `Shape`'s own slicing: onnxruntime merges a Shape + Slice into that, and cannot rename a value the
+    # branches and the scan read (it says so on every session's start).
+    batch_heads = g.Shape(query, start=0, end=2)
+    queries = g.Squeeze(g.Shape(query, start=2, end=3), axis[0])
+    keys = g.Squeeze(g.Shape(key, start=2, end=3), axis[0])
     first_position = g.Cast(query_offset, to=ir.DataType.INT64)
 
     def row(index):  # the table's row `index`, `[d]`
@@ -116,70 +123,85 @@ def relative_attention_graph(g: _Nodes, query, key, value, table, key_is_valid, 
         left_key, right_key = (g.Pad(row, g.ints(0, 1)) for row in (left_row, right_row))
     else:
         left_key, right_key = left_row, right_row
-    key_sides = [g.Add(key, left_key), key, g.Add(key, right_key)]
-    value_sides = [g.Add(value, left_row), value, g.Add(value, right_row)]
+    # Keys and values of the far left (0), the middle (1) and the far right (2), the far ones shifted by their row.
+    unshifted, shifts = {"key": key, "value": value}, {"key": (left_key, right_key), "value": (left_row, right_row)}
+
+    def shifted(b, tensor, kind, side):
+        return tensor if side == 1 else b.Add(tensor, shifts[kind][side // 2])
+
+    def attend(b, chunk_query, chunk_table, start, rows, whole_sides=None):
+        """The chunk of `rows` queries from `start` (its rows of `scaled` and `query_table`), in nodes written by `b`:
+        its output `[batch, rows, heads, d]`. `whole_sides[kind][side]` are the keys and values shifted once for
+        every chunk; without them, the chunk shifts its own far keys."""
+        bz, bone = b.ints(0, scalar=True), b.ints(1, scalar=True)
+        bax = {n: b.ints(n) for n in (0, 1, 2, 3)}
+        first = b.Add(first_position, start)  # position of the chunk's first query
+        left_end = b.Max(b.Min(b.Add(first, b.ints(1 - K, scalar=True)), keys), bz)
+        right_start = b.Max(b.Min(b.Add(first, b.Add(rows, b.ints(K - 1, scalar=True))), keys), left_end)
+        bounds = [b.Unsqueeze(x, bax[0]) for x in (bz, left_end, right_start, keys)]
+
+        def keys_in(kind, side):
+            if whole_sides is not None:
+                return b.Slice(whole_sides[kind][side], bounds[side], bounds[side + 1], bax[2])
+            return shifted(b, b.Slice(unshifted[kind], bounds[side], bounds[side + 1], bax[2]), kind, side)
+
+        # Middle entries: distance j - i and its table row, [rows, middle].
+        width = b.Sub(right_start, left_end)
+        query_position = b.Unsqueeze(b.Add(first, b.Range(bz, rows, bone)), bax[1])  # [rows, 1]
+        distance = b.Sub(b.Add(left_end, b.Range(bz, width, bone)), query_position)
+        every_head = lambda index: b.Expand(index, b.Concat(batch_heads, b.Shape(index), axis=0))
+        table_row = b.Add(b.Clip(distance, b.ints(-K, scalar=True), b.ints(K, scalar=True)), b.ints(K, scalar=True))
+        # Scores in the order middle, far left, far right (a softmax does not mind the order; the values follow it).
+        far_keys = b.Concat(keys_in("key", 0), keys_in("key", 2), axis=2)
+        middle_scores = b.MatMul(chunk_query, b.Transpose(keys_in("key", 1), perm=[0, 1, 3, 2]))
+        middle_scores = b.Add(middle_scores, b.GatherElements(chunk_table, every_head(table_row), axis=3))
+        scores = b.Concat(middle_scores, b.MatMul(chunk_query, b.Transpose(far_keys, perm=[0, 1, 3, 2])), axis=3)
+        if causal:
+            key_position = b.Concat(*(b.Range(*ends, bone) for ends in ((left_end, right_start), (bz, left_end),
+                                                                         (right_start, keys))), axis=0)
+            scores = b.Add(scores, _causal_mask(b, query_position, key_position, keys, key_is_source, scores))
+        probabilities = b.Softmax(scores, axis=-1)
+        values = b.Concat(*(keys_in("value", side) for side in (1, 0, 2)), axis=2)
+        output = b.MatMul(probabilities, values)
+        # The middle's value term: the band's 2K - 1 diagonals and the near tails' masses.
+        middle = b.Slice(probabilities, b.ints(0), b.Unsqueeze(width, bax[0]), bax[3])
+        band_key = b.Add(query_position, b.Range(b.ints(1 - K, scalar=True), b.ints(K, scalar=True), bone))
+        in_middle = b.And(b.GreaterOrEqual(band_key, left_end), b.Less(band_key, right_start))
+        band_column = b.Clip(b.Sub(band_key, left_end), bz, b.Max(b.Sub(width, bone), bz))
+        band = b.Mul(b.GatherElements(middle, every_head(band_column), axis=3), b.CastLike(in_middle, middle))
+        near = [b.ReduceSum(b.Mul(middle, b.CastLike(tail, middle)), b.ints(-1), keepdims=1)
+                for tail in (b.LessOrEqual(distance, b.ints(-K, scalar=True)),
+                             b.GreaterOrEqual(distance, b.ints(K, scalar=True)))]
+        output = b.Add(b.Add(output, b.MatMul(band, band_rows)),
+                       b.Add(b.Mul(near[0], left_row), b.Mul(near[1], right_row)))
+        return b.Transpose(output, perm=[0, 2, 1, 3])
 
     chunks, rows = chunk_rows(g, g.ReduceProd(batch_heads, keepdims=0), queries, keys)
-    padded_rows = g.Sub(g.Mul(chunks, rows), queries)
-    row_padding = g.Concat(g.ints(0, 0, 0, 0, 0, 0), g.Unsqueeze(padded_rows, axis[0]), g.ints(0), axis=0)
-    scaled, query_table = g.Pad(scaled, row_padding), g.Pad(query_table, row_padding)
 
-    # The scan's body: the chunk whose first row is `start` -> its output [batch, rows, heads, d].
-    start = ir.Value(name=f"nezha_chunk_{next(_names)}", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
-    b, tape = _tape_nodes()
-    bz, bone = b.ints(0, scalar=True), b.ints(1, scalar=True)
-    bax = {n: b.ints(n) for n in (0, 1, 2, 3)}
-    first = b.Add(first_position, start)  # position of the chunk's first query
-    rows_of = lambda x: b.Slice(x, b.Unsqueeze(start, bax[0]), b.Unsqueeze(b.Add(start, rows), bax[0]), bax[2])
-    chunk_query, chunk_table = rows_of(scaled), rows_of(query_table)
-    left_end = b.Max(b.Min(b.Add(first, b.ints(1 - K, scalar=True)), keys), bz)
-    right_start = b.Max(b.Min(b.Add(first, b.Add(rows, b.ints(K - 1, scalar=True))), keys), left_end)
-    bounds = [b.Unsqueeze(x, bax[0]) for x in (bz, left_end, right_start, keys)]
-    ranges = list(zip(bounds, bounds[1:]))
+    def in_chunks(b):
+        """The scan over chunks of `rows` queries: the queries padded to whole chunks, the far keys shifted once."""
+        whole_sides = {kind: [shifted(b, tensor, kind, side) for side in range(3)] for kind, tensor in unshifted.items()}
+        padded_rows = b.Sub(b.Mul(chunks, rows), queries)
+        row_padding = b.Concat(b.ints(0, 0, 0, 0, 0, 0), b.Unsqueeze(padded_rows, b.ints(0)), b.ints(0), axis=0)
+        padded_query, padded_table = b.Pad(scaled, row_padding), b.Pad(query_table, row_padding)
+        start = ir.Value(name=f"nezha_chunk_{next(_names)}", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
 
-    def keys_in(tensor, index):
-        return b.Slice(tensor, *ranges[index], bax[2])
+        def body(c):  # the chunk whose first row is `start` -> its output [batch, rows, heads, d]
+            rows_of = lambda x: c.Slice(x, c.Unsqueeze(start, c.ints(0)), c.Unsqueeze(c.Add(start, rows), c.ints(0)),
+                                        c.ints(2))
+            return [attend(c, rows_of(padded_query), rows_of(padded_table), start, rows, whole_sides)]
 
-    # Middle entries: distance j - i and its table row, [rows, middle].
-    width = b.Sub(right_start, left_end)
-    query_position = b.Unsqueeze(b.Add(first, b.Range(bz, rows, bone)), bax[1])  # [rows, 1]
-    distance = b.Sub(b.Add(left_end, b.Range(bz, width, bone)), query_position)
-    every_head = lambda index: b.Expand(index, b.Concat(batch_heads, b.Shape(index), axis=0))
-    table_row = b.Add(b.Clip(distance, b.ints(-K, scalar=True), b.ints(K, scalar=True)), b.ints(K, scalar=True))
-    # Scores in the order middle, far left, far right (a softmax does not mind the order; the values follow it).
-    far_keys = b.Concat(keys_in(key_sides[0], 0), keys_in(key_sides[2], 2), axis=2)
-    middle_scores = b.MatMul(chunk_query, b.Transpose(keys_in(key_sides[1], 1), perm=[0, 1, 3, 2]))
-    middle_scores = b.Add(middle_scores, b.GatherElements(chunk_table, every_head(table_row), axis=3))
-    scores = b.Concat(middle_scores, b.MatMul(chunk_query, b.Transpose(far_keys, perm=[0, 1, 3, 2])), axis=3)
-    if causal:
-        key_position = b.Concat(*(b.Range(*bounds, bone) for bounds in ((left_end, right_start), (bz, left_end),
-                                                                         (right_start, keys))), axis=0)
-        scores = b.Add(scores, _causal_mask(b, query_position, key_position, keys, key_is_source, scores))
-    probabilities = b.Softmax(scores, axis=-1)
-    values = b.Concat(*(keys_in(value_sides[n], n) for n in (1, 0, 2)), axis=2)
-    output = b.MatMul(probabilities, values)
-    # The middle's value term: the band's 2K - 1 diagonals and the near tails' masses.
-    middle = b.Slice(probabilities, b.ints(0), b.Unsqueeze(width, bax[0]), bax[3])
-    band_key = b.Add(query_position, b.Range(b.ints(1 - K, scalar=True), b.ints(K, scalar=True), bone))
-    in_middle = b.And(b.GreaterOrEqual(band_key, left_end), b.Less(band_key, right_start))
-    band_column = b.Clip(b.Sub(band_key, left_end), bz, b.Max(b.Sub(width, bone), bz))
-    band = b.Mul(b.GatherElements(middle, every_head(band_column), axis=3), b.CastLike(in_middle, middle))
-    near = [b.ReduceSum(b.Mul(middle, b.CastLike(tail, middle)), b.ints(-1), keepdims=1)
-            for tail in (b.LessOrEqual(distance, b.ints(-K, scalar=True)), b.GreaterOrEqual(distance, b.ints(K, scalar=True)))]
-    output = b.Add(b.Add(output, b.MatMul(band, band_rows)),
-                   b.Add(b.Mul(near[0], left_row), b.Mul(near[1], right_row)))
-    body_output = b.Transpose(output, perm=[0, 2, 1, 3])
-    for number, node in enumerate(tape.nodes):
-        for value in node.outputs:
-            value.name = f"{start.name}_{number}"
-    body = ir.Graph([start], [body_output], nodes=tape.nodes, name=start.name)
+        starts = b.Range(b.ints(0, scalar=True), b.Mul(chunks, rows), rows)
+        stacked = b.Scan(starts, body=_subgraph(body, [start]), num_scan_inputs=1)  # [chunks, batch, rows, heads, d]
+        output = b.Reshape(b.Transpose(stacked, perm=[1, 0, 2, 3, 4]),
+                           b.Concat(b.Slice(shape, b.ints(0), b.ints(1)), b.ints(-1),
+                                    b.Slice(shape, b.ints(1), b.ints(2)), b.Slice(shape, b.ints(3), b.ints(4)), axis=0))
+        return [b.Slice(output, b.ints(0), b.Unsqueeze(queries, b.ints(0)), b.ints(1))]
 
-    starts = g.Range(zero, g.Mul(chunks, rows), rows)
-    stacked = g.Scan(starts, body=body, num_scan_inputs=1)  # [chunks, batch, rows, heads, d]
-    output = g.Reshape(g.Transpose(stacked, perm=[1, 0, 2, 3, 4]),
-                       g.Concat(g.Slice(shape, g.ints(0), g.ints(1)), g.ints(-1),
-                                g.Slice(shape, g.ints(1), g.ints(2)), g.Slice(shape, g.ints(3), g.ints(4)), axis=0))
-    output = g.Slice(output, g.ints(0), g.Unsqueeze(queries, axis[0]), axis[1])
+    # One chunk (a short input, a decoding step): its body without the scan, its padding and the shifts of all keys.
+    output = g.If(g.Equal(chunks, g.ints(1, scalar=True)),
+                  then_branch=_subgraph(lambda b: [attend(b, scaled, query_table, b.ints(0, scalar=True), queries)]),
+                  else_branch=_subgraph(in_chunks))
     seen = _sees_something(g, key_is_valid, causal, key_is_source, first_position, queries, keys)
     return output if seen is None else g.Mul(output, g.CastLike(seen, output))
 

@@ -17,7 +17,7 @@ onnx_attention = pytest.importorskip("nezha_hf.onnx_attention")
 TYPES = {torch.float32: ir.DataType.FLOAT, torch.float64: ir.DataType.DOUBLE}
 
 
-def attention_session(dtype, heads, head_size, K, causal, padded, source):
+def attention_session(dtype, heads, head_size, K, causal, padded, source, options=None):
     """An onnxruntime session of `relative_attention_graph` alone: inputs q, k, v `[batch, heads, n, d]`, the mask's
     flags and the cache offset; the table is the reference's, a constant of the graph."""
     from onnx_ir.tape import Tape
@@ -43,18 +43,40 @@ def attention_session(dtype, heads, head_size, K, causal, padded, source):
             if value is not output:
                 value.name = f"value_{number}_{value.name}"  # the loop's body names its own; the graph, here
     model = ir.Model(graph, ir_version=10)
-    return onnxruntime.InferenceSession(ir.serde.serialize_model(model).SerializeToString(),
+    return onnxruntime.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), options,
                                         providers=["CPUExecutionProvider"])
 
 
-def run_graph(q, k, v, mask, K):
+def run_graph(q, k, v, mask, K, options=None):
+    """The graph's output `[batch, heads, queries, d]` (as the reference's) and its session."""
     session = attention_session(q.dtype, q.shape[1], q.shape[-1], K, mask.causal, mask.key_is_valid is not None,
-                                mask.key_is_source is not None)
+                                mask.key_is_source is not None, options)
     feeds = {"q": q, "k": k, "v": v, "valid": mask.key_is_valid, "source": mask.key_is_source,
              "offset": torch.tensor(mask.query_offset)}
     names = {i.name for i in session.get_inputs()}
     output = session.run(None, {name: value.numpy() for name, value in feeds.items() if name in names})[0]
-    return torch.from_numpy(output).transpose(1, 2)  # [batch, heads, queries, d], as the reference
+    return torch.from_numpy(output).transpose(1, 2), session
+
+
+def ops_run(session) -> set[str]:
+    """The op types whose kernels a profiled session (`enable_profiling`) ran, subgraphs' included."""
+    import json
+    import os
+
+    path = session.end_profiling()
+    try:
+        with open(path) as file:
+            events = json.load(file)
+    finally:
+        os.remove(path)
+    return {event["args"]["op_name"] for event in events
+            if event.get("cat") == "Node" and event["name"].endswith("_kernel_time")}
+
+
+def profiled(tmp_path):
+    options = onnxruntime.SessionOptions()
+    options.enable_profiling, options.profile_file_prefix = True, str(tmp_path / "profile")
+    return options
 
 
 @pytest.fixture
@@ -81,21 +103,24 @@ def test_exported_attention_equals_the_reference(batch, heads, length, head_size
     q, k, v, mask, allowed = make_case(batch, heads, length, head_size, K, mode, pad_lengths, dtype, seed=length)
     expected, _ = reference.attention(q, k, v, K, allowed)
     atol = 1e-5 if dtype == torch.float32 else 1e-12
-    torch.testing.assert_close(run_graph(q, k, v, mask, K), expected, atol=atol, rtol=0)
+    torch.testing.assert_close(run_graph(q, k, v, mask, K)[0], expected, atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("length", [16, 300, 600])
-def test_one_chunk_or_many_at_the_default_sizes(length):
-    """The default chunking (the graph computes rows from the call's sizes: 128 rows here, 300 tokens in 3 chunks
-    of 100, 600 in 5 of 120), K = 64 and a padded row."""
+@pytest.mark.parametrize("length,chunks", [(16, 1), (128, 1), (129, 2), (300, 3), (600, 5)])
+def test_one_chunk_or_many_at_the_default_sizes(length, chunks, tmp_path):
+    """The default chunking (the graph computes rows from the call's sizes: up to 128 rows, 300 tokens in 3 chunks
+    of 100, 600 in 5 of 120), K = 64 and a padded row; one chunk runs without the scan (its `If` branch), more run
+    the scan: the profile says which ran."""
     q, k, v, mask, allowed = make_case(2, 2, length, 16, 64, "bidirectional", [length, length // 3], torch.float32,
                                        seed=length)
     expected, _ = reference.attention(q, k, v, 64, allowed)
-    torch.testing.assert_close(run_graph(q, k, v, mask, 64), expected, atol=1e-5, rtol=0)
+    output, session = run_graph(q, k, v, mask, 64, profiled(tmp_path))
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=0)
+    assert ("Scan" in ops_run(session)) == (chunks > 1), (length, chunks)
 
 
 @pytest.mark.parametrize("queries,offset", [(1, 39), (3, 37), (20, 20)])
-def test_queries_after_a_cache(queries, offset, small_chunks):
+def test_queries_after_a_cache(queries, offset, small_chunks, tmp_path):
     """Decoding: queries at positions offset.. against every key (a cache of `offset` keys and the new ones), causal
     with padding and source keys (UniLM's generator), and with a static cache's unfilled slots as padding."""
     K, keys = 6, offset + queries + 5  # 5 slots of a static cache not yet filled
@@ -110,7 +135,10 @@ def test_queries_after_a_cache(queries, offset, small_chunks):
     mask = RelativeAttentionMask(key_is_valid=valid, causal=True, key_is_source=source, query_offset=offset)
     allowed = reference.allowed_mask(queries, valid, True, source, query_offset=offset, key_length=keys)
     expected, _ = reference.attention(q, k, v, K, allowed, query_offset=offset)
-    torch.testing.assert_close(run_graph(q, k, v, mask, K), expected, atol=1e-12, rtol=0)
+    output, session = run_graph(q, k, v, mask, K, profiled(tmp_path))
+    torch.testing.assert_close(output, expected, atol=1e-12, rtol=0)
+    # A decoding step (one chunk of 16 rows at most) runs without the scan, its far keys shifted in the chunk.
+    assert ("Scan" in ops_run(session)) == (queries > 16), queries
 
 
 def test_chunk_rows_keep_a_chunk_within_its_scores():
@@ -148,15 +176,16 @@ def exported_ops(path):
 
 
 def test_an_exported_model_holds_the_chunked_graph(tmp_path):
-    """The export writes the attention as the chunks' Scan: no L x L index, no scatter (the gather decomposition's
-    ScatterElements), and onnxruntime gives PyTorch's outputs at lengths that are not a whole number of chunks."""
+    """The export writes the attention as the chunks' Scan behind an If (one chunk runs without it): no L x L index,
+    no scatter (the gather decomposition's ScatterElements), and onnxruntime gives PyTorch's outputs at one chunk and
+    at lengths that are not a whole number of chunks."""
     from nezha_hf.export import export_onnx
 
     torch.manual_seed(0)
     model = NezhaForSequenceClassification(tiny_config(num_labels=2)).eval()
     export_onnx(model, tmp_path / "model.onnx")
     ops = exported_ops(tmp_path / "model.onnx")
-    assert "Scan" in ops and not ops & {"ScatterElements", "ScatterND", "Loop"}, sorted(ops)
+    assert {"Scan", "If"} <= ops and not ops & {"ScatterElements", "ScatterND", "Loop"}, sorted(ops)
     session = onnxruntime.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
     for length in (1, 131, 517):
         ids = torch.randint(1, 99, (2, length), generator=torch.Generator().manual_seed(length))
