@@ -19,7 +19,8 @@ more column (a column of ones on the queries, the additive mask on the keys): th
 softmax, product) plus one `Concat` of the three ranges' products; the score scale is folded into the queries. A
 causal mask (a decoder, UniLM's prefix mask) is added to each chunk's scores. The scan carries nothing between
 chunks but their outputs; a chunk's rows are chosen so that a call's scores stay within `CHUNK_SCORES` numbers
-(`chunk_rows`, computed in the graph from the call's sizes): memory grows linearly with the length.
+(`chunk_rows`, computed in the graph from the call's sizes): memory grows linearly with the length. When one chunk
+holds every query (a short input, a decoding step), an `If` runs the chunk's body without the scan.
 
 A row that sees no key gives 0, as every engine does. docs/serving.md has what this costs against BERT in
 onnxruntime (`benchmarks/serving.py`).
