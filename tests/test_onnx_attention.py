@@ -141,16 +141,18 @@ def test_queries_after_a_cache(queries, offset, small_chunks, tmp_path):
     assert ("Scan" in ops_run(session)) == (queries > 16), queries
 
 
-def test_chunk_rows_keep_a_chunk_within_its_scores():
-    """A chunk's scores stay within CHUNK_SCORES (memory linear in the length), in whole groups of 16 rows, spread
-    evenly; evaluated by onnxruntime as the graph computes them."""
+@pytest.mark.parametrize("K", [64, 32, 5])
+def test_chunk_rows_keep_a_chunk_within_its_scores(K):
+    """A chunk's scores stay within CHUNK_SCORES (memory linear in the length), in whole groups of 16 rows (of 2K
+    where that is less), spread evenly, and never more than 2K rows (the split's condition); evaluated by onnxruntime
+    as the graph computes them."""
     from onnx_ir.tape import Tape
 
     tape = Tape()
     nodes = onnx_attention._Nodes(lambda op_type, inputs, attributes: tape.op(op_type, list(inputs), attributes or None))
     sizes = [ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
              for name in ("batch_heads", "queries", "keys")]
-    chunks, rows = onnx_attention.chunk_rows(nodes, *sizes)
+    chunks, rows = onnx_attention.chunk_rows(nodes, *sizes, K)
     chunks.name, rows.name = "chunks", "rows"
     graph = ir.Graph(sizes, [chunks, rows], nodes=tape.nodes, opset_imports={"": 18})
     session = onnxruntime.InferenceSession(ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString())
@@ -158,34 +160,36 @@ def test_chunk_rows_keep_a_chunk_within_its_scores():
         count, size = (int(x) for x in session.run(None, {"batch_heads": np.array(batch_heads),
                                                           "queries": np.array(length), "keys": np.array(length)}))
         assert count * size >= length > (count - 1) * size and size <= onnx_attention.MAX_CHUNK_ROWS, (length, size)
-        biggest = max(onnx_attention.MIN_CHUNK_ROWS, onnx_attention.CHUNK_SCORES // (batch_heads * length))
-        assert size <= min(biggest, onnx_attention.MAX_CHUNK_ROWS), (batch_heads, length, size)
+        biggest = max(min(onnx_attention.MIN_CHUNK_ROWS, 2 * K), onnx_attention.CHUNK_SCORES // (batch_heads * length))
+        assert size <= min(biggest, onnx_attention.MAX_CHUNK_ROWS, 2 * K), (batch_heads, length, size)
 
 
-def exported_ops(path):
+def exported_ops(path, into_scans=True):
+    """The op types of the file's graph and its subgraphs (a `Scan`'s body only `into_scans`)."""
     import onnx
 
     def ops(graph):
         for node in graph.node:
             yield node.op_type
             for attribute in node.attribute:
-                if attribute.g.node:
+                if attribute.g.node and (into_scans or node.op_type != "Scan"):
                     yield from ops(attribute.g)
 
     return set(ops(onnx.load(str(path)).graph))
 
 
 def test_an_exported_model_holds_the_chunked_graph(tmp_path):
-    """The export writes the attention as the chunks' Scan behind an If (one chunk runs without it): no L x L index,
-    no scatter (the gather decomposition's ScatterElements), and onnxruntime gives PyTorch's outputs at one chunk and
-    at lengths that are not a whole number of chunks."""
+    """The export writes the attention as the chunks' Scan behind an If (one chunk runs without it): no scatter but
+    the chunk's band correction inside the scan (not the gather decomposition's ScatterElements over L x L), and
+    onnxruntime gives PyTorch's outputs at one chunk and at lengths that are not a whole number of chunks."""
     from nezha_hf.export import export_onnx
 
     torch.manual_seed(0)
     model = NezhaForSequenceClassification(tiny_config(num_labels=2)).eval()
     export_onnx(model, tmp_path / "model.onnx")
     ops = exported_ops(tmp_path / "model.onnx")
-    assert {"Scan", "If"} <= ops and not ops & {"ScatterElements", "ScatterND", "Loop"}, sorted(ops)
+    assert {"Scan", "If", "ScatterElements"} <= ops and not ops & {"ScatterND", "Loop"}, sorted(ops)
+    assert "ScatterElements" not in exported_ops(tmp_path / "model.onnx", into_scans=False)
     session = onnxruntime.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
     for length in (1, 131, 517):
         ids = torch.randint(1, 99, (2, length), generator=torch.Generator().manual_seed(length))
