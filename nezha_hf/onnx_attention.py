@@ -163,9 +163,11 @@ def relative_attention_graph(g: _Nodes, query, key, value, table, key_is_valid, 
             # Scores of every key in one product, the band's key term corrected in place (the product gave it T[0] or
             # T[2K]): a scatter of 2K - 1 numbers a row, where the whole row's index would outweigh the scores.
             scores = b.MatMul(chunk_query, b.Transpose(in_order("key"), perm=[0, 1, 3, 2]))
-            table_column = lambda index: b.Slice(chunk_table, b.ints(index), b.ints(index + 1), b.ints(3))
-            correction = b.Sub(b.Slice(chunk_table, b.ints(1), b.ints(2 * K), b.ints(3)),
-                               b.Where(before, table_column(0), table_column(2 * K)))
+            # (Gathered, by indices computed from the chunk: the exporter folds constant ones into initializers, and
+            # onnxruntime's transformer optimizer drops an initializer that only a scan's body reads.)
+            table_row = lambda index: b.GatherElements(chunk_table, b.Expand(index, b.Shape(band_column)), axis=3)
+            correction = b.Sub(table_row(b.Add(b.Sub(band_key, query_position), b.ints(K, scalar=True))),
+                               table_row(b.Where(before, bz, b.ints(2 * K, scalar=True))))
             scores = b.ScatterElements(scores, band_column, b.Mul(correction, in_keys), axis=3, reduction="add")
         else:
             # One chunk: its key term gathered for every key (an index of the scores' size, which one chunk affords).
