@@ -140,10 +140,11 @@ def optimize(source: Path, target: Path) -> Path | None:
     try:
         optimize_model(str(source), model_type="bert", num_heads=12, hidden_size=768).save_model_to_file(
             str(target), use_external_data_format=True)
-    except Exception as error:  # the optimizer's fusions assume BERT's graph
+        sessions = [onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+                    for path in (source, target)]
+    except Exception as error:  # the optimizer's fusions assume BERT's graph (and may write one that does not load)
         print(f"onnxruntime's optimizer failed on {source.name}: {type(error).__name__}: {error}", flush=True)
         return None
-    sessions = [onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]) for path in (source, target)]
     difference = 0.0
     for length in (40, 300):
         inputs = batch(length)

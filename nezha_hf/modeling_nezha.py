@@ -170,10 +170,13 @@ class NezhaSelfAttention(nn.Module):
         return key_layer, value_layer
 
 
-class NezhaSelfOutput(nn.Module):
-    def __init__(self, config):
+class NezhaResidualOutput(nn.Module):
+    """A sublayer's output: projection to the hidden size, dropout, the residual added, LayerNorm (after attention,
+    `input_size` the hidden size; after the feed-forward layer, the intermediate size)."""
+
+    def __init__(self, config, input_size: int):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = nn.Linear(input_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
@@ -182,11 +185,16 @@ class NezhaSelfOutput(nn.Module):
         return self.LayerNorm(hidden_states + input_tensor)
 
 
+def _activation(config) -> Callable:
+    """`config.hidden_act`: a name in transformers' `ACT2FN`, or a function."""
+    return ACT2FN[config.hidden_act] if isinstance(config.hidden_act, str) else config.hidden_act
+
+
 class NezhaAttention(nn.Module):
     def __init__(self, config, layer_idx=None, is_cross_attention=False):
         super().__init__()
         self.self = NezhaSelfAttention(config, layer_idx=layer_idx, is_cross_attention=is_cross_attention)
-        self.output = NezhaSelfOutput(config)
+        self.output = NezhaResidualOutput(config, config.hidden_size)
 
     def forward(self, hidden_states, relative_table: torch.Tensor, attention_mask=None, cache=None, **kwargs):
         attention_output, attn_weights = self.self(
@@ -199,23 +207,10 @@ class NezhaIntermediate(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
-        act = config.hidden_act
-        self.intermediate_act_fn = ACT2FN[act] if isinstance(act, str) else act
+        self.intermediate_act_fn = _activation(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.intermediate_act_fn(self.dense(hidden_states))
-
-
-class NezhaOutput(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-
-    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.dropout(self.dense(hidden_states))
-        return self.LayerNorm(hidden_states + input_tensor)
 
 
 class NezhaLayer(GradientCheckpointingLayer):
@@ -227,7 +222,7 @@ class NezhaLayer(GradientCheckpointingLayer):
                 raise ValueError("add_cross_attention=True needs is_decoder=True: cross-attention belongs to a decoder.")
             self.crossattention = NezhaAttention(config, layer_idx=layer_idx, is_cross_attention=True)
         self.intermediate = NezhaIntermediate(config)
-        self.output = NezhaOutput(config)
+        self.output = NezhaResidualOutput(config, config.intermediate_size)
 
     def forward(
         self, hidden_states, relative_table: torch.Tensor, attention_mask=None, cache=None,
@@ -286,8 +281,7 @@ class NezhaPredictionHeadTransform(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        act = config.hidden_act
-        self.transform_act_fn = ACT2FN[act] if isinstance(act, str) else act
+        self.transform_act_fn = _activation(config)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -673,36 +667,55 @@ class _LMHeadTying:
         self.cls.predictions.bias = new_embeddings.bias
 
 
-class NezhaForPreTraining(_LMHeadTying, NezhaPreTrainedModel):
+class NezhaModelWithHead(NezhaPreTrainedModel):
+    """A NEZHA encoder (`self.nezha`) with one head on it: what the task models share.
+
+    Each head writes its own `forward` around `encode`, with its own signature and output type: Trainer finds a
+    model's label columns by the names in its forward's signature, and sentence-transformers its output fields by the
+    forward's return annotation.
+    """
+
+    uses_pooler = False  # whether the head reads the pooled [CLS] state
+    # Losses are batch means unless a head normalises by Trainer's `num_items_in_batch` (and says True): without
+    # this, Trainer would not divide them by the gradient-accumulation steps.
+    accepts_loss_kwargs = False
+
+    def __init__(self, config: NezhaConfig):
+        super().__init__(config)
+        self.nezha = NezhaModel(config, add_pooling_layer=self.uses_pooler)
+
+    def add_classifier(self, num_outputs: int):
+        """Adds BERT's classification layer: `dropout` (`config.classifier_dropout`, else the hidden dropout) and
+        `classifier`, a linear layer from the hidden size to `num_outputs`."""
+        rate = self.config.classifier_dropout
+        self.dropout = nn.Dropout(rate if rate is not None else self.config.hidden_dropout_prob)
+        self.classifier = nn.Linear(self.config.hidden_size, num_outputs)
+
+    def encode(self, input_ids, attention_mask, token_type_ids, inputs_embeds,
+               **kwargs: Unpack[TransformersKwargs]) -> BaseModelOutputWithPoolingAndCrossAttentions:
+        """The encoder's output for BERT's inputs."""
+        return self.nezha(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                          inputs_embeds=inputs_embeds, return_dict=True, **kwargs)
+
+
+class NezhaForPreTraining(_LMHeadTying, NezhaModelWithHead):
     """NEZHA with the pretraining heads: masked LM (`labels`) and next-sentence prediction (`next_sentence_label`).
 
     The loss is the sum of the two mean losses; under gradient accumulation Trainer averages the
     micro-batches (`accepts_loss_kwargs = False`).
     """
 
-    accepts_loss_kwargs = False
+    uses_pooler = True
 
     def __init__(self, config: NezhaConfig):
         super().__init__(config)
-        self.nezha = NezhaModel(config)
         self.cls = NezhaPreTrainingHeads(config)
         self.post_init()
 
     @can_return_tuple
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        next_sentence_label=None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> NezhaForPreTrainingOutput:
-        outputs = self.nezha(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds,
-            return_dict=True, **kwargs,
-        )
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, inputs_embeds=None, labels=None,
+                next_sentence_label=None, **kwargs: Unpack[TransformersKwargs]) -> NezhaForPreTrainingOutput:
+        outputs = self.encode(input_ids, attention_mask, token_type_ids, inputs_embeds, **kwargs)
         prediction_scores, seq_relationship_score = self.cls(outputs.last_hidden_state, outputs.pooler_output)
         total_loss = None
         if labels is not None and next_sentence_label is not None:
@@ -711,15 +724,12 @@ class NezhaForPreTraining(_LMHeadTying, NezhaPreTrainedModel):
                 seq_relationship_score.view(-1, 2), next_sentence_label.view(-1)
             )
         return NezhaForPreTrainingOutput(
-            loss=total_loss,
-            prediction_logits=prediction_scores,
-            seq_relationship_logits=seq_relationship_score,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
+            loss=total_loss, prediction_logits=prediction_scores, seq_relationship_logits=seq_relationship_score,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
 
 
-class NezhaForMaskedLM(_LMHeadTying, NezhaPreTrainedModel):
+class NezhaForMaskedLM(_LMHeadTying, NezhaModelWithHead):
     """NEZHA with the masked-language-modelling head (decoder tied to the word embeddings).
 
     `labels` use -100 for positions without a target. The loss is normalised by Trainer's
@@ -734,28 +744,19 @@ class NezhaForMaskedLM(_LMHeadTying, NezhaPreTrainedModel):
     ```
     """
 
+    accepts_loss_kwargs = True
+
     def __init__(self, config: NezhaConfig):
         super().__init__(config)
         if config.is_decoder:
             logger.warning("NezhaForMaskedLM wants bidirectional attention: set config.is_decoder=False.")
-        self.nezha = NezhaModel(config, add_pooling_layer=False)
         self.cls = NezhaOnlyMLMHead(config)
         self.post_init()
 
     @can_return_tuple
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> MaskedLMOutput:
-        outputs = self.nezha(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds,
-            return_dict=True, **kwargs,
-        )
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, inputs_embeds=None, labels=None,
+                **kwargs: Unpack[TransformersKwargs]) -> MaskedLMOutput:
+        outputs = self.encode(input_ids, attention_mask, token_type_ids, inputs_embeds, **kwargs)
         prediction_scores = self.cls(outputs.last_hidden_state)
         loss = None
         if labels is not None:
@@ -912,31 +913,20 @@ class NezhaForUniLM(_LMHeadTying, NezhaPreTrainedModel, NezhaUniLMGenerationMixi
         )
 
 
-class NezhaForNextSentencePrediction(NezhaPreTrainedModel):
+class NezhaForNextSentencePrediction(NezhaModelWithHead):
     """NEZHA with the next-sentence-prediction head (`labels`: 0 = B continues A, 1 = random)."""
 
-    accepts_loss_kwargs = False
+    uses_pooler = True
 
     def __init__(self, config: NezhaConfig):
         super().__init__(config)
-        self.nezha = NezhaModel(config)
         self.cls = NezhaOnlyNSPHead(config)
         self.post_init()
 
     @can_return_tuple
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> NextSentencePredictorOutput:
-        outputs = self.nezha(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds,
-            return_dict=True, **kwargs,
-        )
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, inputs_embeds=None, labels=None,
+                **kwargs: Unpack[TransformersKwargs]) -> NextSentencePredictorOutput:
+        outputs = self.encode(input_ids, attention_mask, token_type_ids, inputs_embeds, **kwargs)
         logits = self.cls(outputs.pooler_output)
         loss = CrossEntropyLoss()(logits.view(-1, 2), labels.view(-1)) if labels is not None else None
         return NextSentencePredictorOutput(
@@ -944,12 +934,7 @@ class NezhaForNextSentencePrediction(NezhaPreTrainedModel):
         )
 
 
-def _classifier_dropout(config) -> nn.Dropout:
-    rate = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-    return nn.Dropout(rate)
-
-
-class NezhaForSequenceClassification(NezhaPreTrainedModel):
+class NezhaForSequenceClassification(NezhaModelWithHead):
     """NEZHA with a linear head on the pooled [CLS] output.
 
     As in BERT: `num_labels == 1` is regression (MSE); integer labels are single-label
@@ -957,30 +942,18 @@ class NezhaForSequenceClassification(NezhaPreTrainedModel):
     `config.problem_type` to force one. Losses are batch means (`accepts_loss_kwargs = False`).
     """
 
-    accepts_loss_kwargs = False
+    uses_pooler = True
 
     def __init__(self, config: NezhaConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.nezha = NezhaModel(config)
-        self.dropout = _classifier_dropout(config)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.add_classifier(config.num_labels)
         self.post_init()
 
     @can_return_tuple
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> SequenceClassifierOutput:
-        outputs = self.nezha(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds,
-            return_dict=True, **kwargs,
-        )
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, inputs_embeds=None, labels=None,
+                **kwargs: Unpack[TransformersKwargs]) -> SequenceClassifierOutput:
+        outputs = self.encode(input_ids, attention_mask, token_type_ids, inputs_embeds, **kwargs)
         logits = self.classifier(self.dropout(outputs.pooler_output))
         loss = None
         if labels is not None:
@@ -1003,37 +976,25 @@ class NezhaForSequenceClassification(NezhaPreTrainedModel):
         )
 
 
-class NezhaForMultipleChoice(NezhaPreTrainedModel):
+class NezhaForMultipleChoice(NezhaModelWithHead):
     """NEZHA for multiple choice: inputs are `[batch, num_choices, length]`, `labels` the right choice."""
 
-    accepts_loss_kwargs = False
+    uses_pooler = True
 
     def __init__(self, config: NezhaConfig):
         super().__init__(config)
-        self.nezha = NezhaModel(config)
-        self.dropout = _classifier_dropout(config)
-        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.add_classifier(1)
         self.post_init()
 
+    def encode(self, *inputs, **kwargs: Unpack[TransformersKwargs]) -> BaseModelOutputWithPoolingAndCrossAttentions:
+        """Every choice encoded as a sequence of its own: `[batch * num_choices, length]`."""
+        return super().encode(*(None if x is None else x.reshape(-1, *x.shape[2:]) for x in inputs), **kwargs)
+
     @can_return_tuple
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> MultipleChoiceModelOutput:
-        num_choices = input_ids.shape[1] if input_ids is not None else inputs_embeds.shape[1]
-
-        def flat(x):
-            return x.reshape(-1, *x.shape[2:]) if x is not None else None
-
-        outputs = self.nezha(
-            flat(input_ids), attention_mask=flat(attention_mask), token_type_ids=flat(token_type_ids),
-            inputs_embeds=flat(inputs_embeds), return_dict=True, **kwargs,
-        )
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, inputs_embeds=None, labels=None,
+                **kwargs: Unpack[TransformersKwargs]) -> MultipleChoiceModelOutput:
+        outputs = self.encode(input_ids, attention_mask, token_type_ids, inputs_embeds, **kwargs)
+        num_choices = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         logits = self.classifier(self.dropout(outputs.pooler_output)).view(-1, num_choices)
         loss = CrossEntropyLoss()(logits, labels) if labels is not None else None
         return MultipleChoiceModelOutput(
@@ -1041,34 +1002,23 @@ class NezhaForMultipleChoice(NezhaPreTrainedModel):
         )
 
 
-class NezhaForTokenClassification(NezhaPreTrainedModel):
+class NezhaForTokenClassification(NezhaModelWithHead):
     """NEZHA with a linear head on every token (NER and tagging); `labels` use -100 to skip a token.
 
     The loss is normalised by Trainer's `num_items_in_batch` under gradient accumulation.
     """
 
+    accepts_loss_kwargs = True
+
     def __init__(self, config: NezhaConfig):
         super().__init__(config)
-        self.num_labels = config.num_labels
-        self.nezha = NezhaModel(config, add_pooling_layer=False)
-        self.dropout = _classifier_dropout(config)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.add_classifier(config.num_labels)
         self.post_init()
 
     @can_return_tuple
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> TokenClassifierOutput:
-        outputs = self.nezha(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds,
-            return_dict=True, **kwargs,
-        )
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, inputs_embeds=None, labels=None,
+                **kwargs: Unpack[TransformersKwargs]) -> TokenClassifierOutput:
+        outputs = self.encode(input_ids, attention_mask, token_type_ids, inputs_embeds, **kwargs)
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = self.loss_function(logits, labels, self.config, **kwargs) if labels is not None else None
         return TokenClassifierOutput(
@@ -1076,36 +1026,23 @@ class NezhaForTokenClassification(NezhaPreTrainedModel):
         )
 
 
-class NezhaForQuestionAnswering(NezhaPreTrainedModel):
+class NezhaForQuestionAnswering(NezhaModelWithHead):
     """NEZHA for extractive QA: start and end logits per token; positions outside the input are ignored.
 
     The output layer always has two units (start, end), as in every v4 checkpoint; `config.num_labels`
     is for the classification heads and does not change it.
     """
 
-    accepts_loss_kwargs = False
-
     def __init__(self, config: NezhaConfig):
         super().__init__(config)
-        self.nezha = NezhaModel(config, add_pooling_layer=False)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
     @can_return_tuple
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        inputs_embeds=None,
-        start_positions=None,
-        end_positions=None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> QuestionAnsweringModelOutput:
-        outputs = self.nezha(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds,
-            return_dict=True, **kwargs,
-        )
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, inputs_embeds=None,
+                start_positions=None, end_positions=None,
+                **kwargs: Unpack[TransformersKwargs]) -> QuestionAnsweringModelOutput:
+        outputs = self.encode(input_ids, attention_mask, token_type_ids, inputs_embeds, **kwargs)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).split(1, dim=-1)
         start_logits, end_logits = start_logits.squeeze(-1).contiguous(), end_logits.squeeze(-1).contiguous()
         total_loss = None
@@ -1116,10 +1053,7 @@ class NezhaForQuestionAnswering(NezhaPreTrainedModel):
             end_loss = loss_fct(end_logits, end_positions.view(-1).clamp(0, ignored_index))
             total_loss = (start_loss + end_loss) / 2
         return QuestionAnsweringModelOutput(
-            loss=total_loss,
-            start_logits=start_logits,
-            end_logits=end_logits,
-            hidden_states=outputs.hidden_states,
+            loss=total_loss, start_logits=start_logits, end_logits=end_logits, hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
 
@@ -1147,7 +1081,7 @@ def sentence_means(token_scores: torch.Tensor, sentence_ids: torch.Tensor, num_s
     return means, counts
 
 
-class NezhaForSentenceExtraction(NezhaPreTrainedModel):
+class NezhaForSentenceExtraction(NezhaModelWithHead):
     """Scores every sentence of a whole document for extractive summarisation.
 
     The document is encoded in one pass (thousands of tokens: every sentence is judged in the
@@ -1162,32 +1096,18 @@ class NezhaForSentenceExtraction(NezhaPreTrainedModel):
     `nezha_hf.summarization` builds these inputs from judgments.
     """
 
-    accepts_loss_kwargs = False
-
     def __init__(self, config: NezhaConfig):
         super().__init__(config)
-        self.nezha = NezhaModel(config, add_pooling_layer=False)
-        self.dropout = _classifier_dropout(config)
-        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.add_classifier(1)
         self.post_init()
 
     @can_return_tuple
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        token_type_ids=None,
-        inputs_embeds=None,
-        sentence_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> NezhaSentenceExtractionOutput:
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, inputs_embeds=None,
+                sentence_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                **kwargs: Unpack[TransformersKwargs]) -> NezhaSentenceExtractionOutput:
         if sentence_ids is None:
             raise ValueError("NezhaForSentenceExtraction needs sentence_ids: the sentence index of every token (-1 for none).")
-        outputs = self.nezha(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, inputs_embeds=inputs_embeds,
-            return_dict=True, **kwargs,
-        )
+        outputs = self.encode(input_ids, attention_mask, token_type_ids, inputs_embeds, **kwargs)
         token_scores = self.classifier(self.dropout(outputs.last_hidden_state)).squeeze(-1)
         if labels is not None:
             num_sentences = labels.shape[1]
@@ -1271,6 +1191,7 @@ __all__ = [
     "NezhaForUniLM",
     "NezhaHead",
     "NezhaModel",
+    "NezhaModelWithHead",
     "NezhaPreTrainedModel",
     "nezha_head",
 ]

@@ -3,23 +3,26 @@
 ONNX has no NEZHA attention, and the decomposition every engine's op has (`attention_ops.gather_attention`) holds
 `L x L` scores per head, an `int64` index of the scores' size and a scatter for the value term: in onnxruntime that
 was slower than BERT from 512 tokens on and did not fit a long judgment in memory. The exporters take this graph
-instead (`register_onnx_attention`), for every engine's op. For the call's query chunk of `C` rows at positions
-`[p, p + C)` the keys fall in three ranges, as in the chunked engine:
+instead (`register_onnx_attention`), for every engine's op. A chunk holds `C <= 2K` query rows at positions
+`[p, p + C)`; its split `s = p + K` is within `K` of every row, so a key at distance `-K` or less from a row lies
+before the split and one at `K` or more from it:
 
-- the far left `j < p - K + 1`, where every row of the chunk reads the table's row 0: there the relative terms are
-  a shift of the keys and values, `q . (k_j + T[0])` and `v_j + T[0]` (`k + T[0]` and `v + T[0]` are made once per
-  call), so they ride in the matrix products;
-- the far right `j >= p + C - 1 + K` (row `2K`), the same with `T[2K]`;
-- the middle, `C + 2K - 2` keys at most: there the key term is gathered from `q T^T` (`C x (2K + 1)` numbers per
-  row, `GatherElements` with an index of the middle's size), and the value term is the band's probabilities
-  gathered along its diagonals and the two near tails' masses, times the table.
+- every key before the split is taken shifted by the table's row 0, `k_j + T[0]` and `v_j + T[0]`, every key from it
+  on by row `2K` (the shifted keys and values are made once per call, and the chunk gathers its own from them in
+  one pass), so the relative terms of every key outside a row's band ride in the matrix products;
+- the band, the `2K - 1` keys at distances `1 - K .. K - 1` of each row, is corrected: its key term `q T^T` less the
+  row 0 or `2K` the product gave it, added into the scores in place (`ScatterElements`, `2K - 1` numbers a row), and
+  its value term, the band's probabilities gathered along its diagonals times the table's rows, less their masses
+  before and from the split times rows 0 and `2K`.
 
 Each chunk's scores are one `Softmax` over whole rows, and the padding mask rides in the matrix products as one
 more column (a column of ones on the queries, the additive mask on the keys): the score passes are BERT's (product,
-softmax, product) plus one `Concat` of the three ranges' products; the score scale is folded into the queries. A
-causal mask (a decoder, UniLM's prefix mask) is added to each chunk's scores. The scan carries nothing between
-chunks but their outputs; a chunk's rows are chosen so that a call's scores stay within `CHUNK_SCORES` numbers
-(`chunk_rows`, computed in the graph from the call's sizes): memory grows linearly with the length.
+softmax, product); the score scale is folded into the queries. A causal mask (a decoder, UniLM's prefix mask) is
+added to each chunk's scores. The scan carries nothing between chunks but their outputs; a chunk's rows are chosen
+so that a call's scores stay within `CHUNK_SCORES` numbers (`chunk_rows`, computed in the graph from the call's
+sizes): memory grows linearly with the length. When one chunk holds every query (a short input, a decoding step),
+an `If` runs the chunk's body without the scan: its keys unshifted and its key term gathered for every key (an index
+of the one chunk's scores' size, cheaper there than the band's scatter), its values as the scan's.
 
 A row that sees no key gives 0, as every engine does. docs/serving.md has what this costs against BERT in
 onnxruntime (`benchmarks/serving.py`).
@@ -66,23 +69,31 @@ class _Nodes:
                                        like), {})
 
 
-def _tape_nodes():
-    """`(nodes, tape)`: a `_Nodes` writing into an `onnx_ir` tape, for a loop's body."""
+def _subgraph(build, inputs=()):
+    """A loop's body or a branch: the `ir.Graph` of the values `build(nodes)` returns, its nodes written by a
+    `_Nodes` of its own (outer values it uses are read from the enclosing graph), its values named apart."""
     from onnx_ir.tape import Tape
 
     tape = Tape()
-    return _Nodes(lambda op_type, inputs, attributes: tape.op(op_type, list(inputs), attributes or None)), tape
+    outputs = build(_Nodes(lambda op_type, inputs, attributes: tape.op(op_type, list(inputs), attributes or None)))
+    name = f"nezha_attention_{next(_names)}"
+    for number, node in enumerate(tape.nodes):
+        for value in node.outputs:
+            value.name = f"{name}_{number}"
+    return ir.Graph(list(inputs), outputs, nodes=tape.nodes, name=name)
 
 
-def chunk_rows(g: _Nodes, batch_heads, queries, keys):
+def chunk_rows(g: _Nodes, batch_heads, queries, keys, K: int):
     """Rows per chunk, in the graph: the most that keep a chunk's `batch * heads * rows * keys` scores within
     `CHUNK_SCORES`, between `MIN_CHUNK_ROWS` and `MAX_CHUNK_ROWS` in whole groups of `MIN_CHUNK_ROWS`, at most the
-    queries; then spread evenly over the chunks that takes (so the last chunk is not mostly padding).
-    Returns `(chunks, rows)`, int64 scalars."""
+    queries, and never more than `2K` (the chunk's split needs every row within `K` of it: `relative_attention_graph`;
+    groups are smaller where `2K` is under `MIN_CHUNK_ROWS`); then spread evenly over the chunks that takes (so the
+    last chunk is not mostly padding). Returns `(chunks, rows)`, int64 scalars."""
     fit = g.Div(g.ints(CHUNK_SCORES, scalar=True), g.Mul(batch_heads, keys))
-    groups = g.Max(g.Div(g.Min(fit, g.ints(MAX_CHUNK_ROWS, scalar=True)), g.ints(MIN_CHUNK_ROWS, scalar=True)),
-                   g.ints(1, scalar=True))
-    rows = g.Min(g.Mul(groups, g.ints(MIN_CHUNK_ROWS, scalar=True)), queries)
+    most = min(MAX_CHUNK_ROWS, 2 * K)
+    group = min(MIN_CHUNK_ROWS, most)
+    groups = g.Max(g.Div(g.Min(fit, g.ints(most, scalar=True)), g.ints(group, scalar=True)), g.ints(1, scalar=True))
+    rows = g.Min(g.Mul(groups, g.ints(group, scalar=True)), queries)
     chunks = g.Div(g.Sub(g.Add(queries, rows), g.ints(1, scalar=True)), rows)
     return chunks, g.Div(g.Sub(g.Add(queries, chunks), g.ints(1, scalar=True)), chunks)
 
@@ -94,12 +105,13 @@ def relative_attention_graph(g: _Nodes, query, key, value, table, key_is_valid, 
     holds them (`key_is_valid` / `key_is_source` `[batch, keys]` bool or None, `query_offset` an int64 scalar).
     Returns the output `[batch, queries, heads, d]`."""
     K = max_relative_position(table)
-    zero = g.ints(0, scalar=True)
     axis = {n: g.ints(n) for n in range(4)}
     shape = g.Shape(query)
-    batch_heads = g.Slice(shape, g.ints(0), g.ints(2))
-    queries = g.Squeeze(g.Slice(shape, g.ints(2), g.ints(3)), axis[0])
-    keys = g.Squeeze(g.Slice(g.Shape(key), g.ints(2), g.ints(3)), axis[0])
+    # Sizes read by `Shape`'s own slicing: onnxruntime merges a Shape + Slice into that, and cannot rename a value the
+    # branches and the scan read (it says so on every session's start).
+    batch_heads = g.Shape(query, start=0, end=2)
+    queries = g.Squeeze(g.Shape(query, start=2, end=3), axis[0])
+    keys = g.Squeeze(g.Shape(key, start=2, end=3), axis[0])
     first_position = g.Cast(query_offset, to=ir.DataType.INT64)
 
     def row(index):  # the table's row `index`, `[d]`
@@ -116,70 +128,92 @@ def relative_attention_graph(g: _Nodes, query, key, value, table, key_is_valid, 
         left_key, right_key = (g.Pad(row, g.ints(0, 1)) for row in (left_row, right_row))
     else:
         left_key, right_key = left_row, right_row
-    key_sides = [g.Add(key, left_key), key, g.Add(key, right_key)]
-    value_sides = [g.Add(value, left_row), value, g.Add(value, right_row)]
+    # The shifts of keys and values before a chunk's split (0: by T[0]) and from it on (1: by T[2K]).
+    unshifted, shifts = {"key": key, "value": value}, {"key": (left_key, right_key), "value": (left_row, right_row)}
 
-    chunks, rows = chunk_rows(g, g.ReduceProd(batch_heads, keepdims=0), queries, keys)
-    padded_rows = g.Sub(g.Mul(chunks, rows), queries)
-    row_padding = g.Concat(g.ints(0, 0, 0, 0, 0, 0), g.Unsqueeze(padded_rows, axis[0]), g.ints(0), axis=0)
-    scaled, query_table = g.Pad(scaled, row_padding), g.Pad(query_table, row_padding)
+    def attend(b, chunk_query, chunk_table, start, rows, stacked=None):
+        """The chunk of `rows` (at most 2K) queries from `start` (its rows of `scaled` and `query_table`), in nodes
+        written by `b`: its output `[batch, rows, heads, d]`. `stacked[kind]` holds the keys or values twice along the
+        keys' axis, shifted by `T[0]` and by `T[2K]` once for every chunk, and the chunk gathers its own from them;
+        without it, the chunk shifts its own."""
+        bz, bone = b.ints(0, scalar=True), b.ints(1, scalar=True)
+        first = b.Add(first_position, start)  # position of the chunk's first query
+        # Every row of the chunk is within K of the split: a key at distance -K or less is before it, K or more from it.
+        split = b.Max(b.Min(b.Add(first, b.ints(K, scalar=True)), keys), bz)
+        key_position = b.Range(bz, keys, bone)
+        if stacked is not None:
+            stacked_key = b.Add(key_position, b.Mul(b.Cast(b.GreaterOrEqual(key_position, split), to=ir.DataType.INT64),
+                                                    keys))
 
-    # The scan's body: the chunk whose first row is `start` -> its output [batch, rows, heads, d].
-    start = ir.Value(name=f"nezha_chunk_{next(_names)}", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
-    b, tape = _tape_nodes()
-    bz, bone = b.ints(0, scalar=True), b.ints(1, scalar=True)
-    bax = {n: b.ints(n) for n in (0, 1, 2, 3)}
-    first = b.Add(first_position, start)  # position of the chunk's first query
-    rows_of = lambda x: b.Slice(x, b.Unsqueeze(start, bax[0]), b.Unsqueeze(b.Add(start, rows), bax[0]), bax[2])
-    chunk_query, chunk_table = rows_of(scaled), rows_of(query_table)
-    left_end = b.Max(b.Min(b.Add(first, b.ints(1 - K, scalar=True)), keys), bz)
-    right_start = b.Max(b.Min(b.Add(first, b.Add(rows, b.ints(K - 1, scalar=True))), keys), left_end)
-    bounds = [b.Unsqueeze(x, bax[0]) for x in (bz, left_end, right_start, keys)]
-    ranges = list(zip(bounds, bounds[1:]))
+        def in_order(kind):  # the chunk's keys or values, shifted as seen from the split, [batch, heads, keys, d]
+            if stacked is not None:
+                return b.Gather(stacked[kind], stacked_key, axis=2)
+            ends = [b.Unsqueeze(x, b.ints(0)) for x in (bz, split, keys)]
+            return b.Concat(*(b.Add(b.Slice(unshifted[kind], ends[side], ends[side + 1], b.ints(2)), shifts[kind][side])
+                              for side in (0, 1)), axis=2)
 
-    def keys_in(tensor, index):
-        return b.Slice(tensor, *ranges[index], bax[2])
+        # The band: each row's keys at distances 1 - K .. K - 1, [rows, 2K - 1], and which of them lie before the split.
+        query_position = b.Unsqueeze(b.Add(first, b.Range(bz, rows, bone)), b.ints(1))  # [rows, 1]
+        band_key = b.Add(query_position, b.Range(b.ints(1 - K, scalar=True), b.ints(K, scalar=True), bone))
+        in_keys = b.CastLike(b.And(b.GreaterOrEqual(band_key, bz), b.Less(band_key, keys)), chunk_query)
+        before = b.Less(band_key, split)
+        band_column = b.Expand(b.Clip(band_key, bz, b.Max(b.Sub(keys, bone), bz)),
+                               b.Concat(batch_heads, b.Shape(band_key), axis=0))
+        if stacked is not None:
+            # Scores of every key in one product, the band's key term corrected in place (the product gave it T[0] or
+            # T[2K]): a scatter of 2K - 1 numbers a row, where the whole row's index would outweigh the scores.
+            scores = b.MatMul(chunk_query, b.Transpose(in_order("key"), perm=[0, 1, 3, 2]))
+            # (Gathered, by indices computed from the chunk: the exporter folds constant ones into initializers, and
+            # onnxruntime's transformer optimizer drops an initializer that only a scan's body reads.)
+            table_row = lambda index: b.GatherElements(chunk_table, b.Expand(index, b.Shape(band_column)), axis=3)
+            correction = b.Sub(table_row(b.Add(b.Sub(band_key, query_position), b.ints(K, scalar=True))),
+                               table_row(b.Where(before, bz, b.ints(2 * K, scalar=True))))
+            scores = b.ScatterElements(scores, band_column, b.Mul(correction, in_keys), axis=3, reduction="add")
+        else:
+            # One chunk: its key term gathered for every key (an index of the scores' size, which one chunk affords).
+            distance = b.Sub(b.Unsqueeze(key_position, bz), query_position)  # [rows, keys]
+            table_row = b.Add(b.Clip(distance, b.ints(-K, scalar=True), b.ints(K, scalar=True)), b.ints(K, scalar=True))
+            scores = b.Add(b.MatMul(chunk_query, b.Transpose(unshifted["key"], perm=[0, 1, 3, 2])),
+                           b.GatherElements(chunk_table, b.Expand(table_row, b.Concat(batch_heads, b.Shape(table_row),
+                                                                                      axis=0)), axis=3))
+        if causal:
+            scores = b.Add(scores, _causal_mask(b, query_position, key_position, keys, key_is_source, scores))
+        probabilities = b.Softmax(scores, axis=-1)
+        # The band's value term likewise: its probabilities times the table's rows, less what the product gave them.
+        band = b.Mul(b.GatherElements(probabilities, band_column, axis=3), in_keys)
+        masses = [b.ReduceSum(b.Mul(band, b.CastLike(side, band)), b.ints(-1), keepdims=1)
+                  for side in (before, b.Not(before))]
+        output = b.Add(b.MatMul(probabilities, in_order("value")), b.MatMul(band, band_rows))
+        output = b.Sub(output, b.Add(b.Mul(masses[0], left_row), b.Mul(masses[1], right_row)))
+        return b.Transpose(output, perm=[0, 2, 1, 3])
 
-    # Middle entries: distance j - i and its table row, [rows, middle].
-    width = b.Sub(right_start, left_end)
-    query_position = b.Unsqueeze(b.Add(first, b.Range(bz, rows, bone)), bax[1])  # [rows, 1]
-    distance = b.Sub(b.Add(left_end, b.Range(bz, width, bone)), query_position)
-    every_head = lambda index: b.Expand(index, b.Concat(batch_heads, b.Shape(index), axis=0))
-    table_row = b.Add(b.Clip(distance, b.ints(-K, scalar=True), b.ints(K, scalar=True)), b.ints(K, scalar=True))
-    # Scores in the order middle, far left, far right (a softmax does not mind the order; the values follow it).
-    far_keys = b.Concat(keys_in(key_sides[0], 0), keys_in(key_sides[2], 2), axis=2)
-    middle_scores = b.MatMul(chunk_query, b.Transpose(keys_in(key_sides[1], 1), perm=[0, 1, 3, 2]))
-    middle_scores = b.Add(middle_scores, b.GatherElements(chunk_table, every_head(table_row), axis=3))
-    scores = b.Concat(middle_scores, b.MatMul(chunk_query, b.Transpose(far_keys, perm=[0, 1, 3, 2])), axis=3)
-    if causal:
-        key_position = b.Concat(*(b.Range(*bounds, bone) for bounds in ((left_end, right_start), (bz, left_end),
-                                                                         (right_start, keys))), axis=0)
-        scores = b.Add(scores, _causal_mask(b, query_position, key_position, keys, key_is_source, scores))
-    probabilities = b.Softmax(scores, axis=-1)
-    values = b.Concat(*(keys_in(value_sides[n], n) for n in (1, 0, 2)), axis=2)
-    output = b.MatMul(probabilities, values)
-    # The middle's value term: the band's 2K - 1 diagonals and the near tails' masses.
-    middle = b.Slice(probabilities, b.ints(0), b.Unsqueeze(width, bax[0]), bax[3])
-    band_key = b.Add(query_position, b.Range(b.ints(1 - K, scalar=True), b.ints(K, scalar=True), bone))
-    in_middle = b.And(b.GreaterOrEqual(band_key, left_end), b.Less(band_key, right_start))
-    band_column = b.Clip(b.Sub(band_key, left_end), bz, b.Max(b.Sub(width, bone), bz))
-    band = b.Mul(b.GatherElements(middle, every_head(band_column), axis=3), b.CastLike(in_middle, middle))
-    near = [b.ReduceSum(b.Mul(middle, b.CastLike(tail, middle)), b.ints(-1), keepdims=1)
-            for tail in (b.LessOrEqual(distance, b.ints(-K, scalar=True)), b.GreaterOrEqual(distance, b.ints(K, scalar=True)))]
-    output = b.Add(b.Add(output, b.MatMul(band, band_rows)),
-                   b.Add(b.Mul(near[0], left_row), b.Mul(near[1], right_row)))
-    body_output = b.Transpose(output, perm=[0, 2, 1, 3])
-    for number, node in enumerate(tape.nodes):
-        for value in node.outputs:
-            value.name = f"{start.name}_{number}"
-    body = ir.Graph([start], [body_output], nodes=tape.nodes, name=start.name)
+    chunks, rows = chunk_rows(g, g.ReduceProd(batch_heads, keepdims=0), queries, keys, K)
 
-    starts = g.Range(zero, g.Mul(chunks, rows), rows)
-    stacked = g.Scan(starts, body=body, num_scan_inputs=1)  # [chunks, batch, rows, heads, d]
-    output = g.Reshape(g.Transpose(stacked, perm=[1, 0, 2, 3, 4]),
-                       g.Concat(g.Slice(shape, g.ints(0), g.ints(1)), g.ints(-1),
-                                g.Slice(shape, g.ints(1), g.ints(2)), g.Slice(shape, g.ints(3), g.ints(4)), axis=0))
-    output = g.Slice(output, g.ints(0), g.Unsqueeze(queries, axis[0]), axis[1])
+    def in_chunks(b):
+        """The scan over chunks of `rows` queries: the queries padded to whole chunks, the keys shifted once."""
+        stacked = {kind: b.Concat(*(b.Add(tensor, shift) for shift in shifts[kind]), axis=2)
+                   for kind, tensor in unshifted.items()}
+        padded_rows = b.Sub(b.Mul(chunks, rows), queries)
+        row_padding = b.Concat(b.ints(0, 0, 0, 0, 0, 0), b.Unsqueeze(padded_rows, b.ints(0)), b.ints(0), axis=0)
+        padded_query, padded_table = b.Pad(scaled, row_padding), b.Pad(query_table, row_padding)
+        start = ir.Value(name=f"nezha_chunk_{next(_names)}", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+
+        def body(c):  # the chunk whose first row is `start` -> its output [batch, rows, heads, d]
+            rows_of = lambda x: c.Slice(x, c.Unsqueeze(start, c.ints(0)), c.Unsqueeze(c.Add(start, rows), c.ints(0)),
+                                        c.ints(2))
+            return [attend(c, rows_of(padded_query), rows_of(padded_table), start, rows, stacked)]
+
+        starts = b.Range(b.ints(0, scalar=True), b.Mul(chunks, rows), rows)
+        outputs = b.Scan(starts, body=_subgraph(body, [start]), num_scan_inputs=1)  # [chunks, batch, rows, heads, d]
+        output = b.Reshape(b.Transpose(outputs, perm=[1, 0, 2, 3, 4]),
+                           b.Concat(b.Slice(shape, b.ints(0), b.ints(1)), b.ints(-1),
+                                    b.Slice(shape, b.ints(1), b.ints(2)), b.Slice(shape, b.ints(3), b.ints(4)), axis=0))
+        return [b.Slice(output, b.ints(0), b.Unsqueeze(queries, b.ints(0)), b.ints(1))]
+
+    # One chunk (a short input, a decoding step): its body without the scan, its padding and the shifts of all keys.
+    output = g.If(g.Equal(chunks, g.ints(1, scalar=True)),
+                  then_branch=_subgraph(lambda b: [attend(b, scaled, query_table, b.ints(0, scalar=True), queries)]),
+                  else_branch=_subgraph(in_chunks))
     seen = _sees_something(g, key_is_valid, causal, key_is_source, first_position, queries, keys)
     return output if seen is None else g.Mul(output, g.CastLike(seen, output))
 

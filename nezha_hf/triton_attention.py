@@ -393,7 +393,9 @@ class _Plan:
         # What Triton's launcher takes besides the grid, the stream and the arguments (as torch Inductor's launchers
         # call it): the loaded kernel and its packed metadata
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
-        self.slots = [(index, name) for index, name in enumerate(self.names) if name in call]
+        # the call's values but those this launch was given as None (a backward kernel's other gradients' outputs)
+        self.slots = [(index, name) for index, name in enumerate(self.names)
+                      if name in call and arguments[name] is not None]
         self.arguments = [None if name in call else self.others[name] for name in self.names]
         self.positions = {name: index for index, name in enumerate(self.names)}
 
@@ -702,9 +704,9 @@ def _backward_kernels(grad_output, query, key, value, table, problem: AttentionP
         (kernels.nezha_row_statistics_kernel, (_blocks(queries, kernels.STATISTICS_BLOCK_M) * batch * heads,),
          statistics),
         (kernels.nezha_key_value_grad_kernel, lambda meta: (_blocks(keys, meta["BLOCK_N"]) * batch * heads,),
-         arguments),
+         dict(arguments, DQ=None)),  # the gradients whose outputs a backward kernel is given
         (kernels.nezha_query_grad_kernel, lambda meta: (_blocks(queries, meta["BLOCK_M"]) * batch * heads,),
-         arguments),
+         dict(arguments, DK=None, DV=None)),
     ], call, made, warmup)
 
 

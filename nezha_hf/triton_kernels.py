@@ -325,6 +325,20 @@ def _scores(q, k, Table, first, K, D: tl.constexpr, offs_d, offs_m, offs_n, offs
 
 
 @triton.jit
+def _seen_in_band(scores, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, HAS_VALID: tl.constexpr,
+                  CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, EDGE: tl.constexpr):
+    """A band tile's scores by rotation (`_rotated_band_tile`, `_rotated_query_tile`), -inf where not seen: masked per
+    pair under padding or a causal mask, else only past the last key (`EDGE`: the block may end there)."""
+    if HAS_VALID or CAUSAL:
+        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+                           HAS_SOURCE, EDGE)
+        scores = tl.where(visible, scores, float("-inf"))
+    elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
+        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
+    return scores
+
+
+@triton.jit
 def _byte_pairs(word):
     """The four bytes of 32-bit words, `[..., e, k]` for byte `2k + e`."""
     return tl.join(tl.join(word & 0xFF, (word >> 8) & 0xFF), tl.join((word >> 16) & 0xFF, word >> 24))
@@ -680,12 +694,8 @@ def _rotated_band_tile(acc, spread, left_mass, right_mass, row_max, row_sum, q, 
     term = _clipped(_product(rotated, tl.trans(sinusoid), WIDEN, IEEE), left_raw[:, None], right_raw[:, None], clip,
                     right, ONE_SIDED)
     scores = _product_into(term, q, tl.trans(k), WIDEN, IEEE)
-    if HAS_VALID or CAUSAL:
-        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+    scores = _seen_in_band(scores, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, HAS_VALID, CAUSAL,
                            HAS_SOURCE, EDGE)
-        scores = tl.where(visible, scores, float("-inf"))
-    elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
-        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
     p, rescale, row_max, row_sum, p_sum = _softmax_step(scores, row_max, row_sum, 0.0, scale_log2)
     if DROPOUT:
         p = tl.where(_kept(seed, head, offs_m, n0, threshold, BLOCK_M, BLOCK_N), p, 0.0)  # `keep_scale` at the end
@@ -1123,69 +1133,6 @@ def _rotated_key_value_tile(grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, RowTe
                                BLOCK_N)
 
 
-@triton.autotune(configs=KEY_VALUE_GRAD_CONFIGS, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=BACKWARD_PRUNING)
-@triton.jit(do_not_specialize=CALL_VALUES)
-def nezha_key_value_grad_kernel(
-    Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, DK, DV, KeyValid, KeyIsSource, KeyBounds,
-    Offset, Seed,
-    stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
-    heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale, scale_log2, seed: tl.int64, threshold, keep_scale,
-    LQ_CLASS, LK_CLASS,
-    HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOURCE: tl.constexpr, DROPOUT: tl.constexpr,
-    OFFSET_IN_MEMORY: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """One block of keys of one head: `dK = scale sum_i dS_ij q_i` and `dV = sum_i P~_ij dO_i` (`[batch, heads, keys,
-    d]` contiguous), over the query blocks that see any of its keys: left tail, band, then right tail tiles
-    (`_program` numbers the programs). `ROTATE`: the band by rotation, as the forward's (`_rotated_key_value_tile`)."""
-    block, head, b, h, offset = _program(tl.cdiv(Lk, BLOCK_N), heads, Offset, offset, OFFSET_IN_MEMORY)
-    seed = _seed(Seed, seed, SEED_IN_MEMORY)
-    n0 = block * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    k = _rows(Kx + b * stride_kb + h * stride_kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D, True)
-    v = _rows(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D, True)
-    Qh, DOh = Q + b * stride_qb + h * stride_qh, DO + b * stride_ob + h * stride_oh
-    key_row = b * Lk  # the sequence's key flags
-
-    lo = 0
-    hi = Lq
-    if HAS_VALID or HAS_SOURCE:  # a block of padding only is seen by no query
-        hi = tl.where((n0 + BLOCK_N <= tl.load(KeyBounds + b * 4)) | (n0 >= tl.load(KeyBounds + b * 4 + 1)), 0, hi)
-    if CAUSAL:  # no query before the block's first key sees it, unless it holds a source key
-        lo = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M
-        if HAS_SOURCE:
-            lo = tl.where(n0 < tl.load(KeyBounds + b * 4 + 2), 0, lo)
-    right_hi, left_lo, hi = _class_bounds(lo, hi, n0 - K - offset + 1, n0 + BLOCK_N - 1 + K - offset, BLOCK_M)
-
-    grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    grad_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # The classes' order is only the sums' order; left tail first compiles to fewer instructions in 5 of the 6 tuned
-    # (configuration, dropout) kernels, ptxas's register choices (docs/performance.md).
-    grad_k, grad_v = _key_value_tiles(
-        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
-        KeyBounds, b, key_row, left_lo, hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
-        stride_od, scale_log2, seed, head, threshold, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN, IEEE,
-        BLOCK_M, BLOCK_N)
-    grad_k, grad_v = _key_value_tiles(
-        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
-        KeyBounds, b, key_row, right_hi, left_lo, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd,
-        stride_om, stride_od, scale_log2, seed, head, threshold, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE,
-        WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    grad_k, grad_v = _key_value_tiles(
-        grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid, KeyIsSource,
-        KeyBounds, b, key_row, lo, right_hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm, stride_qd, stride_om,
-        stride_od, scale_log2, seed, head, threshold, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, ROTATE, WIDEN,
-        IEEE, BLOCK_M, BLOCK_N)
-    out = head.to(tl.int64) * Lk * D + offs_n[:, None] * D + offs_d[None, :]
-    key_mask = (offs_n < Lk)[:, None] & _columns(offs_d, D)[None, :]
-    if DROPOUT:  # `_gradient_of_scores`: dS and the kept probabilities without dropout's `keep_scale`
-        grad_k, grad_v = grad_k * keep_scale, grad_v * keep_scale
-    tl.store(DK + out, (grad_k * scale).to(DK.dtype.element_ty), mask=key_mask)
-    tl.store(DV + out, grad_v.to(DV.dtype.element_ty), mask=key_mask)
-
-
 @triton.jit
 def _add_row_sums(sums, x, WIDEN: tl.constexpr, IEEE: tl.constexpr):
     """`sums` (`[rows, MASS_COLUMNS]` float32) plus the row sums of `x` (`[rows, n]`, in the products' operand type)
@@ -1311,12 +1258,8 @@ def _rotated_query_tile(grad_q, spread, left_mass, right_mass, q, do, rotated_q,
     key_term = _clipped(key_term, left_key[:, None], right_key[:, None], clip, right, ONE_SIDED)
     output_term = _clipped(output_term, left_out[:, None], right_out[:, None], clip, right, ONE_SIDED)
     scores = _product_into(key_term, q, tl.trans(k), WIDEN, IEEE)
-    if HAS_VALID or CAUSAL:
-        visible = _visible(offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, BAND, HAS_VALID, CAUSAL,
+    scores = _seen_in_band(scores, offs_m, offs_n, offset, Lk, KeyValid, KeyIsSource, key_row, HAS_VALID, CAUSAL,
                            HAS_SOURCE, EDGE)
-        scores = tl.where(visible, scores, float("-inf"))
-    elif EDGE:  # keys past the last one: a bias per column, not a mask per pair
-        scores += tl.where(offs_n < Lk, 0.0, float("-inf"))[None, :]
     p = tl.exp2(scores * scale_log2 - lse[:, None])
     grad_p = _product_into(output_term, do, tl.trans(v), WIDEN, IEEE)
     keep = None
@@ -1371,11 +1314,9 @@ def _rotated_query_band(grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, 
             + right_mass[:, None] * _table_row(Table, 2 * K, D, offs_d)[None, :])
 
 
-@triton.autotune(configs=QUERY_GRAD_CONFIGS, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=BACKWARD_PRUNING)
-@triton.jit(do_not_specialize=CALL_VALUES)
-def nezha_query_grad_kernel(
-    Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, DQ, KeyValid, KeyIsSource, KeyBounds, Offset,
-    Seed,
+def _grad_kernel(
+    Q, Kx, V, DO, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, DQ, DK, DV, KeyValid, KeyIsSource, KeyBounds,
+    Offset, Seed,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_ob, stride_oh, stride_om, stride_od,
     heads, Lq, Lk, D: tl.constexpr, K: tl.constexpr, offset, scale, scale_log2, seed: tl.int64, threshold, keep_scale,
@@ -1384,46 +1325,114 @@ def nezha_query_grad_kernel(
     OFFSET_IN_MEMORY: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, ROTATE: tl.constexpr, WIDEN: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One block of queries of one head: `dQ = scale sum_j dS_ij (k_j + T[r])` (`[batch, heads, queries, d]`
-    contiguous), over the key blocks the forward visits (`_program` numbers the programs). `ROTATE`: the band by
-    rotation, as the forward's (`_rotated_query_band`)."""
-    block, head, b, h, offset = _program(tl.cdiv(Lq, BLOCK_M), heads, Offset, offset, OFFSET_IN_MEMORY)
+    """The body of both backward kernels (`nezha_key_value_grad_kernel`, `nezha_query_grad_kernel`): the gradients
+    whose outputs it is given, the others None (`[batch, heads, length, d]` contiguous), recomputing the
+    probabilities over the tiles the forward visits (`_program` numbers the programs). `ROTATE`: the band by
+    rotation, as the forward's.
+
+    - `DK`, `DV` (`DQ` None): one block of keys of one head, `dK = scale sum_i dS_ij q_i` and `dV = sum_i P~_ij dO_i`
+      over the query blocks that see any of its keys: left tail, band, then right tail tiles (`_key_value_tiles`).
+    - `DQ` (`DK`, `DV` None): one block of queries of one head, `dQ = scale sum_j dS_ij (k_j + T[r])` over the key
+      blocks the forward visits (`_query_tiles`, `_rotated_query_band`)."""
+    KEY_VALUE: tl.constexpr = DQ is None
+    BLOCK: tl.constexpr = BLOCK_N if KEY_VALUE else BLOCK_M  # the program's rows: keys for dK, dV, queries for dQ
+    block, head, b, h, offset = _program(tl.cdiv(Lk if KEY_VALUE else Lq, BLOCK), heads, Offset, offset,
+                                         OFFSET_IN_MEMORY)
     seed = _seed(Seed, seed, SEED_IN_MEMORY)
-    m0 = block * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    first = block * BLOCK
+    offs = first + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
-    do = _rows(DO + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
-    Kh, Vh = Kx + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
-    key_row = b * Lk  # the sequence's key flags
+    # The program's own rows load first, the other side's heads are addressed after: ptxas's register choices follow
+    # the order (`make gpu-gates` counts the spills of each).
+    if KEY_VALUE:
+        n0, offs_n = first, offs
+        k = _rows(Kx + b * stride_kb + h * stride_kh, offs_n, offs_d, stride_kn, stride_kd, Lk, D, True)
+        v = _rows(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vn, stride_vd, Lk, D, True)
+        Qh, DOh = Q + b * stride_qb + h * stride_qh, DO + b * stride_ob + h * stride_oh
+        key_row = b * Lk  # the sequence's key flags
 
-    lo, hi = _keys_of_block(m0, offset, Lk, KeyBounds, b, HAS_VALID, CAUSAL, HAS_SOURCE, BLOCK_M, BLOCK_N)
-    band_lo, band_hi, hi = _class_bounds(lo, hi, offset + m0 - K + 1, offset + m0 + BLOCK_M - 1 + K, BLOCK_N)
+        lo = 0
+        hi = Lq
+        if HAS_VALID or HAS_SOURCE:  # a block of padding only is seen by no query
+            hi = tl.where((n0 + BLOCK_N <= tl.load(KeyBounds + b * 4)) | (n0 >= tl.load(KeyBounds + b * 4 + 1)), 0,
+                          hi)
+        if CAUSAL:  # no query before the block's first key sees it, unless it holds a source key
+            lo = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M
+            if HAS_SOURCE:
+                lo = tl.where(n0 < tl.load(KeyBounds + b * 4 + 2), 0, lo)
+        right_hi, left_lo, hi = _class_bounds(lo, hi, n0 - K - offset + 1, n0 + BLOCK_N - 1 + K - offset, BLOCK_M)
 
-    grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    grad_q, mass = _query_tiles(
-        grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, KeyBounds, b, key_row, lo, band_lo, m0,
-        offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-        threshold, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    grad_q += mass[:, None] * _table_row(Table, 0, D, offs_d)[None, :]
-    if ROTATE:
-        grad_q = _rotated_query_band(
-            grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, KeyValid, KeyIsSource,
-            key_row, band_lo, band_hi,
-            m0, offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
-            head, threshold, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N,
-            BLOCK_D)
+        grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        grad_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        # The classes' order is only the sums' order; left tail first compiles to fewer instructions in 5 of the 6
+        # tuned (configuration, dropout) kernels, ptxas's register choices (docs/performance.md).
+        grad_k, grad_v = _key_value_tiles(
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+            KeyIsSource, KeyBounds, b, key_row, left_lo, hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm,
+            stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE,
+            DROPOUT, ROTATE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_k, grad_v = _key_value_tiles(
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+            KeyIsSource, KeyBounds, b, key_row, right_hi, left_lo, n0, offs_n, offset, Lq, Lk, K, D, offs_d,
+            stride_qm, stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, BAND, HAS_VALID, CAUSAL,
+            HAS_SOURCE, DROPOUT, ROTATE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_k, grad_v = _key_value_tiles(
+            grad_k, grad_v, k, v, Qh, DOh, RowLse, RowDot, Table, RowTerms, RotQ, RotDO, Sinusoid, KeyValid,
+            KeyIsSource, KeyBounds, b, key_row, lo, right_hi, n0, offs_n, offset, Lq, Lk, K, D, offs_d, stride_qm,
+            stride_qd, stride_om, stride_od, scale_log2, seed, head, threshold, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE,
+            DROPOUT, ROTATE, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        out = head.to(tl.int64) * Lk * D + offs_n[:, None] * D + offs_d[None, :]
+        key_mask = (offs_n < Lk)[:, None] & _columns(offs_d, D)[None, :]
+        if DROPOUT:  # `_gradient_of_scores`: dS and the kept probabilities without dropout's `keep_scale`
+            grad_k, grad_v = grad_k * keep_scale, grad_v * keep_scale
+        tl.store(DK + out, (grad_k * scale).to(DK.dtype.element_ty), mask=key_mask)
+        tl.store(DV + out, grad_v.to(DV.dtype.element_ty), mask=key_mask)
     else:
-        grad_q, _ = _query_tiles(
-            grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, KeyBounds, b, key_row, band_lo,
-            band_hi, m0, offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2,
-            seed, head, threshold, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    grad_q, mass = _query_tiles(
-        grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, KeyBounds, b, key_row, band_hi, hi, m0,
-        offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed, head,
-        threshold, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
-    grad_q += mass[:, None] * _table_row(Table, 2 * K, D, offs_d)[None, :]
-    if DROPOUT:
-        grad_q *= keep_scale  # `_gradient_of_scores`: dS without dropout's `keep_scale`
-    tl.store(DQ + head.to(tl.int64) * Lq * D + offs_m[:, None] * D + offs_d[None, :],
-             (grad_q * scale).to(DQ.dtype.element_ty), mask=(offs_m < Lq)[:, None] & _columns(offs_d, D)[None, :])
+        m0, offs_m = first, offs
+        q = _rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Lq, D, True)
+        do = _rows(DO + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od, Lq, D, True)
+        Kh, Vh = Kx + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh
+        key_row = b * Lk
+
+        lo, hi = _keys_of_block(m0, offset, Lk, KeyBounds, b, HAS_VALID, CAUSAL, HAS_SOURCE, BLOCK_M, BLOCK_N)
+        band_lo, band_hi, hi = _class_bounds(lo, hi, offset + m0 - K + 1, offset + m0 + BLOCK_M - 1 + K, BLOCK_N)
+
+        grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        grad_q, mass = _query_tiles(
+            grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, KeyBounds, b, key_row, lo, band_lo,
+            m0, offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
+            head, threshold, LEFT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_q += mass[:, None] * _table_row(Table, 0, D, offs_d)[None, :]
+        if ROTATE:
+            grad_q = _rotated_query_band(
+                grad_q, q, do, Kh, Vh, Table, Sinusoid, RowLse, RowDot, RowTerms, RotQ, RotDO, KeyValid, KeyIsSource,
+                key_row, band_lo, band_hi, m0, offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn,
+                stride_vd, scale_log2, seed, head, threshold, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE,
+                BLOCK_M, BLOCK_N, BLOCK_D)
+        else:
+            grad_q, _ = _query_tiles(
+                grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, KeyBounds, b, key_row, band_lo,
+                band_hi, m0, offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                scale_log2, seed, head, threshold, BAND, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M,
+                BLOCK_N)
+        grad_q, mass = _query_tiles(
+            grad_q, q, do, Kh, Vh, Table, RowLse, RowDot, KeyValid, KeyIsSource, KeyBounds, b, key_row, band_hi, hi,
+            m0, offs_m, offset, Lq, Lk, K, D, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, scale_log2, seed,
+            head, threshold, RIGHT, HAS_VALID, CAUSAL, HAS_SOURCE, DROPOUT, WIDEN, IEEE, BLOCK_M, BLOCK_N)
+        grad_q += mass[:, None] * _table_row(Table, 2 * K, D, offs_d)[None, :]
+        if DROPOUT:
+            grad_q *= keep_scale  # `_gradient_of_scores`: dS without dropout's `keep_scale`
+        tl.store(DQ + head.to(tl.int64) * Lq * D + offs_m[:, None] * D + offs_d[None, :],
+                 (grad_q * scale).to(DQ.dtype.element_ty), mask=(offs_m < Lq)[:, None] & _columns(offs_d, D)[None, :])
+
+
+def _autotuned_grad_kernel(name: str, configs: list):
+    """`_grad_kernel` as a kernel of its own, tuned over `configs` and compiled under `name` (what the SASS, the
+    gates and a profiler call it): each has its own autotuner and JIT cache."""
+    return triton.autotune(configs=configs, key=[*TUNING_KEY, "ROTATE"], prune_configs_by=BACKWARD_PRUNING)(
+        triton.jit(_grad_kernel, do_not_specialize=CALL_VALUES, repr=lambda _: name))
+
+
+# The launchers give each the outputs of its own gradients and None for the others (`triton_attention`).
+nezha_key_value_grad_kernel = _autotuned_grad_kernel("nezha_key_value_grad_kernel", KEY_VALUE_GRAD_CONFIGS)
+nezha_query_grad_kernel = _autotuned_grad_kernel("nezha_query_grad_kernel", QUERY_GRAD_CONFIGS)
