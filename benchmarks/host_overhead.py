@@ -16,9 +16,10 @@ K = 64: a forward (no autograd) and a training step (forward and backward, the i
 without a mask and with key padding (the training step then with dropout 0.1, the fine-tuning call), and a decoding
 step (one query against the keys of a cache: a static cache's mask, with padding flags and the offset a tensor, and
 a dynamic cache's, the offset an int; and a dynamic cache as a 12-layer model's decoding loop calls it, a key longer
-at every step, each step's length called by every layer: `LAYERS`, `GROWTH`). Beside each, SDPA's host time for the same call (the padded
-ones with a boolean mask; the dropout call without dropout, which on CPU tensors would leave SDPA's fused kernel for
-its many-op math path; the growing cache's, the dynamic cache's at one length: SDPA keeps nothing per length).
+at every step, each step's length called by every layer: `LAYERS`, `GROWTH`). Beside each, SDPA's host time for the
+same call (the padded ones with a boolean mask; the dropout call without dropout, which on CPU tensors would leave
+SDPA's fused kernel for its many-op math path; the growing cache's, the dynamic cache's at one length: SDPA keeps
+nothing per length).
 
 SDPA computes on CPU tensors, so its host time is separated from its compute by size: it runs at batch 1 x 1 head
 for three lengths (`LENGTHS`), and its host time is the least-squares line's value at no work (work = queries x
