@@ -320,20 +320,20 @@ def _kind(part: str, query, key, value, table, problem: AttentionProblem, rotate
             *others, key.shape, key.stride(), value.stride())
 
 
-def _specialised(value: int) -> tuple[bool, bool, bool]:
-    """What Triton's JIT compiles an int argument for besides its name: whether it is 1 (a constant then), a multiple
-    of 16 (a divisibility hint), and within 32 bits (its type)."""
-    return value == 1, value % 16 == 0, -(2**31) <= value < 2**31
-
-
-def _growing_kind(kind: tuple, key, value, splits: int, chunk: int, kernels) -> tuple:
+def _growing_kind(kind: tuple, key, value, splits: int, chunk: int, kernels) -> tuple | None:
     """The kind of a decoding forward (`kind`) without its key length: what its kernels are compiled and tuned for
     from that length (its `length_class`, whether it splits) and from the ints that follow it (the key length, the
-    splits and their keys, the keys' and values' strides: `_specialised`), so that a dynamic cache, which grows by a
-    key at every step, finds its launches planned (`_growing_plans`) at each new length."""
+    splits and their keys, the keys' and values' strides), so that a dynamic cache, which grows by a key at every
+    step, finds its launches planned (`_growing_plans`) at each new length. What an int is compiled for is Triton's
+    own rule (`native_specialize_impl`: 1 as a constant, a multiple of 16, 32 or 64 bits), so a plan never launches
+    a kernel Triton would not have chosen; None (every key length planned on its own) with a Triton without it."""
+    specialise = getattr(kernels.triton.runtime.jit, "native_specialize_impl", None)
+    if specialise is None:
+        return None
     batch, heads, keys, size = key.shape
     return (*kind[:-3], batch, heads, size, kernels.length_class(keys), splits > 1,
-            *map(_specialised, (keys, splits, chunk, *key.stride(), *value.stride())))
+            *(specialise(None, number, False, True, True)
+              for number in (keys, splits, chunk, *key.stride(), *value.stride())))
 
 
 def _key_length_values(key, value, splits: int, chunk: int) -> dict:
