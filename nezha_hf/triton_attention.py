@@ -320,24 +320,24 @@ def _kind(part: str, query, key, value, table, problem: AttentionProblem, rotate
             *others, key.shape, key.stride(), value.stride())
 
 
-def _growing_kind(kind: tuple, key, value, splits: int, chunk: int, kernels) -> tuple | None:
+def _growing_kind(kind: tuple, key, length_values: dict, kernels) -> tuple | None:
     """The kind of a decoding forward (`kind`) without its key length: what its kernels are compiled and tuned for
-    from that length (its `length_class`, whether it splits) and from the ints that follow it (the key length, the
-    splits and their keys, the keys' and values' strides), so that a dynamic cache, which grows by a key at every
-    step, finds its launches planned (`_growing_plans`) at each new length. What an int is compiled for is Triton's
-    own rule (`native_specialize_impl`: 1 as a constant, a multiple of 16, 32 or 64 bits), so a plan never launches
-    a kernel Triton would not have chosen; None (every key length planned on its own) with a Triton without it."""
+    from that length (its `length_class`, whether it splits) and from the ints that follow it (`length_values`:
+    `_key_length_values`), so that a dynamic cache, which grows by a key at every step, finds its launches planned
+    (`_growing_plans`) at each new length. What an int is compiled for is Triton's own rule
+    (`native_specialize_impl`: 1 as a constant, a multiple of 16, 32 or 64 bits), so a plan never launches a kernel
+    Triton would not have chosen; None (every key length planned on its own) with a Triton without it."""
     specialise = getattr(kernels.triton.runtime.jit, "native_specialize_impl", None)
     if specialise is None:
         return None
     batch, heads, keys, size = key.shape
-    return (*kind[:-3], batch, heads, size, kernels.length_class(keys), splits > 1,
-            *(specialise(None, number, False, True, True)
-              for number in (keys, splits, chunk, *key.stride(), *value.stride())))
+    return (*kind[:-3], batch, heads, size, kernels.length_class(keys), length_values["splits"] > 1,
+            *(specialise(None, number, False, True, True) for number in length_values.values()))
 
 
 def _key_length_values(key, value, splits: int, chunk: int) -> dict:
-    """The arguments of a decoding forward that follow its key length (`_growing_kind`), by name."""
+    """The arguments of a decoding forward that follow its key length, by name: what a plan made at another length
+    takes in place of its own (`_Plan.replanned`), and what Triton's first launch of a kind is given."""
     return {"Lk": key.shape[-2], "splits": splits, "key_chunk": chunk, **_strides(key, "k", "n"),
             **_strides(value, "v", "n")}
 
@@ -623,10 +623,10 @@ def triton_forward(query, key, value, table, problem: AttentionProblem) -> list[
         splits, chunk = _decoding_splits(batch * heads, queries, keys, query.device, kernels)
         _refuse_set_aside(_forward_part(splits), Switches.of(query, problem))
         if queries <= kernels.DECODING_BLOCK_M:  # a decoding step: planned at another key length?
-            growing = _growing_kind(kind, key, value, splits, chunk, kernels)
+            length_values = _key_length_values(key, value, splits, chunk)
+            growing = _growing_kind(kind, key, length_values, kernels)
             if growing in _growing_plans:
-                planned = _planned(_plans, kind, _growing_plans[growing].replanned(
-                    _key_length_values(key, value, splits, chunk)))
+                planned = _planned(_plans, kind, _growing_plans[growing].replanned(length_values))
     else:
         splits = planned.splits
     if splits > 1:  # each split's unnormalised output, maximum and sum, merged by `nezha_merge_kernel`
@@ -639,9 +639,8 @@ def triton_forward(query, key, value, table, problem: AttentionProblem) -> list[
             return [output, lse]
         splits, chunk = _decoding_splits(batch * heads, queries, keys, query.device, kernels)
         arguments = {**_arguments(query, key, table, problem, Switches.of(query, problem), kernels), **call,
-                     "ROTATE": use.rotate, **_strides(query, "q", "m"), **_strides(key, "k", "n"),
-                     **_strides(value, "v", "n"), **_strides(output, "o", "m", heads_first=False), "splits": splits,
-                     "key_chunk": chunk, "SPLIT": splits > 1}
+                     "ROTATE": use.rotate, **_strides(query, "q", "m"), **_strides(output, "o", "m", heads_first=False),
+                     **_key_length_values(key, value, splits, chunk), "SPLIT": splits > 1}
         launches = [(kernels.nezha_forward_kernel,
                      lambda meta: (_blocks(queries, meta["BLOCK_M"]) * meta["splits"] * batch * heads,), arguments)]
         if splits > 1:
